@@ -1,0 +1,51 @@
+"""The attention-backend contract.
+
+The model runner packs one step's tokens as decodes first (one query token each), then prefill
+chunks. It describes that layout once per step (BatchLayout); the backend turns it into whatever
+per-step metadata it needs (build_metadata), then every layer calls forward() with it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchLayout:
+    """Host-side description of one packed step; the same for every backend."""
+
+    num_decodes: int  # the first num_decodes sequences have query_len 1 and come first
+    query_lens: list[int]  # per sequence, tokens computed this step
+    context_lens: list[int]  # per sequence, tokens in the cache after this step (cached + new)
+    block_tables: list[list[int]]  # per sequence, its block ids in order
+    block_size: int
+    slot_mapping: torch.Tensor  # [num_tokens] long, cache slot of each new token (-1: do not store)
+
+
+class AttentionMetadata:
+    """Backend-specific, built once per step. Subclasses add their own fields."""
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    @abstractmethod
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> AttentionMetadata:
+        """Precompute per-step tensors (gather indices, masks) shared by all layers."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # same
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store k/v into their slots, then attend each query causally over its sequence's
+        cached context. Returns [num_tokens, num_heads, head_dim]."""

@@ -1,0 +1,185 @@
+"""Paged KV-cache bookkeeping in plain Python: ref-counted blocks, a free list, prefix caching.
+
+A block holds `block_size` consecutive tokens of one or more requests (shared through the prefix
+cache). A *full* block whose K/V are computed is registered under a chained hash
+hash(parent_hash, its token ids); a later request whose prompt starts with the same tokens reuses it.
+Free blocks that still hold a registered prefix stay findable until they are evicted; eviction
+takes the least recently freed block first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set once the block is full, computed and registered
+    token_ids: tuple[int, ...] = field(default_factory=tuple)  # compared on a hash hit
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # LRU of free blocks: first = evicted first. Values unused.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        # Per request: how many of its blocks are registered in the prefix cache, and the last hash.
+        self._num_hashed: dict[str, int] = {}
+        self._last_hash: dict[str, int | None] = {}
+        self.prefix_queries = 0  # prompt tokens looked up (cumulative)
+        self.prefix_hits = 0  # prompt tokens found (cumulative)
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks to add so that request can hold num_computed + num_new_tokens tokens."""
+        total = request.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(request.block_ids))
+
+    # ---- prefix cache ----------------------------------------------------------------------
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids holding the longest cached prefix of the request's tokens (not yet acquired).
+
+        At most num_tokens - 1 tokens are matched: the last token must be computed to get logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent: int | None = None
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        for i in range(max_blocks):
+            tokens = tuple(request.tokens(i * self.block_size, (i + 1) * self.block_size))
+            h = chain_hash(parent, tokens)
+            block_id = self._cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def acquire_cached_prefix(self, request: Request, block_ids: list[int]) -> None:
+        """Give the request the cached blocks (from find_cached_prefix) and count the lookup."""
+        assert not request.block_ids and request.num_computed_tokens == 0
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+        request.block_ids = list(block_ids)
+        request.num_computed_tokens = len(block_ids) * self.block_size
+        self._num_hashed[request.request_id] = len(block_ids)
+        self._last_hash[request.request_id] = self.blocks[block_ids[-1]].block_hash if block_ids else None
+        if self.enable_prefix_caching:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += request.num_computed_tokens
+
+    def register_computed_blocks(self, request: Request) -> None:
+        """Register every full block whose K/V are now computed, so later requests can share it."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        n_done = self._num_hashed.get(rid, 0)
+        n_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        parent = self._last_hash.get(rid)
+        for i in range(n_done, n_full):
+            tokens = tuple(request.tokens(i * self.block_size, (i + 1) * self.block_size))
+            h = chain_hash(parent, tokens)
+            block = self.blocks[request.block_ids[i]]
+            if block.block_hash is None and h not in self._cached:
+                block.block_hash, block.token_ids = h, tokens
+                self._cached[h] = block.block_id
+            parent = h
+        self._num_hashed[rid] = max(n_done, n_full)
+        self._last_hash[rid] = parent
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Add blocks so the request can hold num_new_tokens more tokens. False (and no change)
+        when there are not enough free blocks."""
+        needed = self.blocks_needed(request, num_new_tokens)
+        if needed > len(self._free):
+            return False
+        for _ in range(needed):
+            request.block_ids.append(self._take_free_block())
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks. Blocks go to the free list in reverse order, so the LRU
+        evicts a sequence's tail before its head (heads are the likelier shared prefixes)."""
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        self._num_hashed.pop(request.request_id, None)
+        self._last_hash.pop(request.request_id, None)
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict its cached prefix
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (e.g. after a failed step left K/V in doubt)."""
+        for block in self.blocks:
+            if block.ref_count == 0:
+                block.block_hash, block.token_ids = None, ()
+        self._cached = {h: b for h, b in self._cached.items() if self.blocks[b].ref_count > 0}
+
+    # ---- invariants ----------------------------------------------------------------------
+    def check_integrity(self, requests: Iterable[Request] = ()) -> None:
+        """Raise AssertionError-free RuntimeError if bookkeeping is inconsistent.
+
+        free + used == total; a block is free iff its ref count is 0; ref counts equal the number
+        of block tables (of the given live requests) holding the block; cached hashes point to
+        blocks carrying that hash.
+        """
+        refs = [0] * self.num_blocks
+        for req in requests:
+            for block_id in req.block_ids:
+                refs[block_id] += 1
+        for block in self.blocks:
+            is_free = block.block_id in self._free
+            if is_free != (block.ref_count == 0):
+                raise RuntimeError(f"block {block.block_id}: free={is_free} but ref_count={block.ref_count}")
+            if block.ref_count != refs[block.block_id]:
+                raise RuntimeError(
+                    f"block {block.block_id}: ref_count {block.ref_count} != {refs[block.block_id]} holders"
+                )
+        if len(self._free) + sum(1 for b in self.blocks if b.ref_count > 0) != self.num_blocks:
+            raise RuntimeError("free + used != total")
+        for h, block_id in self._cached.items():
+            if self.blocks[block_id].block_hash != h:
+                raise RuntimeError(f"cached hash points to block {block_id} with another hash")

@@ -1,0 +1,51 @@
+"""Engine configuration: frozen, validated dataclasses. No I/O in constructors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs besides the model folder's own config.json."""
+
+    model: str  # path to a Hugging Face model folder
+    dtype: str = "auto"  # auto: the checkpoint's torch_dtype on CUDA, float32 on CPU unless bf16 checkpoint
+    device: str = "auto"  # auto: cuda when available, else cpu
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: int | None = None  # bytes of KV cache (CPU default 1 GiB; on CUDA overrides utilization)
+    num_kv_blocks: int | None = None  # exact number of KV blocks; overrides both budgets (tests, tuning)
+    gpu_memory_utilization: float = 0.9  # fraction of device memory the process may use (CUDA only)
+    max_num_seqs: int = 64  # most requests running at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int = 0  # seed of the engine's default generator (requests without a seed)
+    show_progress: bool = True  # progress bar while loading weights
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a non-empty path")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be one of {DEVICES} or cuda:N, got {self.device!r}")
+        _positive("block_size", self.block_size)
+        if self.kv_cache_memory is not None:
+            _positive("kv_cache_memory", self.kv_cache_memory)
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

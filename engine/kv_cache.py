@@ -1,0 +1,36 @@
+"""Allocation of the paged KV cache tensors and sizing from a memory budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        return budget_bytes // self.bytes_per_block
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device):
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Zero-filled: attention reads padded slots through masks, and garbage there could be NaN.
+    """
+    cache = torch.zeros(
+        2, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
+        dtype=spec.dtype, device=device,
+    )
+    return [(cache[0, i], cache[1, i]) for i in range(spec.num_layers)]

@@ -1,0 +1,80 @@
+"""Runs one scheduled step: packs the batch, runs the model over the paged cache, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBackend, BatchLayout
+from engine.models.layers import ForwardContext
+from engine.models.llama import LlamaForCausalLM
+from engine.outputs import TokenLogprob
+from engine.sampler import Sampler
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What was sampled this step, for the requests whose scheduled tokens ended their sequence."""
+
+    sampled: dict[str, int]  # request_id -> new token id
+    logprobs: dict[str, TokenLogprob]  # request_id -> logprob of that token (when asked for)
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches, backend: AttentionBackend, block_size: int,
+        device: torch.device, sampler: Sampler,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        # Decodes first (the backend batches them), then prefill chunks.
+        items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
+        input_ids, positions, layout = self._pack(items)
+        meta = self.backend.build_metadata(layout, self.device)
+        ctx = ForwardContext(self.backend, meta, self.kv_caches)
+        hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
+        ends, reqs, offset = [], [], 0
+        for s in items:
+            offset += s.num_tokens
+            if s.sample:
+                ends.append(offset - 1)
+                reqs.append(s.request)
+        if not reqs:
+            return ModelRunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])
+        tokens, lps = self.sampler.sample(logits, reqs)
+        sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+        logprobs = {r.request_id: lp for r, lp in zip(reqs, lps, strict=True) if lp is not None}
+        return ModelRunnerOutput(sampled, logprobs)
+
+    def _pack(self, items: list[ScheduledRequest]):
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        bs = self.block_size
+        for s in items:
+            req, start, end = s.request, s.start, s.start + s.num_tokens
+            ids.extend(req.tokens(start, end))
+            pos.extend(range(start, end))
+            table = req.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        layout = BatchLayout(
+            num_decodes=sum(1 for s in items if s.num_tokens == 1),
+            query_lens=[s.num_tokens for s in items],
+            context_lens=[s.start + s.num_tokens for s in items],
+            block_tables=[s.request.block_ids for s in items],
+            block_size=bs,
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        positions = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
+        return input_ids, positions, layout

@@ -1,0 +1,23 @@
+"""Supported architectures, keyed by the `architectures` entry of config.json."""
+
+from __future__ import annotations
+
+from engine.models.llama import LlamaForCausalLM
+from engine.models.qwen2 import Qwen2ForCausalLM
+from engine.models.qwen3 import Qwen3ForCausalLM
+
+ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,  # same math; sliding window handled by max_model_len
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(architectures: list[str] | None) -> type[LlamaForCausalLM]:
+    for arch in architectures or []:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    raise ValueError(
+        f"unsupported architecture {architectures!r}; supported: {sorted(ARCHITECTURES)}"
+    )

@@ -1,0 +1,82 @@
+"""Building blocks shared by the Llama-family models. Math mirrors transformers' so float32
+results match token for token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    """Per-step state every attention layer needs."""
+
+    backend: AttentionBackend
+    meta: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the model dtype (as transformers does).
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position."""
+
+    def __init__(self, inv_freq_fn, max_positions: int) -> None:
+        super().__init__()
+        # Called at build time: the module may be constructed on the meta device.
+        self.inv_freq_fn = inv_freq_fn  # () -> (inv_freq [head_dim / 2] float32, scaling)
+        self.max_positions = max_positions
+        self.cos = self.sin = torch.empty(0)
+
+    def build(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Compute the tables on device; called after the model is materialised."""
+        with torch.device("cpu"):
+            inv_freq, self.scaling = self.inv_freq_fn()
+        inv_freq = inv_freq.float().to(device)
+        pos = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
+        self.cos = (emb.cos() * self.scaling).to(dtype)
+        self.sin = (emb.sin() * self.scaling).to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [T, heads, d], k: [T, kv_heads, d]; cos/sin: [T, 1, d]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU with gate and up projections fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,121 @@
+"""Llama (and Mistral) decoder over the paged KV cache. Qwen2/Qwen3 subclass it in their own files.
+
+Shapes: T = tokens packed in this step (all sequences), H = query heads, Hkv = KV heads, D = head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.layers import ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding
+from engine.models.rope import rope_inv_freq
+
+
+class LlamaAttention(nn.Module):
+    qkv_bias = False  # Qwen2: True
+    qk_norm = False  # Qwen3: True
+
+    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        self.scale = self.head_dim**-0.5
+        bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=bool(getattr(cfg, "attention_bias", False)))
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotary = [rotary]  # shared; a list so it is not registered once per layer
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)  # [T, H, D]
+        return self.o_proj(o.reshape(t, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(cfg, layer_idx, rotary)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, layer_cls: type[LlamaDecoderLayer], max_positions: int) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(lambda: rope_inv_freq(cfg, head_dim_of(cfg)), max_positions)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layer_cls(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    layer_cls = LlamaDecoderLayer
+    # checkpoint sub-name -> (our fused param, shard index); shards are laid out in this order.
+    packed = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, self.layer_cls, max_positions)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+        """Hidden states after the final norm: [T, hidden]."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        """Row sizes of the shards of a fused parameter, in shard order."""
+        if fused == "qkv_proj":
+            return self.model.layers[0].self_attn.split
+        inter = self.config.intermediate_size
+        return [inter, inter]
+
+    def after_load(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Build tables that are not weights (rotary cos/sin)."""
+        self.model.rotary.build(dtype, device)
+
+
+def head_dim_of(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

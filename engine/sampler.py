@@ -1,0 +1,127 @@
+"""Batched sampling with per-request parameters.
+
+Greedy rows take the argmax. Sampled rows are scaled by temperature, filtered by top-k, top-p and
+min-p, then drawn with the exponential-race trick (argmax of p / E, E ~ Exp(1)) using each
+request's own generator, so a seeded request draws the same tokens whatever else is in the batch.
+Logprobs are those of the model's raw distribution (before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.request import Request
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._seeder = torch.Generator().manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def generator(self, req: Request) -> torch.Generator:
+        g = self._generators.get(req.request_id)
+        if g is None:
+            seed = req.params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seeder))
+            g = torch.Generator().manual_seed(seed % 2**64)
+            self._generators[req.request_id] = g
+        return g
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [N, vocab] float32, one row per request in reqs. Returns tokens and logprobs."""
+        want_lp = [r.params.logprobs is not None for r in reqs]
+        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        logits = self._apply_penalties(logits, reqs)
+        tokens = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            tokens[idx] = logits[idx].argmax(dim=-1)
+        rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if rand:
+            idx = torch.tensor(rand, device=logits.device)
+            tokens[idx] = self._sample_random(logits[idx], [reqs[i] for i in rand])
+        token_list = tokens.tolist()  # the step's one device-to-host copy of sampled ids
+        lps: list[TokenLogprob | None] = [None] * len(reqs)
+        for i, r in enumerate(reqs):
+            if want_lp[i]:
+                lps[i] = _logprob(raw_lp[i], token_list[i], r.params.logprobs)
+        return token_list, lps
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(reqs) if _needs_processing(r)]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        for i in rows:
+            _penalise_row(logits[i], reqs[i])
+        return logits
+
+    def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        dev = logits.device
+        temp = torch.tensor([r.params.temperature for r in reqs], device=dev)
+        probs = torch.softmax(logits / temp[:, None], dim=-1)  # [n, vocab]
+        probs = _filter(probs, reqs)
+        # One noise row per request from its own generator (CPU), so batches don't change draws.
+        noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=self.generator(r)) for r in reqs])
+        return (probs / noise.to(dev)).argmax(dim=-1)
+
+
+def _needs_processing(r: Request) -> bool:
+    p = r.params
+    min_tok = r.num_output_tokens < p.min_tokens
+    return min_tok or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+def _penalise_row(row: torch.Tensor, r: Request) -> None:
+    p, dev = r.params, row.device
+    if p.repetition_penalty != 1.0:
+        # As transformers: over prompt and output tokens, shrink positive logits, grow negative ones.
+        seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), device=dev)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and r.output_token_ids:
+        # As OpenAI: over output tokens only.
+        ids, counts = torch.tensor(r.output_token_ids, device=dev).unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    if r.num_output_tokens < p.min_tokens:
+        banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+        banned = [t for t in banned if t < row.shape[0]]
+        if banned:
+            row[torch.tensor(banned, device=dev)] = float("-inf")
+
+
+def _filter(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Zero the probabilities that top-k, top-p or min-p exclude. probs: [n, vocab]."""
+    top_k = [r.params.top_k for r in reqs]
+    top_p = [r.params.top_p for r in reqs]
+    min_p = [r.params.min_p for r in reqs]
+    if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m == 0 for m in min_p):
+        return probs
+    dev, vocab = probs.device, probs.shape[1]
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+    keep &= torch.arange(vocab, device=dev)[None, :] < k[:, None]
+    # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
+    tp = torch.tensor(top_p, device=dev)
+    keep &= (sorted_p.cumsum(dim=-1) - sorted_p) < tp[:, None]
+    mp = torch.tensor(min_p, device=dev)
+    keep &= sorted_p >= mp[:, None] * sorted_p[:, :1]
+    keep[:, 0] = True
+    mask = torch.zeros_like(keep).scatter(1, order, keep)
+    return probs * mask
+
+
+def _logprob(lp_row: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
+    top: list[tuple[int, float]] = []
+    if top_n:
+        vals, ids = lp_row.topk(top_n)
+        top = list(zip(ids.tolist(), vals.tolist(), strict=True))
+    return TokenLogprob(token, float(lp_row[token]), top)

@@ -1,0 +1,86 @@
+"""Per-request sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    temperature 0 means greedy. Every invalid value raises ``ValueError`` naming the field.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logprobs: int | None = None  # None: none; 0: chosen token only; N: chosen + top-N
+
+    def __post_init__(self) -> None:
+        # Accept lists / a single string from callers, store tuples so the object stays hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_num("temperature", self.temperature, lo=0.0, hi=100.0)
+        _check_num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _check_int("top_k", self.top_k, lo=0)
+        _check_num("min_p", self.min_p, lo=0.0, hi=1.0)
+        _check_num("repetition_penalty", self.repetition_penalty, lo=0.0, hi=100.0, lo_open=True)
+        _check_num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError("ignore_eos must be a boolean")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError("stop must contain non-empty strings")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, lo=0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=20)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+def _check_num(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value != value:  # NaN
+        raise ValueError(f"{name} must not be NaN")
+    if (value <= lo if lo_open else value < lo) or value > hi:
+        bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+        raise ValueError(f"{name} must be in {bound}, got {value}")

@@ -1,0 +1,104 @@
+"""Start-up decisions: device, dtype, context length, KV-cache size, stop tokens."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheSpec
+
+log = logging.getLogger("tokenmill.engine")
+
+CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(ckpt, str):
+        ckpt = _DTYPES.get(ckpt)
+    if device.type == "cpu":
+        # bf16 pays on CPUs with AMX/AVX-512 for bf16 checkpoints; fp16 on CPU is slow: use fp32.
+        return torch.bfloat16 if ckpt == torch.bfloat16 else torch.float32
+    return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        # Our attention has no sliding-window masking: cap the context where full attention is exact.
+        if model_max > window:
+            log.warning("model uses a %d-token sliding window: max_model_len capped to it", window)
+        model_max = min(model_max, int(window))
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's limit ({model_max})")
+    return config.max_model_len
+
+
+def kv_spec(hf_config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+    from engine.models.llama import head_dim_of
+
+    return KVCacheSpec(
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=hf_config.num_key_value_heads,
+        head_dim=head_dim_of(hf_config),
+        block_size=block_size,
+        dtype=dtype,
+    )
+
+
+def kv_budget_bytes(config: EngineConfig, device: torch.device, profile_peak_bytes: int = 0) -> int:
+    """Bytes for the KV cache: kv_cache_memory when set; on CUDA otherwise what the utilisation
+    target leaves after everything in use now and the activation peak measured by profiling."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    budget = int(total * config.gpu_memory_utilization) - in_use - profile_peak_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization {config.gpu_memory_utilization} leaves no room for the KV cache "
+            f"({in_use / 2**30:.1f} GiB in use of {total / 2**30:.1f} GiB)"
+        )
+    return budget
+
+
+def eos_token_ids(path: Path, hf_config, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (hf_config, _generation_config(path)):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def _generation_config(path: Path):
+    if not (path / "generation_config.json").exists():
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(str(path))

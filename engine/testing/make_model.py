@@ -1,0 +1,506 @@
+"""Build small, seeded Hugging Face model folders for tests and benchmarks, without any download.
+
+Each folder holds what `transformers.AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` need:
+config.json, model.safetensors (random weights), generation_config.json, and a byte-level BPE
+tokenizer (tokenizer.json, tokenizer_config.json with a ChatML chat template, special_tokens_map.json)
+trained on this Python's own standard library.
+
+    python -m engine.testing.make_model tiny-llama /tmp/tiny-llama [--force]
+
+The same preset built twice on one machine gives byte-identical weights. Building is safe when several
+processes race: each builds into a private temporary folder and renames it into place, so a model
+folder is either absent or complete. Not thread-safe: seeding uses torch's process-wide generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+# Special tokens get the first ids, in this order: 0, 1, 2.
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+# ChatML convention (Qwen2.5-Instruct, SmolLM2-Instruct): a reply ends with <|im_end|>, so that is EOS;
+# <|endoftext|> serves as BOS (never added automatically) and padding.
+BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = ENDOFTEXT, IM_END, ENDOFTEXT
+
+TINY_VOCAB = 2048  # small so tiny models train their tokenizer in about a second
+BENCH_VOCAB = 49152  # SmolLM2's vocabulary size
+
+# Accepts OpenAI-style content given as a string, as a list of {"type": "text", "text": ...} parts,
+# or as null (an assistant turn that only calls tools).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- elif message['content'] is not none %}"
+    "{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Repeated in the training text so that some CJK characters become single tokens while others (and
+# emoji) stay split over byte tokens: both cases matter to incremental detokenization.
+_MULTILINGUAL_TEXT = (
+    "你好，世界！今天天气很好，我们去公园散步吧。机器学习和自然语言处理很有意思。\n"
+    "こんにちは、世界。東京は日本の首都です。ひらがなとカタカナと漢字。\n"
+    "안녕하세요, 세계. Grüße aus Köln, ça va? Ñandú, café, naïve, Ελληνικά, русский язык.\n"
+    "Emoji: 😀 😂 🚀 ✨ 🎉 👍🏽 👨‍👩‍👧 🇯🇵 ❤️ 🤖 — “quotes” ‘single’ … ½ € ™\n"
+)
+_MULTILINGUAL_REPEATS = 50
+# Tests are most of the standard library's bytes and slow training down without adding variety.
+_SKIPPED_STDLIB_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages"})
+
+# Qwen2's split regex (GPT-4 style; digits one by one). transformers 5 loads every qwen2 model's tokenizer
+# as Qwen2Tokenizer, which rebuilds the pipeline as NFC + this split + ByteLevel no matter what
+# tokenizer.json says; using that pipeline for every preset keeps all loaders on the same token ids.
+_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+_MARKER_FILE = "tokenmill_make_model.json"  # written last; says which preset (and version) built the folder
+_FORMAT_VERSION = 2  # bump when the layout, weight or tokenizer recipe changes, so caches rebuild
+REQUIRED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    _MARKER_FILE,
+)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Shape and recipe of one generated model. Weights depend only on these fields."""
+
+    architecture: str  # transformers model class, e.g. "LlamaForCausalLM"
+    tokenizer_vocab_size: int  # size of the trained BPE tokenizer, special tokens included
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int  # fewer than num_attention_heads: grouped-query attention
+    head_dim: int  # need not equal hidden_size / num_attention_heads (Qwen3 style)
+    tie_word_embeddings: bool
+    seed: int
+    dtype: str = "float32"  # dtype of the saved weights
+    vocab_size: int | None = None  # config/embedding rows; None: tokenizer_vocab_size
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02  # std of the random init
+    extra_config: tuple[tuple[str, object], ...] = ()  # other config kwargs, e.g. sliding_window
+
+    def __post_init__(self) -> None:
+        if not hasattr(transformers, self.architecture):
+            raise ValueError(f"architecture {self.architecture!r} is not a transformers class")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.config_vocab_size < self.tokenizer_vocab_size:
+            raise ValueError("vocab_size must be at least tokenizer_vocab_size")
+
+    @property
+    def config_vocab_size(self) -> int:
+        return self.tokenizer_vocab_size if self.vocab_size is None else self.vocab_size
+
+    def fingerprint(self) -> str:
+        """Hash of the recipe; a cached folder with another fingerprint is rebuilt."""
+        recipe = json.dumps([_FORMAT_VERSION, dataclasses.asdict(self)], sort_keys=True)
+        return hashlib.sha256(recipe.encode()).hexdigest()[:16]
+
+
+_TINY = {
+    "tokenizer_vocab_size": TINY_VOCAB,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "initializer_range": 0.12,  # smaller values make greedy decoding repeat one token
+}
+
+PRESETS: dict[str, Preset] = {
+    # Shapes differ on purpose: GQA groups of 2 and 4 (MQA), a head_dim that is not hidden/heads,
+    # an odd layer count, tied and untied embeddings, so a shape bug shows up in some preset.
+    "tiny-llama": Preset(
+        "LlamaForCausalLM",
+        **_TINY,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=1,
+    ),
+    "tiny-qwen2": Preset(
+        "Qwen2ForCausalLM",
+        **_TINY,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=2,
+    ),
+    # Tied embeddings pull greedy decoding toward repeating the last token; a larger init offsets that.
+    "tiny-qwen3": Preset(
+        "Qwen3ForCausalLM",
+        **{**_TINY, "initializer_range": 0.2},
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        seed=3,
+    ),
+    "tiny-mistral": Preset(
+        "MistralForCausalLM",
+        **_TINY,
+        num_hidden_layers=3,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=4,
+        extra_config=(("sliding_window", None),),
+    ),
+    # SmolLM2-135M's shape and init std: a realistic CPU benchmark model.
+    "bench-135m": Preset(
+        "LlamaForCausalLM",
+        tokenizer_vocab_size=BENCH_VOCAB,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+        seed=135,
+        dtype="bfloat16",
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        initializer_range=0.041666666666666664,
+    ),
+    # Qwen2.5-0.5B's shape for GPU checks (~1 GB); the embedding has more rows than the tokenizer, as in
+    # the real checkpoint.
+    "qwen25-05b-shape": Preset(
+        "Qwen2ForCausalLM",
+        tokenizer_vocab_size=BENCH_VOCAB,
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        seed=505,
+        dtype="bfloat16",
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        initializer_range=0.02,
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called `name`; ValueError naming the known presets otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}") from None
+
+
+def default_cache_dir() -> Path:
+    """$TOKENMILL_MODEL_CACHE, else <repo>/models/ (git-ignored)."""
+    return Path(os.environ.get("TOKENMILL_MODEL_CACHE") or _REPO_ROOT / "models")
+
+
+def ensure_model(preset: str, cache_dir: str | Path | None = None) -> Path:
+    """Path of `cache_dir/preset`, building it first if it is missing, stale or incomplete."""
+    get_preset(preset)  # fail on a bad name before touching the disk
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return build_model(preset, root / preset)
+
+
+def build_model(preset: str, out_dir: str | Path, force: bool = False) -> Path:
+    """Build `preset` into `out_dir` and return it; a complete folder of this preset is kept unless `force`.
+
+    Raises ValueError for an unknown preset and FileExistsError when `out_dir` holds files that
+    make_model did not write (it never deletes those).
+    """
+    spec = get_preset(preset)
+    out = Path(out_dir)
+    if not force and is_complete(out, preset):
+        return out
+    _check_replaceable(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target so the final rename stays on one filesystem and is atomic.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        _write_model_folder(spec, preset, tmp)
+        _install(tmp, out, preset, force)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def is_complete(folder: str | Path, preset: str) -> bool:
+    """True when `folder` holds every file of a finished build of the current `preset` recipe."""
+    folder = Path(folder)
+    if not all((folder / name).is_file() for name in REQUIRED_FILES):
+        return False
+    try:
+        marker = json.loads((folder / _MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker == _marker(preset)
+
+
+def _marker(preset: str) -> dict[str, object]:
+    return {"preset": preset, "fingerprint": get_preset(preset).fingerprint()}
+
+
+def _check_replaceable(out: Path) -> None:
+    """Refuse to replace a folder that make_model did not build: it may be someone's data."""
+    if out.is_dir() and any(out.iterdir()) and not (out / _MARKER_FILE).is_file():
+        raise FileExistsError(f"{out} exists and was not built by make_model; remove it or pick another path")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a folder")
+
+
+def _install(tmp: Path, out: Path, preset: str, force: bool) -> None:
+    """Rename the finished `tmp` to `out`. If another process got there first, keep its build."""
+    for _ in range(3):  # each retry follows a racing writer; three is plenty in practice
+        try:
+            os.rename(tmp, out)  # atomic; fails if `out` is a non-empty folder
+            return
+        except OSError:
+            if not force and is_complete(out, preset):
+                return
+            _move_aside(out)
+    raise RuntimeError(f"could not install {out}: other processes keep replacing it")
+
+
+def _move_aside(out: Path) -> None:
+    """Remove an old build with a rename first, so readers never see it half-deleted."""
+    _check_replaceable(out)
+    trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    try:
+        os.rename(out, trash / "old")
+    except FileNotFoundError:
+        pass  # a racing process moved it already
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _write_model_folder(spec: Preset, preset: str, folder: Path) -> None:
+    """Write every file of the model into the empty `folder`; the marker goes last."""
+    special_ids = _write_tokenizer(folder, spec)
+    config = _make_config(spec, special_ids)
+    model = _init_model(spec, config)
+    model.save_pretrained(folder, safe_serialization=True)
+    _write_json(folder / "generation_config.json", _generation_config(special_ids))
+    _patch_config_json(folder / "config.json", spec)
+    _write_json(folder / _MARKER_FILE, _marker(preset))
+    # mkdtemp makes the folder private and transformers writes the weights 0600; a shared cache is
+    # read by other users (a container's server, CI), so open both up.
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
+
+
+def _make_config(spec: Preset, special_ids: dict[str, int]) -> transformers.PretrainedConfig:
+    config_class = getattr(transformers, spec.architecture).config_class
+    # rope_theta as a keyword works in transformers 4 and 5 (5 moves it into rope_parameters)
+    return config_class(
+        vocab_size=spec.config_vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_theta=spec.rope_theta,
+        initializer_range=spec.initializer_range,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=special_ids[BOS_TOKEN],
+        eos_token_id=special_ids[EOS_TOKEN],
+        pad_token_id=special_ids[PAD_TOKEN],
+        **dict(spec.extra_config),
+    )
+
+
+def _init_model(spec: Preset, config: transformers.PretrainedConfig) -> torch.nn.Module:
+    """Random weights from the seed alone; the caller's torch RNG state is left untouched."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        # float32 first so the random draws do not depend on the target dtype
+        model = getattr(transformers, spec.architecture)(config).to(torch.float32)
+        _randomize_norms_and_biases(model, spec.initializer_range)
+    model.to(_DTYPES[spec.dtype])
+    model.config.dtype = spec.dtype
+    return model.eval()
+
+
+@torch.no_grad()
+def _randomize_norms_and_biases(model: torch.nn.Module, std: float) -> None:
+    # Fresh RMSNorm weights are exactly 1 and biases 0, so an engine that skips a norm (Qwen3's q/k norm)
+    # or a bias (Qwen2's q/k/v bias) would still match. Random values make such bugs visible.
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.uniform_(0.5, 1.5)
+        elif name.endswith(".bias"):
+            param.normal_(0.0, 4 * std)
+
+
+def _generation_config(special_ids: dict[str, int]) -> dict[str, object]:
+    # Greedy by default: no temperature/top_p, so the engine's own defaults apply.
+    return {
+        "bos_token_id": special_ids[BOS_TOKEN],
+        "eos_token_id": special_ids[EOS_TOKEN],
+        "pad_token_id": special_ids[PAD_TOKEN],
+        "do_sample": False,
+        "transformers_version": transformers.__version__,
+    }
+
+
+def _patch_config_json(path: Path, spec: Preset) -> None:
+    # transformers 5 writes rope_parameters and dtype; older loaders read rope_theta and torch_dtype.
+    config = json.loads(path.read_text())
+    config["rope_theta"] = spec.rope_theta
+    config["torch_dtype"] = spec.dtype
+    config["dtype"] = spec.dtype
+    _write_json(path, config)
+
+
+def _write_tokenizer(folder: Path, spec: Preset) -> dict[str, int]:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json; return special token ids."""
+    tokenizer_json = trained_tokenizer_json(spec.tokenizer_vocab_size)
+    (folder / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    special_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    _write_json(
+        folder / "tokenizer_config.json", _tokenizer_config(special_ids, spec.max_position_embeddings)
+    )
+    _write_json(
+        folder / "special_tokens_map.json",
+        {
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "additional_special_tokens": [IM_START, IM_END],
+        },
+    )
+    return special_ids
+
+
+def _tokenizer_config(special_ids: dict[str, int], model_max_length: int) -> dict[str, object]:
+    # "PreTrainedTokenizerFast" loads in transformers 4 and 5 (5 would write "TokenizersBackend").
+    added = {
+        str(token_id): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for token, token_id in special_ids.items()
+    }
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,  # byte-level BPE encodes every byte: nothing is unknown
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,  # cleanup would break decode(encode(s)) == s
+        "model_max_length": model_max_length,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+@functools.cache
+def trained_tokenizer_json(vocab_size: int) -> str:
+    """tokenizer.json text of a byte-level BPE with `vocab_size` tokens, trained once per process.
+
+    Deterministic for a given Python installation; cached as an immutable string so presets that
+    share a vocabulary size share one training run.
+    """
+    tokenizer = Tokenizer(models.BPE())
+    # Byte-level: every byte has a token, so any NFC text (all CJK and emoji included) round-trips
+    # exactly; NFC because Qwen2Tokenizer forces it (see _SPLIT_REGEX).
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # ~1,000 characters per token is ample for BPE's pair counts; less text keeps small vocabularies fast
+    tokenizer.train_from_iterator(_training_texts(max_chars=1000 * vocab_size), trainer)
+    if tokenizer.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"training text only yields {tokenizer.get_vocab_size()} tokens, not {vocab_size}")
+    return tokenizer.to_str()
+
+
+def _training_texts(max_chars: int) -> Iterator[str]:
+    # This Python's standard library: on every machine, no download, fixed for a given installation.
+    yield _MULTILINGUAL_TEXT * _MULTILINGUAL_REPEATS
+    root = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        if total >= max_chars:
+            return
+        if not _SKIPPED_STDLIB_DIRS.intersection(path.relative_to(root).parts):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            total += len(text)
+            yield text
+
+
+def _write_json(path: Path, data: object) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.testing.make_model", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("preset", choices=list(PRESETS))
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    args = parser.parse_args(argv)
+    print(build_model(args.preset, args.output_dir, force=args.force))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Loading Hugging Face folders: sharded checkpoints, tied embeddings, clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from .helpers import greedy, make_engine
+
+
+@pytest.fixture(scope="module")
+def tiny(build_model):
+    return build_model("tiny-llama")
+
+
+def test_sharded_checkpoint_loads_identically(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny, sharded)
+    (sharded / "model.safetensors").unlink()
+    model = AutoModelForCausalLM.from_pretrained(str(tiny), dtype=torch.float32)
+    model.save_pretrained(str(sharded), max_shard_size="200KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    prompt = [[5, 9, 200, 31, 77, 12]]
+    a = make_engine(tiny).generate(prompt, greedy(12, ignore_eos=True))[0].token_ids
+    b = make_engine(sharded).generate(prompt, greedy(12, ignore_eos=True))[0].token_ids
+    assert a == b
+
+
+def test_unsupported_architecture_names_it_and_the_supported_list(tiny, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        make_engine(bad)
+
+
+def test_missing_tensor_is_a_clear_error(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "missing"
+    shutil.copytree(tiny, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    del tensors["model.layers.0.self_attn.k_proj.weight"]
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing"):
+        make_engine(bad)
+
+
+def test_not_a_model_folder(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        make_engine(tmp_path)
+
+
+def test_tied_embeddings_share_the_embedding_matrix(build_model):
+    engine = make_engine(build_model("tiny-qwen3"))
+    model = engine.runner.model
+    assert model.tie_word_embeddings and not hasattr(model, "lm_head")

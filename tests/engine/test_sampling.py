@@ -1,0 +1,104 @@
+"""SamplingParams validation and the sampler's filters and penalties, on synthetic logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+
+from .factories import make_request
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 0), ("max_tokens", 1.5), ("temperature", -0.1), ("temperature", float("nan")),
+        ("top_p", 0.0), ("top_p", 1.1), ("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("min_tokens", -1), ("logprobs", 21),
+        ("logprobs", -1), ("stop", [""]), ("stop_token_ids", [-1]), ("seed", "x"), ("ignore_eos", "yes"),
+    ],
+)
+def test_invalid_values_raise_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_rejected():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+
+
+def test_stop_accepts_a_single_string_and_top_k_minus_one():
+    p = SamplingParams(stop="END", top_k=-1)
+    assert p.stop == ("END",) and p.top_k == 0
+
+
+def _req(rid="r", **kw):
+    r = make_request(rid, 4)
+    r.params = SamplingParams(**kw)
+    return r
+
+
+def test_greedy_takes_argmax_and_reports_raw_logprobs():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    tokens, lps = Sampler().sample(logits, [_req(temperature=0.0, logprobs=2)])
+    assert tokens == [1]
+    want = torch.log_softmax(logits[0], -1)
+    assert lps[0].logprob == pytest.approx(float(want[1]))
+    assert [t for t, _ in lps[0].top] == [1, 3]
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    s = Sampler(seed=0)
+    cases = [(dict(top_k=2), {0, 1}), (dict(top_p=0.7), {0, 1}), (dict(min_p=0.5), {0, 1}),
+             (dict(top_p=0.5), {0}), (dict(), {0, 1, 2, 3})]
+    for kw, allowed in cases:
+        seen = set()
+        for i in range(400):
+            t, _ = s.sample(logits, [_req(f"{kw}-{i}", temperature=1.0, **kw)])
+            seen.add(t[0])
+        assert seen == allowed, kw
+
+
+def test_same_seed_same_draws_regardless_of_batch():
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
+    a = [Sampler().sample(logits, [_req("x", temperature=1.0, seed=7)])[0][0] for _ in range(1)]
+    batch = torch.cat([torch.randn(3, 64), logits])
+    reqs = [_req(f"o{i}", temperature=1.0) for i in range(3)] + [_req("x", temperature=1.0, seed=7)]
+    b = Sampler(seed=123).sample(batch, reqs)[0][3]
+    assert a[0] == b
+
+
+def test_repetition_penalty_discourages_seen_tokens():
+    logits = torch.tensor([[2.0, 1.9, -1.0]])
+    r = _req(temperature=0.0, repetition_penalty=2.0)
+    r.prompt_token_ids = [0]  # token 0 seen: 2.0 -> 1.0, so token 1 wins
+    assert Sampler().sample(logits, [r])[0] == [1]
+
+
+def test_presence_and_frequency_penalties_apply_to_output_tokens():
+    logits = torch.tensor([[2.0, 1.5, 0.0]])
+    r = _req(temperature=0.0, frequency_penalty=0.3)
+    r.output_token_ids = [0, 0]  # 2.0 - 0.6 = 1.4 < 1.5
+    assert Sampler().sample(logits, [r])[0] == [1]
+    r = _req(temperature=0.0, presence_penalty=0.6)
+    r.output_token_ids = [0]
+    assert Sampler().sample(logits, [r])[0] == [1]
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids():
+    logits = torch.tensor([[5.0, 0.0, 4.0, 1.0]])  # eos (0) then stop id 2 are the best
+    r = _req(temperature=0.0, min_tokens=2, max_tokens=4, stop_token_ids=[2])
+    assert Sampler().sample(logits, [r])[0] == [3]
+    r.output_token_ids = [3, 3]  # min_tokens reached: eos allowed again
+    assert Sampler().sample(logits, [r])[0] == [0]
+
+
+def test_ignore_eos_with_min_tokens_does_not_mask_eos():
+    # eos is not a stop token when ignored, so there is nothing to mask.
+    logits = torch.tensor([[5.0, 0.0, 4.0]])
+    r = _req(temperature=0.0, min_tokens=2, max_tokens=4, ignore_eos=True)
+    assert Sampler().sample(logits, [r])[0] == [0]
