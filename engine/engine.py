@@ -69,7 +69,7 @@ class Engine:
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         self.sampler = Sampler(config.seed)
-        kv = allocate_kv_cache(spec, num_blocks, self.device)
+        kv = allocate_kv_cache(spec, num_blocks, self.device, backend)
         self.runner = ModelRunner(model, kv, backend, config.block_size, self.device, self.sampler)
         self._text: dict[str, RequestTextState] = {}
         self._stats = EngineStats(kv_blocks_total=num_blocks)
@@ -280,7 +280,7 @@ class Engine:
         bs = self.config.block_size
         blocks = -(-n // bs)
         spec = setup.kv_spec(self.hf_config, bs, self.dtype)
-        kv = alloc(spec, blocks, self.device)
+        kv = alloc(spec, blocks, self.device, backend)
         layout = BatchLayout(0, [n], [n], [list(range(blocks))], bs, torch.arange(n))
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -24,13 +24,11 @@ class KVCacheSpec:
         return budget_bytes // self.bytes_per_block
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device):
-    """Per layer (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device, backend):
+    """Per layer (k_cache, v_cache), each in the backend's layout (kv_cache_shape).
 
     Zero-filled: attention reads padded slots through masks, and garbage there could be NaN.
     """
-    cache = torch.zeros(
-        2, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim,
-        dtype=spec.dtype, device=device,
-    )
+    shape = backend.kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    cache = torch.zeros(2, spec.num_layers, *shape, dtype=spec.dtype, device=device)
     return [(cache[0, i], cache[1, i]) for i in range(spec.num_layers)]

@@ -33,6 +33,10 @@ class AttentionBackend(ABC):
     name: str = "abstract"
 
     @abstractmethod
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
+        """Shape of one layer's K (or V) cache in this backend's layout."""
+
+    @abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> AttentionMetadata:
         """Precompute per-step tensors (gather indices, masks) shared by all layers."""
 
@@ -42,7 +46,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # one layer's K cache, shaped by kv_cache_shape()
         v_cache: torch.Tensor,  # same
         meta: AttentionMetadata,
         scale: float,

@@ -1,4 +1,9 @@
-"""Reference attention in plain PyTorch (CPU and CUDA): gather the blocks in use, then SDPA."""
+"""Reference attention in plain PyTorch (CPU and CUDA): gather the slots in use, then attend.
+
+Cache layout, per layer: [num_kv_heads, num_blocks * block_size, head_dim] (head-major), so a
+gather of a sequence's slots gives [kv_heads, ctx, head_dim] that feeds batched matmuls without
+re-layout copies.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +28,9 @@ class TorchMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor  # [num_tokens] long
     store_all: bool  # no -1 slots: store with one index_copy
     num_decodes: int
-    decode_gather: torch.Tensor | None  # [num_decodes, max_ctx] long, padded with slot 0
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_ctx] bool, True = attend
+    decode_ctx: int  # padded context length of the decode batch
+    decode_gather: torch.Tensor | None  # [num_decodes * decode_ctx] long, padded with slot 0
+    decode_bias: torch.Tensor | None  # [1, num_decodes, 1, decode_ctx] float32: 0 attend, -inf padding
     prefills: list[_Prefill]
 
 
@@ -38,19 +44,27 @@ def _slots(block_table: list[int], block_size: int, n: int) -> torch.Tensor:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
+        return (num_kv_heads, num_blocks * block_size, head_dim)
+
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchMetadata:
         nd, bs = layout.num_decodes, layout.block_size
-        decode_gather = decode_mask = None
+        decode_gather = decode_bias = None
+        max_ctx = 0
         if nd:
-            max_ctx = max(layout.context_lens[:nd])
-            gather = torch.zeros(nd, max_ctx, dtype=torch.long)
-            for i in range(nd):
-                c = layout.context_lens[i]
-                gather[i, :c] = _slots(layout.block_tables[i], bs, c)
             lens = torch.tensor(layout.context_lens[:nd])
-            mask = torch.arange(max_ctx)[None, :] < lens[:, None]
-            decode_gather = gather.to(device)
-            decode_mask = mask[:, None, None, :].to(device)
+            max_ctx = int(lens.max())
+            max_blocks = -(-max_ctx // bs)
+            tables = torch.zeros(nd, max_blocks, dtype=torch.long)  # padded block tables
+            for i in range(nd):
+                row = layout.block_tables[i][:max_blocks]
+                tables[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            pos = torch.arange(max_ctx)
+            gather = tables[:, pos // bs] * bs + pos % bs  # [nd, max_ctx]; padding reads block 0
+            pad = pos[None, :] >= lens[:, None]
+            bias = torch.zeros(nd, max_ctx).masked_fill_(pad, float("-inf"))
+            decode_gather = gather.flatten().to(device)
+            decode_bias = bias[None, :, None, :].to(device)
         prefills, q_start = [], nd
         for i in range(nd, len(layout.query_lens)):
             q, c = layout.query_lens[i], layout.context_lens[i]
@@ -62,27 +76,18 @@ class TorchAttentionBackend(AttentionBackend):
             q_start += q
         slot_mapping = layout.slot_mapping.to(device)
         store_all = bool((layout.slot_mapping >= 0).all())
-        return TorchMetadata(slot_mapping, store_all, nd, decode_gather, decode_mask, prefills)
+        return TorchMetadata(slot_mapping, store_all, nd, max_ctx, decode_gather, decode_bias, prefills)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
-        _, _, kvh, d = k_cache.shape
-        k_flat = k_cache.view(-1, kvh, d)  # [num_slots, kv_heads, head_dim]
-        v_flat = v_cache.view(-1, kvh, d)
-        self._store(k, v, k_flat, v_flat, meta)
+        self._store(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            # [nd, heads, 1, d] against [nd, kv_heads, max_ctx, d]
-            kk = k_flat[meta.decode_gather].transpose(1, 2)
-            vv = v_flat[meta.decode_gather].transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), kk, vv, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-            )
-            out[:nd] = o.squeeze(2)
+            out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
         for p in meta.prefills:
             qq = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
-            kk = k_flat[p.gather].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, d]
-            vv = v_flat[p.gather].transpose(0, 1).unsqueeze(0)
+            kk = k_cache.index_select(1, p.gather).unsqueeze(0)  # [1, kv_heads, ctx, d]
+            vv = v_cache.index_select(1, p.gather).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qq, kk, vv, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
             )
@@ -90,11 +95,25 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _store(k, v, k_flat, v_flat, meta: TorchMetadata) -> None:
+    def _store(k, v, k_cache, v_cache, meta: TorchMetadata) -> None:
+        # k, v: [T, kv_heads, d] -> cache [kv_heads, slots, d]
         if meta.store_all:
-            k_flat.index_copy_(0, meta.slot_mapping, k)
-            v_flat.index_copy_(0, meta.slot_mapping, v)
+            k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+            v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
             return
         keep = meta.slot_mapping >= 0
-        k_flat[meta.slot_mapping[keep]] = k[keep]
-        v_flat[meta.slot_mapping[keep]] = v[keep]
+        k_cache[:, meta.slot_mapping[keep]] = k[keep].transpose(0, 1)
+        v_cache[:, meta.slot_mapping[keep]] = v[keep].transpose(0, 1)
+
+
+def _decode_attention(q, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence; batched matmuls per KV head (GQA without repeating K/V).
+    Much cheaper on CPU than the flash kernel for a single query row."""
+    nd, h, d = q.shape
+    kvh, ctx = k_cache.shape[0], meta.decode_ctx
+    kk = k_cache.index_select(1, meta.decode_gather).view(kvh, nd, ctx, d)
+    vv = v_cache.index_select(1, meta.decode_gather).view(kvh, nd, ctx, d)
+    qq = q.view(nd, kvh, h // kvh, d).transpose(0, 1)  # [kv_heads, nd, group, d]
+    scores = torch.matmul(qq, kk.transpose(-1, -2)).float() * scale + meta.decode_bias  # [kvh, nd, g, ctx]
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, vv).transpose(0, 1).reshape(nd, h, d)

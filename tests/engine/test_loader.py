@@ -63,3 +63,25 @@ def test_tied_embeddings_share_the_embedding_matrix(build_model):
     engine = make_engine(build_model("tiny-qwen3"))
     model = engine.runner.model
     assert model.tie_word_embeddings and not hasattr(model, "lm_head")
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "linear", "factor": 2.0},
+])
+def test_scaled_rope_matches_transformers(tiny, tmp_path, rope):
+    """Llama 3 style and linear RoPE scaling (real checkpoints use them) stay token-exact."""
+    from .helpers import case_fix, hf_reference
+
+    folder = tmp_path / rope["rope_type"]
+    shutil.copytree(tiny, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    theta = cfg.get("rope_theta", 10000.0)
+    cfg["rope_parameters"] = {**rope, "rope_theta": theta}
+    cfg["rope_scaling"] = {**rope}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    case = case_fix([[7 + (i * 13) % 1500 for i in range(n)] for n in (5, 90, 200)], [12, 12, 12])
+    ref = hf_reference(folder, case)
+    got = make_engine(folder).generate(case.prompts, [greedy(m) for m in case.max_tokens])
+    assert [r.token_ids for r in got] == ref.token_ids
