@@ -19,6 +19,9 @@ class ForwardContext:
     backend: AttentionBackend
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    # Rotary tables gathered once per step for the packed positions: [T, 1, head_dim] each.
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -30,8 +33,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, scale in the model dtype (as transformers does).
         dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * xf.to(dtype)
 
 
@@ -56,11 +58,14 @@ class RotaryEmbedding(nn.Module):
         self.cos = (emb.cos() * self.scaling).to(dtype)
         self.sin = (emb.sin() * self.scaling).to(dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, heads, d], k: [T, kv_heads, d]; cos/sin: [T, 1, d]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the packed positions: [T, 1, head_dim] each (shared by all layers)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    # q: [T, heads, d], k: [T, kv_heads, d]; cos/sin: [T, 1, d]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

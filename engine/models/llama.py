@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.layers import ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding
+from engine.models.layers import ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from engine.models.rope import rope_inv_freq
 
 
@@ -16,7 +16,7 @@ class LlamaAttention(nn.Module):
     qkv_bias = False  # Qwen2: True
     qk_norm = False  # Qwen3: True
 
-    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
@@ -31,7 +31,6 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rotary = [rotary]  # shared; a list so it is not registered once per layer
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -41,7 +40,7 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        q, k = apply_rotary(q, k, ctx.cos, ctx.sin)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, -1))
@@ -50,9 +49,9 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
-    def __init__(self, cfg, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(cfg, layer_idx, rotary)
+        self.self_attn = self.attention_cls(cfg, layer_idx)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=bool(getattr(cfg, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -67,11 +66,12 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.rotary = RotaryEmbedding(lambda: rope_inv_freq(cfg, head_dim_of(cfg)), max_positions)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(layer_cls(cfg, i, self.rotary) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        ctx.cos, ctx.sin = self.rotary.lookup(positions)
         for layer in self.layers:
             x = layer(positions, x, ctx)
         return self.norm(x)
