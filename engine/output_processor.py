@@ -48,6 +48,7 @@ def make_output(
         prompt_tokens=req.num_prompt_tokens,
         completion_tokens=req.num_output_tokens,
         cached_tokens=max(req.num_cached_tokens, 0),
+        kv_blocks=len(req.block_ids),
     )
 
 
@@ -63,4 +64,5 @@ def error_output(req: Request, message: str) -> RequestOutput:
         completion_tokens=req.num_output_tokens,
         cached_tokens=max(req.num_cached_tokens, 0),
         error=message,
+        kv_blocks=len(req.block_ids),
     )

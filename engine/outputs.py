@@ -37,6 +37,7 @@ class RequestOutput:
     completion_tokens: int  # total so far
     cached_tokens: int  # prompt tokens served from the prefix cache (first schedule)
     error: str | None = None  # message when finish_reason is ERROR
+    kv_blocks: int = 0  # KV blocks the request held in this step (shared prefix blocks included)
 
 
 @dataclass

@@ -7,7 +7,16 @@ import pytest
 
 from engine import EngineConfig
 
-from .helpers import TINY_PRESETS, assert_idle, greedy, hf_reference, make_case, make_engine, mismatches, run_all
+from .helpers import (
+    TINY_PRESETS,
+    assert_idle,
+    greedy,
+    hf_reference,
+    make_case,
+    make_engine,
+    mismatches,
+    run_all,
+)
 
 SHARED_PREFIX = 64
 

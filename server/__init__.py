@@ -1,0 +1,1 @@
+"""tokenmill's HTTP server: native SSE /generate, the OpenAI API, priority lanes, one engine worker."""

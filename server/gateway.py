@@ -1,0 +1,194 @@
+"""The route side of a request's life: admission (lane, bounds, 429), then its events, shared by the
+native and the OpenAI routes. Runs on the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from engine.outputs import TokenLogprob
+from engine.sampling_params import SamplingParams
+from server.errors import ApiError
+from server.lanes import Lane
+from server.ticket import Collector, Event, Finished, ServerError, Started, Ticket, Tokens
+from server.worker import DuplicateRequestId, WorkerUnavailable
+
+if TYPE_CHECKING:
+    from server.runtime import Runtime
+
+_POLL_S = 0.25  # how often a waiting non-streaming request checks for a disconnected client
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated, tokenized request, ready for a lane."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lane: Lane | None = None  # the client's `priority`; None: chosen by size
+    timeout_s: float | None = None
+    first_token_timeout_s: float | None = None
+
+
+@dataclass
+class Completed:
+    """Everything a non-streaming request produced."""
+
+    ticket: Ticket
+    finished: Finished
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def admit(runtime: Runtime, req: GenerationRequest) -> RequestHandle:
+    """Check the request against the context length, pick its lane and queue it. Raises ApiError:
+    400 (empty or too long), 409 (request_id in flight), 429 (lane full), 503 (not serving)."""
+    runtime.check_accepting()
+    n, max_tokens, max_len = len(req.prompt_token_ids), req.params.max_tokens, runtime.max_model_len
+    if n == 0:
+        raise ApiError(400, "invalid_request", "prompt must not be empty", param="prompt")
+    if n + max_tokens > max_len:
+        raise ApiError(
+            400, "invalid_request",
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the context length "
+            f"max_model_len ({max_len})",
+            param="prompt" if n >= max_len else "max_tokens",
+        )  # fmt: skip
+    lane = req.lane if req.lane is not None else runtime.lane_for_size(n + max_tokens)
+    defaults = runtime.settings.lane_deadlines(lane)
+    ticket = Ticket(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        params=req.params,
+        lane=lane,
+        collector=Collector(asyncio.get_running_loop()),
+        queue_timeout_s=defaults.queue_s,
+        first_token_timeout_s=req.first_token_timeout_s or defaults.first_token_s,
+        timeout_s=req.timeout_s or defaults.total_s,
+    )
+    try:
+        rejection = runtime.worker.submit(ticket)
+    except DuplicateRequestId as exc:
+        raise ApiError(409, "conflict", str(exc), param="request_id") from None
+    except WorkerUnavailable as exc:
+        raise ApiError(503, "unhealthy", str(exc), headers={"Retry-After": "5"}) from None
+    if rejection is not None:
+        runtime.record_rejection(ticket, rejection.retry_after_s)
+        raise ApiError(
+            429, "overloaded",
+            f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
+            headers={"Retry-After": str(rejection.retry_after_s)},
+            extra={"lane": lane.label},
+        )  # fmt: skip
+    return RequestHandle(runtime, ticket)
+
+
+def start_error(error: ServerError) -> ApiError:
+    """The HTTP answer for a request that failed before anything was sent."""
+    headers = {"Retry-After": "1"} if error.status == 503 else None
+    return ApiError(error.status, error.kind, error.message, headers=headers)
+
+
+class RequestHandle:
+    """An admitted request as a route sees it. close() it exactly when the response is done:
+    it aborts the request if it has not finished (client gone, handler failed)."""
+
+    def __init__(self, runtime: Runtime, ticket: Ticket) -> None:
+        self.runtime = runtime
+        self.ticket = ticket
+        self.finished: Finished | None = None
+        self._closed = False
+        runtime.open_responses += 1
+
+    @property
+    def request_id(self) -> str:
+        return self.ticket.request_id
+
+    async def next_event(self, timeout: float) -> Event | None:
+        """The next event, or None after `timeout` seconds without one."""
+        if self.finished is not None:
+            return self.finished
+        try:
+            event = await asyncio.wait_for(self.ticket.collector.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            if not self.runtime.worker.thread_running:  # no event will ever come
+                event = Finished("error", ServerError("worker_died", "the engine worker is not running", 503))
+            else:
+                return None
+        if isinstance(event, Finished):
+            self.finished = event
+        return event
+
+    async def wait_started(self, hold_s: float, request: Request | None = None) -> bool:
+        """True once the engine took the request; False if it is still queued after `hold_s`.
+        Raises ApiError when it failed first (queue timeout, invalid for the engine, shutdown) or the
+        client left (the request is then aborted)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + hold_s
+        while True:
+            event = await self.next_event(max(0.0, min(_POLL_S, end - loop.time())))
+            if isinstance(event, Finished):
+                self.close()
+                raise start_error(event.error or ServerError("aborted", "the request was aborted", 503))
+            if event is not None:  # Started; it always comes before any Tokens
+                return True
+            if request is not None and await request.is_disconnected():
+                self.close()
+                raise ApiError(499, "client_disconnected", "the client closed the connection")
+            if loop.time() >= end:
+                return False
+
+    async def events(self) -> AsyncIterator[Tokens | Finished]:
+        """Tokens events, then one Finished."""
+        while True:
+            event = await self.next_event(timeout=1.0)
+            if event is None or isinstance(event, Started):
+                continue
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    async def collect(self, request: Request) -> Completed:
+        """Wait for the whole output (non-streaming). Aborts when the client goes away.
+        Raises ApiError when the request failed."""
+        done = Completed(self.ticket, Finished("abort"))
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + _POLL_S
+        try:
+            while True:
+                event = await self.next_event(_POLL_S)
+                if loop.time() >= next_check:  # tokens may keep coming: check on a clock, not when idle
+                    next_check = loop.time() + _POLL_S
+                    if await request.is_disconnected():
+                        raise ApiError(499, "client_disconnected", "the client closed the connection")
+                if isinstance(event, Tokens):
+                    done.token_ids.extend(event.output.new_token_ids)
+                    done.text += event.output.text_delta
+                    done.logprobs.extend(event.output.logprobs or [])
+                elif isinstance(event, Finished):
+                    done.finished = event
+                    break
+        finally:
+            self.close()
+        if done.finished.error is not None:
+            raise start_error(done.finished.error)
+        return done
+
+    async def aclose(self) -> None:
+        """close() for Starlette background tasks (a sync one would run on a thread pool)."""
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.runtime.open_responses -= 1
+        if self.finished is None:
+            self.runtime.worker.abort(self.request_id)

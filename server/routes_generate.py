@@ -1,0 +1,126 @@
+"""POST /generate: the native API. Streams SSE (`token`... then `done`, or `error`) or answers JSON."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.background import BackgroundTask
+
+from engine.outputs import RequestOutput, TokenLogprob
+from server.errors import ApiError
+from server.gateway import Completed, GenerationRequest, RequestHandle, admit
+from server.protocol import GenerateRequest, parse_body
+from server.runtime import Runtime
+from server.ticket import Finished, Ticket, Tokens
+
+DEFAULT_MAX_TOKENS = 16
+
+router = APIRouter()
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    rt: Runtime = request.app.state.runtime
+    rt.check_accepting()
+    body = await parse_body(request, GenerateRequest)
+    ids = await _prompt_ids(rt, body)
+    max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+    params = body.sampling_params(max_tokens, body.logprobs)
+    request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
+    handle = admit(rt, GenerationRequest(request_id, ids, params, body.lane(), body.timeout_s,
+                                         body.first_token_timeout_s))
+    want_logprobs = body.logprobs is not None
+    try:
+        if not body.stream:
+            return JSONResponse(_result(await handle.collect(request), want_logprobs))
+        # Hold the headers up to one ping interval: a queue timeout until then is still a clean 503.
+        await handle.wait_started(rt.settings.sse_ping_s, request)
+    except BaseException:
+        handle.close()
+        raise
+    return EventSourceResponse(
+        _stream(handle, want_logprobs), ping=rt.settings.sse_ping_s, background=BackgroundTask(handle.aclose)
+    )
+
+
+async def _prompt_ids(rt: Runtime, body: GenerateRequest) -> list[int]:
+    if (body.prompt is None) == (body.prompt_token_ids is None):
+        raise ApiError(400, "invalid_request", "give exactly one of prompt or prompt_token_ids", param="prompt")
+    if body.prompt is not None:
+        return await rt.codec.encode(body.prompt)
+    return list(body.prompt_token_ids or [])
+
+
+async def _stream(handle: RequestHandle, want_logprobs: bool) -> AsyncIterator[ServerSentEvent]:
+    index = 0
+    try:
+        async for event in handle.events():
+            if isinstance(event, Tokens):
+                for data in _token_events(handle.request_id, index, event.output, want_logprobs):
+                    yield ServerSentEvent(event="token", data=_json(data))
+                index += len(event.output.new_token_ids)
+            elif isinstance(event, Finished):
+                if event.error is not None:
+                    error = {"error": {"type": event.error.kind, "message": event.error.message}}
+                    yield ServerSentEvent(event="error", data=_json(error))
+                else:
+                    yield ServerSentEvent(event="done", data=_json(_done(handle.ticket, event)))
+    finally:
+        handle.close()
+
+
+def _token_events(request_id: str, index: int, out: RequestOutput, want_logprobs: bool) -> list[dict[str, Any]]:
+    """One event per new token; the step's text goes with its last token."""
+    if not out.new_token_ids:
+        return [{"id": request_id, "index": index, "token_id": None, "text": out.text_delta}]
+    events = []
+    last = len(out.new_token_ids) - 1
+    for i, token_id in enumerate(out.new_token_ids):
+        data: dict[str, Any] = {
+            "id": request_id, "index": index + i, "token_id": token_id, "text": out.text_delta if i == last else "",
+        }  # fmt: skip
+        if want_logprobs and out.logprobs and i < len(out.logprobs):
+            data["logprobs"] = _logprob(out.logprobs[i])
+        events.append(data)
+    return events
+
+
+def _logprob(lp: TokenLogprob) -> dict[str, Any]:
+    return {"logprob": lp.logprob, "top": [{"token_id": t, "logprob": v} for t, v in lp.top]}
+
+
+def usage(ticket: Ticket) -> dict[str, int]:
+    return {
+        "prompt_tokens": len(ticket.prompt_token_ids),
+        "completion_tokens": ticket.completion_tokens,
+        "cached_tokens": ticket.cached_tokens,
+    }
+
+
+def _done(ticket: Ticket, finished: Finished) -> dict[str, Any]:
+    return {"id": ticket.request_id, "finish_reason": finished.reason, "usage": usage(ticket),
+            "timing": ticket.timing()}
+
+
+def _result(done: Completed, want_logprobs: bool) -> dict[str, Any]:
+    body = {
+        "id": done.ticket.request_id,
+        "text": done.text,
+        "token_ids": done.token_ids,
+        "finish_reason": done.finished.reason,
+        "usage": usage(done.ticket),
+        "timing": done.ticket.timing(),
+    }
+    if want_logprobs:
+        body["logprobs"] = [{"token_id": lp.token_id, **_logprob(lp)} for lp in done.logprobs]
+    return body
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)

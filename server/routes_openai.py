@@ -1,0 +1,235 @@
+"""OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions, streaming and not.
+Extensions accepted on both: top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
+priority, timeout_s, first_token_timeout_s (the same fields as /generate).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.background import BackgroundTask
+
+from engine.outputs import TokenLogprob
+from engine.sampling_params import SamplingParams
+from server.errors import ApiError
+from server.gateway import GenerationRequest, RequestHandle, admit
+from server.protocol import ChatRequest, CompletionRequest, OpenAIFields, parse_body
+from server.runtime import Runtime
+from server.ticket import Finished, Ticket, Tokens
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+router = APIRouter(prefix="/v1")
+
+
+@router.get("/models")
+async def models(request: Request) -> dict[str, Any]:
+    rt: Runtime = request.app.state.runtime
+    card = {"id": rt.model_name, "object": "model", "created": rt.created, "owned_by": "tokenmill",
+            "root": rt.model_name, "max_model_len": rt.max_model_len}
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/completions")
+async def completions(request: Request) -> Response:
+    rt: Runtime = request.app.state.runtime
+    rt.check_accepting()
+    body = await parse_body(request, CompletionRequest)
+    _check_common(rt, body)
+    if body.echo:
+        raise ApiError(400, "invalid_request", "echo is not supported", param="echo")
+    if body.suffix:
+        raise ApiError(400, "invalid_request", "suffix is not supported", param="suffix")
+    ids = await _completion_prompt(rt, body.prompt)
+    max_tokens = next((m for m in (body.max_tokens, body.max_completion_tokens) if m is not None),
+                      COMPLETION_DEFAULT_MAX_TOKENS)
+    params = body.sampling_params(max_tokens, body.logprobs)
+    shape = _CompletionShape(rt, f"cmpl-{uuid.uuid4().hex}")
+    return await _run(rt, request, body, ids, params, shape)
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    rt: Runtime = request.app.state.runtime
+    rt.check_accepting()
+    body = await parse_body(request, ChatRequest)
+    _check_common(rt, body)
+    if body.tools:
+        raise ApiError(400, "invalid_request", "tools are not supported", param="tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise ApiError(400, "invalid_request", "only text response_format is supported", param="response_format")
+    try:
+        ids = await rt.codec.chat(body.template_messages())
+    except ApiError:
+        raise
+    except Exception as exc:
+        raise ApiError(400, "invalid_request", f"chat template failed: {exc}", param="messages") from None
+    # Without a limit, a chat reply may fill the context (OpenAI's behaviour).
+    max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
+                      max(1, rt.max_model_len - len(ids)))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = body.sampling_params(max_tokens, logprobs)
+    shape = _ChatShape(rt, f"chatcmpl-{uuid.uuid4().hex}")
+    return await _run(rt, request, body, ids, params, shape)
+
+
+def _check_common(rt: Runtime, body: OpenAIFields) -> None:
+    if body.model is not None and body.model not in rt.model_aliases:
+        raise ApiError(404, "model_not_found", f"model {body.model!r} is not served here; see /v1/models",
+                       param="model")
+    body.check_unsupported()
+
+
+async def _completion_prompt(rt: Runtime, prompt: str | list[Any]) -> list[int]:
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise ApiError(400, "invalid_request", "only one prompt per request is supported", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return await rt.codec.encode(prompt)
+    return list(prompt)
+
+
+async def _run(rt: Runtime, request: Request, body: OpenAIFields, ids: list[int], params: SamplingParams,
+               shape: _Shape) -> Response:
+    handle = admit(rt, GenerationRequest(shape.id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s))
+    want_logprobs = params.logprobs is not None
+    try:
+        if not body.stream:
+            done = await handle.collect(request)
+            return JSONResponse(shape.full(done.ticket, done.finished, done.text, done.logprobs, want_logprobs))
+        await handle.wait_started(rt.settings.sse_ping_s, request)
+    except BaseException:
+        handle.close()
+        raise
+    stream = _stream(handle, shape, want_logprobs, body.include_usage)
+    return EventSourceResponse(stream, ping=rt.settings.sse_ping_s, background=BackgroundTask(handle.aclose))
+
+
+async def _stream(handle: RequestHandle, shape: _Shape, want_logprobs: bool,
+                  include_usage: bool) -> AsyncIterator[ServerSentEvent]:
+    extra = {"usage": None} if include_usage else {}
+    try:
+        first = shape.first_chunk()
+        if first is not None:
+            yield _event({**shape.chunk([first]), **extra})
+        async for event in handle.events():
+            if isinstance(event, Tokens):
+                out = event.output
+                lps = out.logprobs if want_logprobs else None
+                yield _event({**shape.chunk([shape.delta(out.text_delta, lps, None)]), **extra})
+            elif isinstance(event, Finished) and event.error is not None:
+                yield _event({"error": {"message": event.error.message, "type": event.error.kind, "param": None,
+                                        "code": event.error.status}})
+            elif isinstance(event, Finished):
+                yield _event({**shape.chunk([shape.delta("", None, event.reason)]), **extra})
+                if include_usage:
+                    yield _event({**shape.chunk([]), "usage": shape.usage(handle.ticket)})
+        yield ServerSentEvent(data="[DONE]")
+    finally:
+        handle.close()
+
+
+def _event(data: dict[str, Any]) -> ServerSentEvent:
+    return ServerSentEvent(data=json.dumps(data, separators=(",", ":"), ensure_ascii=False))
+
+
+class _Shape:
+    """How one endpoint lays out its responses."""
+
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, rt: Runtime, request_id: str) -> None:
+        self.rt = rt
+        self.id = request_id
+        self.created = int(time.time())
+        self._offset = 0  # text offset of the next token (completions logprobs)
+
+    def usage(self, ticket: Ticket) -> dict[str, Any]:
+        prompt = len(ticket.prompt_token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": ticket.completion_tokens,
+                "total_tokens": prompt + ticket.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": ticket.cached_tokens}}
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object_chunk, "created": self.created, "model": self.rt.model_name,
+                "choices": choices}
+
+    def full(self, ticket: Ticket, finished: Finished, text: str, lps: list[TokenLogprob], want: bool) -> dict:
+        choice = self.full_choice(text, lps if want else None, finished.reason)
+        return {"id": self.id, "object": self.object_full, "created": self.created, "model": self.rt.model_name,
+                "choices": [choice], "usage": self.usage(ticket)}
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        return None
+
+    def delta(self, text: str, lps: list[TokenLogprob] | None, reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def full_choice(self, text: str, lps: list[TokenLogprob] | None, reason: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _token(self, token_id: int) -> str:
+        return self.rt.codec.token_text(token_id)
+
+
+class _CompletionShape(_Shape):
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def delta(self, text: str, lps: list[TokenLogprob] | None, reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": self._logprobs(lps), "finish_reason": reason}
+
+    def full_choice(self, text: str, lps: list[TokenLogprob] | None, reason: str) -> dict[str, Any]:
+        return {"index": 0, "text": text, "logprobs": self._logprobs(lps), "finish_reason": reason}
+
+    def _logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+        tokens = [self._token(lp.token_id) for lp in lps]
+        offsets = []
+        for tok in tokens:
+            offsets.append(self._offset)
+            self._offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets,
+        }
+
+
+class _ChatShape(_Shape):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def delta(self, text: str, lps: list[TokenLogprob] | None, reason: str | None) -> dict[str, Any]:
+        delta = {"content": text} if reason is None else {}
+        return {"index": 0, "delta": delta, "logprobs": self._logprobs(lps), "finish_reason": reason}
+
+    def full_choice(self, text: str, lps: list[TokenLogprob] | None, reason: str) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(lps),
+                "finish_reason": reason}
+
+    def _logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if lps is None:
+            return None
+        return {"content": [
+            {**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+            for lp in lps
+        ]}  # fmt: skip
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._token(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

@@ -1,0 +1,34 @@
+"""Operational endpoints: /health (readiness), /health/live (liveness), /metrics (Prometheus)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from server.health import liveness, readiness
+from server.metrics import CONTENT_TYPE
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    rt = getattr(request.app.state, "runtime", None)
+    if rt is None:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    code, body = readiness(rt)
+    return JSONResponse(body, status_code=code)
+
+
+@router.get("/health/live")
+async def live(request: Request) -> JSONResponse:
+    rt = getattr(request.app.state, "runtime", None)
+    if rt is None:
+        return JSONResponse({"status": "starting"}, status_code=200)
+    code, body = liveness(rt)
+    return JSONResponse(body, status_code=code)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.runtime.metrics.render(), media_type=CONTENT_TYPE)

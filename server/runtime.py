@@ -1,0 +1,215 @@
+"""What one app shares, built in the lifespan and kept on `app.state.runtime`: settings, the worker
+(and through it the engine), the lanes, the tokenizer copy, metrics, readiness and drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from server.errors import ApiError
+from server.gateway import RequestHandle
+from server.lanes import Lane, LaneQueue
+from server.metrics import ServerMetrics, Snapshot
+from server.settings import ServerSettings
+from server.ticket import Collector, Finished, ServerError, Ticket
+from server.tokens import PromptCodec
+from server.worker import Worker
+
+log = logging.getLogger("tokenmill.server")
+request_log = logging.getLogger("tokenmill.requests")
+
+_STOP_JOIN_S = 10.0
+_FLUSH_AFTER_ABORT_S = 5.0
+
+
+class Status(str, enum.Enum):
+    STARTING = "starting"  # loaded, warm-up not done
+    OK = "ok"
+    DRAINING = "draining"  # shutting down: finishing in-flight requests, refusing new ones
+    UNHEALTHY = "unhealthy"  # worker dead or stalled, or warm-up failed
+
+
+def demo_model_path() -> str:
+    """The embedded tiny demo model (built on first use, cached)."""
+    from engine.testing.make_model import ensure_model
+
+    return str(ensure_model("tiny-llama"))
+
+
+def build_engine(settings: ServerSettings):
+    """Load the model named by the settings (blocking: call it in a thread)."""
+    from engine import Engine
+
+    return Engine(settings.engine_config(settings.model or demo_model_path()))
+
+
+class Runtime:
+    """The app's shared state. Methods run on the event loop unless they say otherwise."""
+
+    def __init__(self, settings: ServerSettings, engine: Any) -> None:
+        self.settings = settings
+        self.loop = asyncio.get_running_loop()
+        self.model_name = settings.served_model_name or engine.model_name
+        self.model_aliases = {self.model_name, engine.model_name} | ({settings.model} if settings.model else set())
+        self.max_model_len: int = engine.max_model_len
+        self.engine_desc = {"dtype": engine.dtype_name, "device": engine.device_name}
+        self.codec = PromptCodec(engine.tokenizer)  # copied before the worker owns the engine
+        self.lanes = LaneQueue(settings.lane_bounds(), settings.aging_s)
+        # An injected engine may have been built with other limits: never feed it past its own.
+        built = getattr(engine, "config", settings)
+        self.worker = Worker(
+            engine,
+            self.lanes,
+            max_num_seqs=min(settings.max_num_seqs, getattr(built, "max_num_seqs", settings.max_num_seqs)),
+            max_num_batched_tokens=getattr(built, "max_num_batched_tokens", settings.max_num_batched_tokens),
+            block_size=getattr(built, "block_size", settings.block_size),
+            on_finish=self._on_finish,
+            keep_outputs=settings.log_prompts,
+        )
+        self.metrics = ServerMetrics(self.model_name, self._snapshot)
+        self.started_at = time.monotonic()
+        self.created = int(time.time())
+        self.ready = False  # warm-up done
+        self.draining = False
+        self.failure: str | None = None
+        self.open_responses = 0  # RequestHandles not closed yet (their responses are still being sent)
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the worker thread and, in the background, the warm-up."""
+        self.worker.start()
+        task = self.loop.create_task(self.warm_up())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Abort what is left and stop the worker (end of the lifespan)."""
+        self.draining = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.to_thread(self.worker.stop, _STOP_JOIN_S)
+        self.codec.close()
+
+    async def warm_up(self) -> None:
+        """One short greedy generation through the whole path; ready only if it works."""
+        if not self.settings.warmup:
+            self.ready = True
+            return
+        try:
+            ids = await self.codec.encode("Hello") or [0]
+            params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+            ticket = Ticket(f"warmup-{uuid.uuid4().hex}", ids, params, Lane.INTERACTIVE, Collector(self.loop),
+                            internal=True)
+            if self.worker.submit(ticket) is not None:
+                raise RuntimeError("warm-up request was refused")
+            handle = RequestHandle(self, ticket)
+            try:
+                event = None
+                while not isinstance(event, Finished):
+                    event = await handle.next_event(timeout=1.0)
+            finally:
+                handle.close()
+            if event.error is not None or event.reason == "error":
+                raise RuntimeError(event.error.message if event.error else "engine error")
+            self.ready = True
+            log.info("warm-up done: %s ready", self.model_name)
+        except Exception as exc:
+            self.failure = f"warm-up failed: {exc}"
+            log.error(self.failure)
+
+    async def drain(self) -> None:
+        """Refuse new requests, let in-flight ones finish within drain_timeout_s, abort the rest with an
+        error (event), and return once their responses were sent (or a few seconds passed)."""
+        self.draining = True
+        timeout = self.settings.drain_timeout_s
+        log.info("draining: %d requests in flight, up to %.0fs", self.worker.in_flight(), timeout)
+        deadline = self.loop.time() + timeout
+        while (self.open_responses or self.worker.in_flight()) and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.worker.in_flight():
+            log.warning("drain timeout: aborting %d requests", self.worker.in_flight())
+            self.worker.abort_all(ServerError("shutdown", f"the server shut down (drain timeout {timeout:g}s)", 503))
+        end = self.loop.time() + _FLUSH_AFTER_ABORT_S
+        while self.open_responses and self.loop.time() < end:
+            await asyncio.sleep(0.05)
+        log.info("drained")
+
+    # -- state ---------------------------------------------------------------------------------------
+    def status(self) -> tuple[Status, str | None]:
+        if self.draining:
+            return Status.DRAINING, "the server is shutting down"
+        if not self.worker.alive:
+            return Status.UNHEALTHY, "the engine worker is not running"
+        if self.failure:
+            return Status.UNHEALTHY, self.failure
+        stalled_s = time.monotonic() - self.worker.heartbeat
+        if self.worker.in_flight() and stalled_s > self.settings.stall_timeout_s:
+            return Status.UNHEALTHY, f"the busy engine has not completed a step for {stalled_s:.0f}s"
+        if not self.ready:
+            return Status.STARTING, "warming up"
+        return Status.OK, None
+
+    def check_accepting(self) -> None:
+        """Raise ApiError 503 unless new requests are taken now. A stalled engine still queues them:
+        the lane bounds and deadlines protect it."""
+        if self.draining:
+            status, reason = Status.DRAINING, "the server is shutting down"
+        elif not self.worker.alive:
+            status, reason = Status.UNHEALTHY, "the engine worker is not running"
+        elif self.failure:
+            status, reason = Status.UNHEALTHY, self.failure
+        elif not self.ready:
+            status, reason = Status.STARTING, "the server is warming up"
+        else:
+            return
+        raise ApiError(503, status.value, reason, headers={"Retry-After": "1"})
+
+    def lane_for_size(self, tokens: int) -> Lane:
+        return Lane.INTERACTIVE if tokens <= self.settings.short_request_tokens else Lane.STANDARD
+
+    def _snapshot(self) -> Snapshot:
+        return Snapshot(stats=self.worker.stats, lanes=self.worker.lane_load(), worker_alive=self.worker.alive)
+
+    # -- accounting (metrics + one JSON log line per request) --------------------------------------------
+    def record_rejection(self, ticket: Ticket, retry_after_s: int) -> None:
+        self.metrics.observe_rejected(ticket.lane, "overloaded")
+        request_log.info(json.dumps({
+            "event": "request", "id": ticket.request_id, "lane": ticket.lane.label, "status": "overloaded",
+            "finish_reason": None, "prompt_tokens": len(ticket.prompt_token_ids), "retry_after_s": retry_after_s,
+        }))  # fmt: skip
+
+    def _on_finish(self, ticket: Ticket) -> None:
+        """Runs on the worker thread when any admitted request ends."""
+        if ticket.internal:
+            return
+        status = request_status(ticket)
+        timing = ticket.timing()
+        self.metrics.observe_finished(ticket.lane, status, ticket.finish_reason or "", timing)
+        line = {
+            "event": "request", "id": ticket.request_id, "lane": ticket.lane.label, "status": status,
+            "finish_reason": ticket.finish_reason, "prompt_tokens": len(ticket.prompt_token_ids),
+            "completion_tokens": ticket.completion_tokens, "cached_tokens": ticket.cached_tokens,
+            **timing, "kv_blocks_peak": ticket.kv_blocks_peak,
+        }  # fmt: skip
+        if ticket.error is not None:
+            line["error"] = ticket.error.message
+        if self.settings.log_prompts:
+            line["prompt_token_ids"] = ticket.prompt_token_ids
+            line["output_token_ids"] = ticket.output_token_ids
+        request_log.info(json.dumps(line))
+
+
+def request_status(ticket: Ticket) -> str:
+    """The outcome label of an ended request (metrics `status`, log `status`)."""
+    if ticket.error is not None:
+        kind = ticket.error.kind
+        return kind if kind in ("queue_timeout", "shutdown", "invalid_request") else "error"
+    return {"timeout": "timeout", "abort": "aborted", "error": "error"}.get(ticket.finish_reason or "", "ok")

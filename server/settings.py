@@ -1,0 +1,240 @@
+"""Server settings: one pydantic-settings class. Sources, lowest to highest: field defaults, the YAML
+file named by `config` (flag `--config` or TOKENMILL_CONFIG), `TOKENMILL_*` environment variables,
+command-line flags. It builds the engine's `EngineConfig` and the lanes' bounds and deadlines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from engine.config import EngineConfig
+from server.lanes import Lane, LaneBounds
+
+ENV_PREFIX = "TOKENMILL_"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+@dataclass(frozen=True)
+class LaneDeadlines:
+    """Per-lane defaults, in seconds; None means no limit."""
+
+    queue_s: float | None  # longest wait in the lane before the request is refused (503)
+    first_token_s: float | None  # from arrival to the first token; else aborted, finish_reason timeout
+    total_s: float | None  # from arrival to the last token; else aborted, finish_reason timeout
+
+
+PositiveSeconds = Annotated[float, Field(gt=0)] | None
+
+
+class ServerSettings(BaseSettings):
+    """Every knob of `tokenmill serve`. Each field is also a flag (`--kebab-case`) and an environment
+    variable (`TOKENMILL_UPPER_CASE`)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    config: str | None = Field(None, description="YAML settings file; env variables and flags override it")
+
+    # -- model and engine --------------------------------------------------------------------------
+    model: str | None = Field(None, description="model folder; default: the embedded tiny demo model")
+    served_model_name: str | None = Field(None, description="name in /v1/models; default: folder name")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and KV dtype")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    kv_cache_memory: int | None = Field(None, gt=0, description="KV cache size in bytes (accepts 512MiB, 2GiB)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of GPU memory to use (CUDA)")
+    max_num_seqs: int = Field(64, ge=1, description="most requests running in the engine at once")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one engine step")
+    max_model_len: int | None = Field(None, ge=1, description="context length; default: the model's")
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    seed: int = Field(0, description="seed of requests that give none")
+
+    # -- HTTP ----------------------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="address to bind")
+    port: int = Field(8000, ge=0, le=65535, description="port to bind (0: any free port)")
+    api_key: str | None = Field(None, description="require `Authorization: Bearer KEY` (not on /health*, /metrics)")
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="more accepted keys, comma-separated (TOKENMILL_API_KEYS)"
+    )
+    max_body_bytes: int = Field(1 << 20, ge=1, description="largest request body; larger gets 413")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_prompts: bool = Field(False, description="include prompts and outputs in request log lines")
+
+    # -- admission lanes -------------------------------------------------------------------------
+    short_request_tokens: int = Field(
+        512, ge=1, description="without `priority`, prompt + max_tokens at most this goes interactive"
+    )
+    aging_s: float = Field(10.0, ge=0, description="each this many seconds queued lifts a request one lane (0: off)")
+    interactive_max_queued_requests: int = Field(64, ge=1, description="interactive lane bound, requests")
+    interactive_max_queued_tokens: int = Field(65536, ge=1, description="interactive lane bound, tokens")
+    interactive_queue_timeout_s: PositiveSeconds = Field(30.0, description="longest interactive queue wait")
+    interactive_first_token_timeout_s: PositiveSeconds = Field(None, description="interactive first-token deadline")
+    interactive_timeout_s: PositiveSeconds = Field(None, description="interactive total deadline")
+    standard_max_queued_requests: int = Field(256, ge=1, description="standard lane bound, requests")
+    standard_max_queued_tokens: int = Field(524288, ge=1, description="standard lane bound, tokens")
+    standard_queue_timeout_s: PositiveSeconds = Field(120.0, description="longest standard queue wait")
+    standard_first_token_timeout_s: PositiveSeconds = Field(None, description="standard first-token deadline")
+    standard_timeout_s: PositiveSeconds = Field(None, description="standard total deadline")
+    batch_max_queued_requests: int = Field(4096, ge=1, description="batch lane bound, requests")
+    batch_max_queued_tokens: int = Field(8388608, ge=1, description="batch lane bound, tokens")
+    batch_queue_timeout_s: PositiveSeconds = Field(3600.0, description="longest batch queue wait")
+    batch_first_token_timeout_s: PositiveSeconds = Field(None, description="batch first-token deadline")
+    batch_timeout_s: PositiveSeconds = Field(None, description="batch total deadline")
+
+    # -- operations --------------------------------------------------------------------------------
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, time in-flight requests get to finish")
+    stall_timeout_s: float = Field(60.0, gt=0, description="/health fails when a busy engine has not stepped for this long")
+    warmup: bool = Field(True, description="run one short generation before reporting ready")
+    sse_ping_s: float = Field(15.0, gt=0, description="keep-alive comment interval on idle streams")
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _parse_size(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        match = _SIZE.match(value)
+        if not match:
+            raise ValueError(f"expected bytes like 1073741824, 512MiB or 2GB, got {value!r}")
+        number, unit = float(match.group(1)), (match.group(2) or "").lower()
+        base = 1024 if "i" in unit else 1000
+        scale = _UNITS[unit[:1]] if base == 1000 else base ** "bkmgt".index(unit[:1])
+        return int(number * scale)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # First wins: flags (passed as init kwargs), then the environment, then the YAML file.
+        return (init_settings, env_settings, _ConfigFileSource(settings_cls, init_settings))
+
+    # -- what the rest of the server reads ------------------------------------------------------------
+    def engine_config(self, model_path: str) -> EngineConfig:
+        """The engine's config for `model_path` (settings.model or the demo model's folder)."""
+        return EngineConfig(
+            model=model_path,
+            dtype=self.dtype,
+            device=self.device,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            seed=self.seed,
+            show_progress=False,
+        )
+
+    def lane_bounds(self) -> dict[Lane, LaneBounds]:
+        return {
+            lane: LaneBounds(
+                max_requests=getattr(self, f"{lane.label}_max_queued_requests"),
+                max_tokens=getattr(self, f"{lane.label}_max_queued_tokens"),
+            )
+            for lane in Lane
+        }
+
+    def lane_deadlines(self, lane: Lane) -> LaneDeadlines:
+        return LaneDeadlines(
+            queue_s=getattr(self, f"{lane.label}_queue_timeout_s"),
+            first_token_s=getattr(self, f"{lane.label}_first_token_timeout_s"),
+            total_s=getattr(self, f"{lane.label}_timeout_s"),
+        )
+
+    def accepted_api_keys(self) -> tuple[str, ...]:
+        """Every key that opens the API; empty means no authentication."""
+        keys = ([self.api_key] if self.api_key else []) + list(self.api_keys)
+        return tuple(dict.fromkeys(keys))
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """The YAML file named by the `config` flag or TOKENMILL_CONFIG; nothing when neither is set."""
+
+    def __init__(self, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource) -> None:
+        super().__init__(settings_cls)
+        self._init_kwargs = getattr(init_settings, "init_kwargs", {})
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # __call__ reads the whole file at once
+
+    def __call__(self) -> dict[str, Any]:
+        path = self._init_kwargs.get("config") or os.environ.get(f"{ENV_PREFIX}CONFIG")
+        if not path:
+            return {}
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        return YamlConfigSettingsSource(self.settings_cls, yaml_file=path)()
+
+
+# -- flags ------------------------------------------------------------------------------------------
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One `--kebab-case` flag per settings field. A flag not given leaves the lower sources in force."""
+    for name, info in ServerSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = info.get_default(call_default_factory=True)
+        shown = "none" if default is None else (",".join(default) if isinstance(default, list) else default)
+        help_text = f"{info.description or name} (default: {shown})"
+        kind, choices = _flag_kind(info.annotation)
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, choices=choices,
+                                metavar=None if choices else name.upper(), help=help_text)
+
+
+def settings_from_flags(namespace: argparse.Namespace) -> ServerSettings:
+    """Settings from parsed flags over env and the YAML file. Raises pydantic.ValidationError."""
+    given = {}
+    for name, value in vars(namespace).items():
+        if name in ServerSettings.model_fields:
+            given[name] = None if isinstance(value, str) and value.lower() in ("none", "null") else value
+    return ServerSettings(**given)
+
+
+def parse_settings(argv: Sequence[str]) -> ServerSettings:
+    """Settings from a `serve` argument list (for tests and embedding)."""
+    parser = argparse.ArgumentParser(prog="tokenmill serve")
+    add_flags(parser)
+    return settings_from_flags(parser.parse_args(list(argv)))
+
+
+def _flag_kind(annotation: Any) -> tuple[type | None, list[str] | None]:
+    """bool for on/off flags, plus choices for Literal fields; None for everything else."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        annotation = args[0]
+    if annotation is bool:
+        return bool, None
+    if typing.get_origin(annotation) is Literal:
+        return None, [str(a) for a in typing.get_args(annotation)]
+    return None, None

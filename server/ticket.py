@@ -1,0 +1,104 @@
+"""A request's life as the worker and the routes share it: the `Ticket`, the events the worker posts
+to the request's `Collector`, and why a request failed (`ServerError`)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from server.lanes import Lane
+
+
+@dataclass(frozen=True)
+class ServerError:
+    """Why a request ended without a normal finish; `status` is its HTTP answer if nothing was sent yet."""
+
+    kind: str  # queue_timeout, shutdown, invalid_request, engine_error, worker_died
+    message: str
+    status: int
+
+
+@dataclass(frozen=True)
+class Started:
+    """The request left its lane and was added to the engine."""
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """New tokens and text of one engine step."""
+
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of every request. Usage and timing are on the ticket, set before this is posted."""
+
+    reason: str  # stop, length, timeout, abort, error
+    error: ServerError | None = None
+
+
+Event = Started | Tokens | Finished
+
+
+class Collector:
+    """One request's mailbox on the event loop: the worker posts, the route awaits."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's life in the server: built by a route, advanced by the worker."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lane: Lane
+    collector: Collector
+    queue_timeout_s: float | None = None
+    first_token_timeout_s: float | None = None
+    timeout_s: float | None = None
+    internal: bool = False  # warm-up: not counted in metrics or logs
+    # -- written by the worker; read by the route once Finished arrived -----------------------------------
+    arrival: float = 0.0  # clock time the lane accepted it
+    started_at: float | None = None  # added to the engine
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    error: ServerError | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    kv_blocks_peak: int = 0  # most KV blocks the request held at once (from RequestOutput.kv_blocks)
+    output_token_ids: list[int] = field(default_factory=list)  # kept only when the server logs outputs
+    prefilling: bool = False  # added, no output yet: counted in the worker's pending prefill tokens
+
+    @property
+    def tokens(self) -> int:
+        """The work it brings: prompt + max_tokens."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    def deadline(self) -> float | None:
+        """When it must have finished, as a clock time (None: never)."""
+        return self.arrival + self.timeout_s if self.timeout_s else None
+
+    def first_token_deadline(self) -> float | None:
+        if self.first_token_timeout_s is None or self.first_token_at is not None:
+            return None
+        return self.arrival + self.first_token_timeout_s
+
+    def queue_deadline(self) -> float | None:
+        """When it must have left its lane: the earliest of its three deadlines."""
+        times = [self.arrival + s for s in (self.queue_timeout_s, self.first_token_timeout_s, self.timeout_s) if s]
+        return min(times) if times else None
+
+    def timing(self) -> dict[str, float | None]:
+        def since(t: float | None) -> float | None:
+            return None if t is None else round(t - self.arrival, 6)
+
+        return {"queue_s": since(self.started_at), "ttft_s": since(self.first_token_at), "e2e_s": since(self.finished_at)}

@@ -1,0 +1,152 @@
+"""Server test helpers: an engine wrapper tests can slow down or hold, a real uvicorn server on a
+loopback port in a thread of this process, polling with a deadline."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from server.app import create_app
+from server.settings import ServerSettings
+
+HOST = "127.0.0.1"
+TEST_MAX_MODEL_LEN = 1024
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.02, what: str = "") -> Any:
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(interval)
+
+
+class ControlledEngine:
+    """Wraps an engine: an optional delay per step, and a gate a test closes to hold the worker
+    before its next step. Everything else is the wrapped engine's."""
+
+    def __init__(self, inner: Any, step_delay_s: float = 0.0) -> None:
+        self._inner = inner
+        self.step_delay_s = step_delay_s
+        self.gate = threading.Event()
+        self.gate.set()
+        self.waiting_at_gate = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def step(self):
+        if not self.gate.is_set():
+            self.waiting_at_gate.set()
+            self.gate.wait(timeout=60)
+            self.waiting_at_gate.clear()
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        return self._inner.step()
+
+
+class RunningServer:
+    """A uvicorn server in a thread; `url` is its base URL, `app` the FastAPI app."""
+
+    def __init__(self, app, sock: socket.socket) -> None:
+        self.app = app
+        self.port = sock.getsockname()[1]
+        self.url = f"http://{HOST}:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False, log_config=None)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+
+    @property
+    def runtime(self):
+        return self.app.state.runtime
+
+    def health(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, Any]:
+        """Wait until nothing is queued or running and no KV block is held; returns /health."""
+
+        def idle() -> dict[str, Any] | None:
+            h = self.health()
+            quiet = h["in_flight"] == 0 and h["running"] == 0 and h["kv_blocks_used"] == 0
+            return h if quiet and self.runtime.open_responses == 0 else None
+
+        return wait_until(idle, timeout, what="server idle")
+
+
+@contextlib.contextmanager
+def run_server(settings: ServerSettings, engine: Any, wait_ready: bool = True) -> Iterator[RunningServer]:
+    """Start `create_app(settings, engine)` on a free loopback port; stop it (and its worker) on exit."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((HOST, 0))
+    srv = RunningServer(create_app(settings, engine=engine), sock)
+    srv.thread.start()
+    try:
+        wait_until(lambda: srv.server.started or not srv.thread.is_alive(), 30, what="uvicorn startup")
+        if not srv.server.started:
+            pytest.fail("server did not start")
+        if wait_ready:
+            wait_until(lambda: _ready(srv.url), 60, what="/health 200")
+        yield srv
+    finally:
+        srv.server.should_exit = True
+        srv.thread.join(30)
+        sock.close()
+        release = getattr(engine, "release_thread", None)
+        if release is not None:
+            release()  # a fake engine may be reused by the next server's worker
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def make_settings(**overrides: Any) -> ServerSettings:
+    """Test settings: small bounds, fast pings; `overrides` win."""
+    base: dict[str, Any] = {"max_num_seqs": 16, "max_model_len": TEST_MAX_MODEL_LEN, "sse_ping_s": 2.0}
+    return ServerSettings(**{**base, **overrides})
+
+
+def build_real_engine(path: str, **config: Any):
+    from engine import Engine, EngineConfig
+
+    cfg = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 32 << 20, "max_num_seqs": 64,
+           "max_model_len": TEST_MAX_MODEL_LEN, "show_progress": False, **config}
+    return Engine(EngineConfig(model=path, **cfg))
+
+
+class Background:
+    """Requests sent from a thread pool, so a test can go on while they wait."""
+
+    def __init__(self, max_workers: int = 32) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=max_workers)
+
+    def post(self, tag: str, url: str, body: dict[str, Any], timeout: float = 60.0):
+        return self._pool.submit(httpx.post, url, json=body, timeout=timeout)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Background:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

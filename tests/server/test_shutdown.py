@@ -1,0 +1,99 @@
+"""SIGTERM on the real process (`python -m server`) while streams run: readiness turns 503 (draining),
+new requests get 503, streams that can finish within drain_timeout_s finish, the rest end with an
+error event, and the process exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+from httpx_sse import connect_sse
+
+from .helpers import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StreamReader(threading.Thread):
+    """Reads one SSE stream to its end; `first_token` is set when the first token arrives."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.first_token = threading.Event()
+        self.events: list[tuple[str, dict]] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.Client(timeout=60) as client, connect_sse(client, "POST", self.url, json=self.body) as src:
+                for e in src.iter_sse():
+                    self.events.append((e.event, json.loads(e.data)))
+                    if e.event == "token":
+                        self.first_token.set()
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+        finally:
+            self.first_token.set()
+
+
+def test_sigterm_drains_streams_and_exits_zero(tiny_model_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_") or k == "TOKENMILL_MODEL_CACHE"}
+    cmd = [sys.executable, "-m", "server", "--model", tiny_model_path, "--port", str(port), "--device", "cpu",
+           "--kv-cache-memory", "64MiB", "--drain-timeout-s", "2", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: _status(f"{url}/health") == 200 or proc.poll() is not None, 120, 0.1, "server ready")
+        assert proc.poll() is None, proc.stdout.read()
+        body = {"prompt": "def main():", "ignore_eos": True}
+        # The tiny model decodes at ~3-30 ms per step here: 10 tokens fit in the 2 s drain, 2000 do not.
+        short = [StreamReader(f"{url}/generate", {**body, "max_tokens": 10}) for _ in range(2)]
+        long = StreamReader(f"{url}/generate", {**body, "max_tokens": 2000})
+        for reader in (*short, long):
+            reader.start()
+        for reader in (*short, long):
+            assert reader.first_token.wait(60)
+
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: _status(f"{url}/health") == 503, 10, what="readiness 503")
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert health["status"] == "draining"
+        r = httpx.post(f"{url}/generate", json={**body, "max_tokens": 2, "stream": False}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "draining"
+
+        for reader in (*short, long):
+            reader.join(60)
+            assert not reader.is_alive() and reader.error is None, reader.error
+        for reader in short:
+            kind, done = reader.events[-1]
+            assert kind == "done" and done["usage"]["completion_tokens"] == 10
+        kind, err = long.events[-1]
+        assert kind == "error" and err["error"]["type"] == "shutdown"
+        assert 0 < sum(k == "token" for k, _ in long.events) < 2000
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.HTTPError:
+        return None
