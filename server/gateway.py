@@ -80,7 +80,7 @@ def admit(runtime: Runtime, req: GenerationRequest) -> RequestHandle:
     except WorkerUnavailable as exc:
         raise ApiError(503, "unhealthy", str(exc), headers={"Retry-After": "5"}) from None
     if rejection is not None:
-        runtime.record_rejection(ticket, rejection.retry_after_s)
+        runtime.record_rejection(ticket, rejection)
         raise ApiError(
             429, "overloaded",
             f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import importlib.metadata
 import json
 import logging
 import time
@@ -16,11 +17,11 @@ from engine.sampling_params import SamplingParams
 from server.errors import ApiError
 from server.gateway import RequestHandle
 from server.lanes import Lane, LaneQueue
-from server.metrics import ServerMetrics, Snapshot
+from server.metrics import ModelInfo, ServerMetrics, Snapshot, memory_probe
 from server.settings import ServerSettings
 from server.ticket import Collector, Finished, ServerError, Ticket
 from server.tokens import PromptCodec
-from server.worker import Worker
+from server.worker import Rejection, Worker
 
 log = logging.getLogger("tokenmill.server")
 request_log = logging.getLogger("tokenmill.requests")
@@ -62,6 +63,10 @@ class Runtime:
         self.engine_desc = {"dtype": engine.dtype_name, "device": engine.device_name}
         self.codec = PromptCodec(engine.tokenizer)  # copied before the worker owns the engine
         self.lanes = LaneQueue(settings.lane_bounds(), settings.aging_s)
+        info = ModelInfo(self.model_name, self.engine_desc["dtype"], self.engine_desc["device"], _version(),
+                         self.max_model_len)  # fmt: skip
+        self.metrics = ServerMetrics(info, self._snapshot)
+        self._memory = memory_probe(engine)
         # An injected engine may have been built with other limits: never feed it past its own.
         built = getattr(engine, "config", settings)
         self.worker = Worker(
@@ -71,9 +76,10 @@ class Runtime:
             max_num_batched_tokens=getattr(built, "max_num_batched_tokens", settings.max_num_batched_tokens),
             block_size=getattr(built, "block_size", settings.block_size),
             on_finish=self._on_finish,
+            on_step=self.metrics.observe_step,
+            on_token_gap=self.metrics.observe_token_gap,
             keep_outputs=settings.log_prompts,
         )
-        self.metrics = ServerMetrics(self.model_name, self._snapshot)
         self.started_at = time.monotonic()
         self.created = int(time.time())
         self.ready = False  # warm-up done
@@ -176,25 +182,28 @@ class Runtime:
         return Lane.INTERACTIVE if tokens <= self.settings.short_request_tokens else Lane.STANDARD
 
     def _snapshot(self) -> Snapshot:
-        return Snapshot(stats=self.worker.stats, lanes=self.worker.lane_load(), worker_alive=self.worker.alive)
+        return Snapshot(stats=self.worker.stats, lanes=self.worker.lane_load(), worker_alive=self.worker.alive,
+                        memory=self._memory())  # fmt: skip
 
     # -- accounting (metrics + one JSON log line per request) --------------------------------------------
-    def record_rejection(self, ticket: Ticket, retry_after_s: int) -> None:
-        self.metrics.observe_rejected(ticket.lane, "overloaded")
+    def record_rejection(self, ticket: Ticket, rejection: Rejection) -> None:
+        self.metrics.observe_rejected(ticket.lane, rejection.reason)
         request_log.info(json.dumps({
-            "event": "request", "id": ticket.request_id, "lane": ticket.lane.label, "status": "overloaded",
-            "finish_reason": None, "prompt_tokens": len(ticket.prompt_token_ids), "retry_after_s": retry_after_s,
+            "event": "request", "id": ticket.request_id, "lane": ticket.lane.label, "status": "rejected",
+            "reason": rejection.reason, "finish_reason": None, "prompt_tokens": len(ticket.prompt_token_ids),
+            "retry_after_s": rejection.retry_after_s,
         }))  # fmt: skip
 
     def _on_finish(self, ticket: Ticket) -> None:
         """Runs on the worker thread when any admitted request ends."""
         if ticket.internal:
             return
-        status = request_status(ticket)
+        status, reason = request_status(ticket)
         timing = ticket.timing()
-        self.metrics.observe_finished(ticket.lane, status, ticket.finish_reason or "", timing)
+        lengths = (len(ticket.prompt_token_ids), ticket.completion_tokens)
+        self.metrics.observe_finished(ticket.lane, status, reason, lengths, timing)
         line = {
-            "event": "request", "id": ticket.request_id, "lane": ticket.lane.label, "status": status,
+            "event": "request", "id": ticket.request_id, "lane": ticket.lane.label, "status": status, "reason": reason,
             "finish_reason": ticket.finish_reason, "prompt_tokens": len(ticket.prompt_token_ids),
             "completion_tokens": ticket.completion_tokens, "cached_tokens": ticket.cached_tokens,
             **timing, "kv_blocks_peak": ticket.kv_blocks_peak,
@@ -207,9 +216,33 @@ class Runtime:
         request_log.info(json.dumps(line))
 
 
-def request_status(ticket: Ticket) -> str:
-    """The outcome label of an ended request (metrics `status`, log `status`)."""
+def request_status(ticket: Ticket) -> tuple[str, str]:
+    """(status, reason) of an ended request, as metrics and the request log label it (server/metrics.py
+    REASONS lists them)."""
     if ticket.error is not None:
         kind = ticket.error.kind
-        return kind if kind in ("queue_timeout", "shutdown", "invalid_request") else "error"
-    return {"timeout": "timeout", "abort": "aborted", "error": "error"}.get(ticket.finish_reason or "", "ok")
+        return _ERROR_STATUS.get(kind, ("error", kind if kind == "worker_died" else "engine_error"))
+    reason = ticket.finish_reason or "stop"
+    if reason == "timeout":
+        first = ticket.first_token_deadline()  # None once a token came
+        missed_first = first is not None and ticket.finished_at is not None and ticket.finished_at >= first
+        return "timeout", "first_token" if missed_first else "total"
+    if reason == "abort":
+        return "cancelled", "client"
+    if reason == "error":
+        return "error", "engine_error"
+    return "ok", reason
+
+
+_ERROR_STATUS = {
+    "queue_timeout": ("timeout", "queue"),
+    "shutdown": ("cancelled", "shutdown"),
+    "invalid_request": ("rejected", "invalid_request"),
+}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tokenmill")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

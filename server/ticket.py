@@ -68,6 +68,7 @@ class Ticket:
     arrival: float = 0.0  # clock time the lane accepted it
     started_at: float | None = None  # added to the engine
     first_token_at: float | None = None
+    last_token_at: float | None = None
     finished_at: float | None = None
     finish_reason: str | None = None
     error: ServerError | None = None

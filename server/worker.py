@@ -33,6 +33,7 @@ class Rejection:
 
     lane: Lane
     retry_after_s: int
+    reason: str  # the bound hit: queue_requests or queue_tokens
 
 
 # -- commands from the event loop ---------------------------------------------------------------------
@@ -71,6 +72,8 @@ class Worker:
         max_num_batched_tokens: int,
         block_size: int,
         on_finish: Callable[[Ticket], None] = lambda ticket: None,
+        on_step: Callable[[EngineStats], None] = lambda stats: None,
+        on_token_gap: Callable[[Lane, float], None] = lambda lane, seconds: None,
         keep_outputs: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -80,6 +83,8 @@ class Worker:
         self._max_batched = max_num_batched_tokens
         self._block_size = block_size
         self._on_finish = on_finish
+        self._on_step = on_step  # after each step the engine ran, with its stats (metrics)
+        self._on_token_gap = on_token_gap  # time between two tokens of a request (metrics)
         self._keep_outputs = keep_outputs
         self._clock = clock
         self._lock = threading.Lock()  # guards _lanes and _tickets, shared with the event loop
@@ -117,7 +122,9 @@ class Worker:
             if ticket.request_id in self._tickets:
                 raise DuplicateRequestId(f"request_id {ticket.request_id!r} is already in flight")
             if not self._lanes.fits(ticket.lane, ticket.tokens):
-                return Rejection(ticket.lane, self._lanes.retry_after(ticket.lane, now))
+                full = self._lanes.depth(ticket.lane) >= self._lanes.bounds(ticket.lane).max_requests
+                reason = "queue_requests" if full else "queue_tokens"
+                return Rejection(ticket.lane, self._lanes.retry_after(ticket.lane, now), reason)
             ticket.arrival = now
             item = QueuedRequest(ticket.request_id, ticket.lane, ticket.tokens, now, ticket.queue_deadline(), ticket)
             self._lanes.push(item, now)
@@ -163,10 +170,12 @@ class Worker:
         now = self._clock()
         self._expire(now)
         self._feed(now)
-        self.stats = self._engine.stats()  # fresh for /health during a long step
+        self.stats = before = self._engine.stats()  # fresh for /health during a long step
         if self._engine.has_unfinished():
             self._step()
         self.stats = self._engine.stats()
+        if self.stats.steps != before.steps:
+            self._on_step(self.stats)
         self._flush()
         self.heartbeat = self._clock()
 
@@ -269,8 +278,12 @@ class Worker:
         if ticket is None:
             return  # aborted or timed out after it was scheduled
         self._clear_prefill(ticket)
-        if out.new_token_ids and ticket.first_token_at is None:
-            ticket.first_token_at = now
+        if out.new_token_ids:
+            if ticket.first_token_at is None:
+                ticket.first_token_at = now
+            elif not ticket.internal:
+                self._on_token_gap(ticket.lane, now - ticket.last_token_at)
+            ticket.last_token_at = now
         ticket.prompt_tokens = out.prompt_tokens
         ticket.completion_tokens = out.completion_tokens
         ticket.cached_tokens = max(ticket.cached_tokens, out.cached_tokens)

@@ -24,9 +24,9 @@ def sse_events(url: str, body: dict, timeout: float = 60) -> tuple[int, list[tup
         return 200, [(e.event, json.loads(e.data)) for e in src.iter_sse()]
 
 
-def counter(url: str, lane: str, status: str) -> float:
+def counter(url: str, lane: str, status: str, reason: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    prefix = f'tokenmill_requests_total{{lane="{lane}",status="{status}"}} '
+    prefix = f'tokenmill_requests_total{{lane="{lane}",reason="{reason}",status="{status}"}} '
     return float(next(line for line in text.splitlines() if line.startswith(prefix))[len(prefix):])
 
 
@@ -50,7 +50,7 @@ def test_total_timeout_aborts_and_frees_kv(slow):
         assert r.status_code == 200 and r.json()["finish_reason"] == "timeout"
         h = srv.wait_idle()
         assert h["kv_blocks_used"] == 0 and h["running"] == 0
-        assert counter(srv.url, "standard", "timeout") == 2
+        assert counter(srv.url, "standard", "timeout", "total") == 2
 
 
 def test_first_token_timeout(real_engine):
@@ -83,7 +83,7 @@ def test_queue_timeout_is_503_before_streaming_and_an_error_event_after(real_eng
         status, events = sse_events(srv.url, short)
         assert status == 200
         assert events == [("error", {"error": {"type": "queue_timeout", "message": events[0][1]["error"]["message"]}})]
-        assert counter(srv.url, "interactive", "queue_timeout") == 2
+        assert counter(srv.url, "interactive", "timeout", "queue") == 2
         assert blocker.result(timeout=60).json()["finish_reason"] == "timeout"
         srv.wait_idle()
 
@@ -111,7 +111,7 @@ def test_hundred_clients_disconnecting_mid_stream_leave_nothing_behind(real_engi
         assert asyncio.run(main()) == [2] * 100
         h = srv.wait_idle(timeout=30)
         assert h["kv_blocks_used"] == 0 and h["running"] == 0 and h["engine_waiting"] == 0
-        assert counter(srv.url, "interactive", "aborted") + counter(srv.url, "standard", "aborted") == 100
+        assert counter(srv.url, "interactive", "cancelled", "client") + counter(srv.url, "standard", "cancelled", "client") == 100
         # The server still serves.
         r = httpx.post(f"{srv.url}/generate", json={"prompt": PROMPT, "max_tokens": 3, "stream": False}, timeout=30)
         assert r.status_code == 200
@@ -123,7 +123,7 @@ def test_non_streaming_client_that_leaves_is_aborted(slow):
             httpx.post(f"{srv.url}/generate", json={**LONG, "stream": False}, timeout=0.5)
         h = srv.wait_idle(timeout=10)  # 900 tokens at >= 20 ms per step would take > 18 s
         assert h["kv_blocks_used"] == 0
-        assert counter(srv.url, "standard", "aborted") == 1
+        assert counter(srv.url, "standard", "cancelled", "client") == 1
 
 
 def test_long_queue_wait_streams_keepalive_pings_then_tokens(real_engine):
@@ -165,6 +165,6 @@ def test_streaming_client_leaving_while_queued_is_aborted(real_engine):
             held.gate.set()
             assert filler.result(timeout=30).status_code == 200
             srv.wait_idle()
-            assert counter(srv.url, "interactive", "aborted") == 1
+            assert counter(srv.url, "interactive", "cancelled", "client") == 1
     finally:
         held.gate.set()

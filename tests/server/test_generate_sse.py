@@ -125,8 +125,8 @@ def test_lane_chosen_by_size_and_metrics(srv):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for fam in text_string_to_metric_families(r.text) for s in fam.samples}
-    assert samples[("tokenmill_requests_total", (("lane", "interactive"), ("status", "ok")))] >= 1
-    assert samples[("tokenmill_requests_total", (("lane", "standard"), ("status", "ok")))] >= 1
+    assert samples[("tokenmill_requests_total", (("lane", "interactive"), ("reason", "length"), ("status", "ok")))] >= 1
+    assert samples[("tokenmill_requests_total", (("lane", "standard"), ("reason", "length"), ("status", "ok")))] >= 1
     assert samples[("tokenmill_queue_depth", (("lane", "batch"),))] == 0
     assert samples[("tokenmill_time_to_first_token_seconds_count", (("lane", "standard"),))] >= 1
     assert samples[("tokenmill_generation_tokens_total", ())] >= 108

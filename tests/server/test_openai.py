@@ -119,7 +119,7 @@ def test_extensions_are_accepted(client, srv):
     )  # fmt: skip
     assert again.choices[0].text == r.choices[0].text  # same seed, same sample
     metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
-    assert 'tokenmill_requests_total{lane="batch",status="ok"} 1.0' in metrics
+    assert 'tokenmill_requests_total{lane="batch",reason="length",status="ok"} 1.0' in metrics
 
 
 def test_openai_error_bodies(client):

@@ -82,7 +82,8 @@ def test_flood_over_the_lane_bound_gets_429_while_admitted_requests_complete(rea
         assert all(r.json()["usage"]["completion_tokens"] == 4 for r in results if r.status_code == 200)
         assert filler.result(timeout=60).status_code == 200
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
-        assert 'tokenmill_requests_total{lane="interactive",status="overloaded"} 7.0' in metrics
+        assert 'tokenmill_requests_total{lane="interactive",reason="queue_requests",status="rejected"} 7.0' in metrics
+        assert 'tokenmill_request_rejections_total{lane="interactive",reason="queue_requests"} 7.0' in metrics
         srv.wait_idle()
 
 
