@@ -28,8 +28,9 @@ class TorchMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor  # [num_tokens] long
     store_all: bool  # no -1 slots: store with one index_copy
     num_decodes: int
-    decode_ctx: int  # padded context length of the decode batch
-    decode_gather: torch.Tensor | None  # [num_decodes * decode_ctx] long, padded with slot 0
+    block_size: int
+    decode_ctx: int  # padded context length of the decode batch (a multiple of block_size)
+    decode_gather: torch.Tensor | None  # [num_decodes * decode_ctx / block_size] block ids, padded with 0
     decode_bias: torch.Tensor | None  # [1, num_decodes, 1, decode_ctx] float32: 0 attend, -inf padding
     prefills: list[_Prefill]
 
@@ -53,17 +54,15 @@ class TorchAttentionBackend(AttentionBackend):
         max_ctx = 0
         if nd:
             lens = torch.tensor(layout.context_lens[:nd])
-            max_ctx = int(lens.max())
-            max_blocks = -(-max_ctx // bs)
-            tables = torch.zeros(nd, max_blocks, dtype=torch.long)  # padded block tables
+            max_blocks = -(-int(lens.max()) // bs)
+            max_ctx = max_blocks * bs  # whole blocks are gathered; the tail is masked
+            tables = torch.zeros(nd, max_blocks, dtype=torch.long)  # padded block tables (pad: block 0)
             for i in range(nd):
                 row = layout.block_tables[i][:max_blocks]
                 tables[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            pos = torch.arange(max_ctx)
-            gather = tables[:, pos // bs] * bs + pos % bs  # [nd, max_ctx]; padding reads block 0
-            pad = pos[None, :] >= lens[:, None]
+            pad = torch.arange(max_ctx)[None, :] >= lens[:, None]
             bias = torch.zeros(nd, max_ctx).masked_fill_(pad, float("-inf"))
-            decode_gather = gather.flatten().to(device)
+            decode_gather = tables.flatten().to(device)
             decode_bias = bias[None, :, None, :].to(device)
         prefills, q_start = [], nd
         for i in range(nd, len(layout.query_lens)):
@@ -76,7 +75,7 @@ class TorchAttentionBackend(AttentionBackend):
             q_start += q
         slot_mapping = layout.slot_mapping.to(device)
         store_all = bool((layout.slot_mapping >= 0).all())
-        return TorchMetadata(slot_mapping, store_all, nd, max_ctx, decode_gather, decode_bias, prefills)
+        return TorchMetadata(slot_mapping, store_all, nd, bs, max_ctx, decode_gather, decode_bias, prefills)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
         self._store(k, v, k_cache, v_cache, meta)
@@ -110,9 +109,10 @@ def _decode_attention(q, k_cache, v_cache, meta: TorchMetadata, scale: float) ->
     """One query per sequence; batched matmuls per KV head (GQA without repeating K/V).
     Much cheaper on CPU than the flash kernel for a single query row."""
     nd, h, d = q.shape
-    kvh, ctx = k_cache.shape[0], meta.decode_ctx
-    kk = k_cache.index_select(1, meta.decode_gather).view(kvh, nd, ctx, d)
-    vv = v_cache.index_select(1, meta.decode_gather).view(kvh, nd, ctx, d)
+    kvh, ctx, bs = k_cache.shape[0], meta.decode_ctx, meta.block_size
+    # Gather whole blocks (block_size * d contiguous elements each), not single slots.
+    kk = k_cache.view(kvh, -1, bs * d).index_select(1, meta.decode_gather).view(kvh, nd, ctx, d)
+    vv = v_cache.view(kvh, -1, bs * d).index_select(1, meta.decode_gather).view(kvh, nd, ctx, d)
     qq = q.view(nd, kvh, h // kvh, d).transpose(0, 1)  # [kv_heads, nd, group, d]
     scores = torch.matmul(qq, kk.transpose(-1, -2)).float() * scale + meta.decode_bias  # [kvh, nd, g, ctx]
     probs = torch.softmax(scores, dim=-1).to(q.dtype)

@@ -101,9 +101,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab]."""
+        """[N, hidden] -> logits [N, vocab] in the model dtype (the sampler upcasts when it needs to)."""
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return torch.nn.functional.linear(hidden, weight)
 
     def shard_sizes(self, fused: str) -> list[int]:
         """Row sizes of the shards of a fused parameter, in shard order."""
