@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # engine.attention.select_backend
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # seed of the engine's default generator (requests without a seed)
     show_progress: bool = True  # progress bar while loading weights
+    attention_backend: str = "auto"  # auto: Triton kernels on CUDA when they run there, else torch
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only; the CPU never uses them)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -44,6 +47,10 @@ class EngineConfig:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
 
 
 def _positive(name: str, value: object) -> None:

@@ -13,6 +13,7 @@ from engine import setup
 from engine.attention import select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphRunner, graph_buckets, graphs_enabled
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, ModelRunnerOutput
@@ -56,12 +57,14 @@ class Engine:
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = setup.eos_token_ids(path, self.hf_config, self.tokenizer)
         model = load_model(path, self.hf_config, self.dtype, self.device, self.max_model_len, config.show_progress)
-        backend = select_backend(self.device.type)
+        backend = select_backend(self.device, config.attention_backend, self.dtype)
+        use_graphs = graphs_enabled(self.device, config.enforce_eager, backend)
+        buckets = graph_buckets(config.max_num_seqs)
         spec = setup.kv_spec(self.hf_config, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             cuda_profile = self.device.type == "cuda" and config.kv_cache_memory is None
-            peak = self._profile_activations(model, backend) if cuda_profile else 0
+            peak = self._profile_activations(model, backend, buckets[-1] if use_graphs else 0) if cuda_profile else 0
             num_blocks = spec.num_blocks_for(setup.kv_budget_bytes(config, self.device, peak))
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small for one KV block")
@@ -70,13 +73,17 @@ class Engine:
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         self.sampler = Sampler(config.seed)
         kv = allocate_kv_cache(spec, num_blocks, self.device, backend)
-        self.runner = ModelRunner(model, kv, backend, config.block_size, self.device, self.sampler)
+        self.kv_cache_bytes = num_blocks * spec.bytes_per_block
+        graphs = self._capture_graphs(model, backend, kv, buckets) if use_graphs else None
+        self.runner = ModelRunner(model, kv, backend, config.block_size, self.device, self.sampler, graphs)
         self._text: dict[str, RequestTextState] = {}
         self._stats = EngineStats(kv_blocks_total=num_blocks)
         log.info(
-            "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens), attention=%s",
+            "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "
+            "cuda graphs=%s",
             self.model_name, str(self.dtype).removeprefix("torch."), self.device, num_blocks,
-            config.block_size, num_blocks * config.block_size, backend.name,
+            config.block_size, num_blocks * config.block_size, self.kv_cache_bytes / 2**30, backend.name,
+            ",".join(map(str, buckets)) if graphs else "off",
         )
 
     # ---- names the server reads ------------------------------------------------------------------
@@ -269,29 +276,73 @@ class Engine:
                     r.finish_reason = out.finish_reason
         return [results[rid] for rid in order]
 
-    # ---- CUDA memory profiling -------------------------------------------------------------------
-    def _profile_activations(self, model, backend) -> int:
-        """Peak activation bytes of one forward at the largest step, measured, not guessed."""
+    # ---- device memory ------------------------------------------------------------------------------
+    def device_memory(self) -> dict[str, int] | None:
+        """Device memory in bytes from CUDA (used and total on the device, allocated by this
+        process's PyTorch, the KV cache); None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        return {
+            "used_bytes": int(total - free),
+            "total_bytes": int(total),
+            "allocated_bytes": int(torch.cuda.memory_allocated(self.device)),
+            "kv_cache_bytes": int(self.kv_cache_bytes),
+        }
+
+    def _profile_activations(self, model, backend, graph_batch: int = 0) -> int:
+        """Bytes to keep free besides the weights, measured, not guessed: the activation peak of one
+        forward at the largest step, plus, when decode graphs will be captured (graph_batch > 0),
+        that of a decode forward at the largest bucket (the graphs' memory pool stays allocated)."""
         from engine.attention import BatchLayout
-        from engine.kv_cache import allocate_kv_cache as alloc
-        from engine.models.layers import ForwardContext
 
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         bs = self.config.block_size
         blocks = -(-n // bs)
-        spec = setup.kv_spec(self.hf_config, bs, self.dtype)
+        prefill = BatchLayout(0, [n], [n], [list(range(blocks))], bs, torch.arange(n))
+        peak = self._peak_bytes(model, backend, prefill, blocks, logits_rows=self.config.max_num_seqs)
+        if graph_batch:  # one context token each, read from block 0; slot -1 stores nothing
+            decode = BatchLayout(graph_batch, [1] * graph_batch, [1] * graph_batch, [[0]] * graph_batch, bs,
+                                 torch.full((graph_batch,), -1, dtype=torch.long))
+            graph_peak = self._peak_bytes(model, backend, decode, blocks, logits_rows=0)
+            log.info("profiled activations: step peak %.0f MiB, decode graphs ~%.0f MiB",
+                     peak / 2**20, graph_peak / 2**20)
+            peak += graph_peak
+        return peak
+
+    def _peak_bytes(self, model, backend, layout, blocks: int, logits_rows: int) -> int:
+        from engine.kv_cache import allocate_kv_cache as alloc
+        from engine.models.layers import ForwardContext
+
+        n = len(layout.slot_mapping)
+        spec = setup.kv_spec(self.hf_config, self.config.block_size, self.dtype)
         kv = alloc(spec, blocks, self.device, backend)
-        layout = BatchLayout(0, [n], [n], [list(range(blocks))], bs, torch.arange(n))
+        pos = [p for c, q in zip(layout.context_lens, layout.query_lens, strict=True) for p in range(c - q, c)]
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         with torch.inference_mode():
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             ctx = ForwardContext(backend, backend.build_metadata(layout, self.device), kv)
-            hidden = model(ids, torch.arange(n, device=self.device), ctx)
-            model.compute_logits(hidden[-self.config.max_num_seqs :])
+            hidden = model(ids, positions, ctx)
+            if logits_rows:
+                model.compute_logits(hidden[-logits_rows:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del kv, ctx, hidden
         torch.cuda.empty_cache()
         return int(peak)
+
+    def _capture_graphs(self, model, backend, kv, buckets) -> DecodeGraphRunner:
+        """Capture the decode graphs; logs the memory they took."""
+        before = torch.cuda.memory_reserved(self.device)
+        graphs = DecodeGraphRunner(
+            model, backend, kv, buckets=buckets, block_size=self.config.block_size,
+            max_model_len=self.max_model_len, device=self.device,
+        )
+        with torch.inference_mode():
+            graphs.capture_all()
+        torch.cuda.synchronize(self.device)
+        log.info("decode graphs hold %.0f MiB", (torch.cuda.memory_reserved(self.device) - before) / 2**20)
+        return graphs

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionBackend, BatchLayout
+from engine.cuda_graphs import DecodeGraphRunner
 from engine.models.layers import ForwardContext
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import TokenLogprob
@@ -25,7 +26,7 @@ class ModelRunnerOutput:
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, kv_caches, backend: AttentionBackend, block_size: int,
-        device: torch.device, sampler: Sampler,
+        device: torch.device, sampler: Sampler, graphs: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -33,15 +34,14 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.graphs = graphs  # CUDA graphs for decode-only steps; None: every step runs eagerly
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         # Decodes first (the backend batches them), then prefill chunks.
         items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
         input_ids, positions, layout = self._pack(items)
-        meta = self.backend.build_metadata(layout, self.device)
-        ctx = ForwardContext(self.backend, meta, self.kv_caches)
-        hidden = self.model(input_ids, positions, ctx)  # [T, hidden]
+        hidden = self._forward(input_ids, positions, layout)  # [T, hidden]
         ends, reqs, offset = [], [], 0
         for s in items:
             offset += s.num_tokens
@@ -55,6 +55,20 @@ class ModelRunner:
         sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
         logprobs = {r.request_id: lp for r, lp in zip(reqs, lps, strict=True) if lp is not None}
         return ModelRunnerOutput(sampled, logprobs)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """The model over one packed step (host tensors in): a decode graph's replay when one fits."""
+        bucket = self.graphs.bucket_for(layout) if self.graphs is not None else None
+        if bucket is not None:
+            return self.graphs.run(bucket, input_ids, positions, layout)
+        meta = self.backend.build_metadata(layout, self.device)
+        ctx = ForwardContext(self.backend, meta, self.kv_caches)
+        return self.model(self._send(input_ids), self._send(positions), ctx)
+
+    def _send(self, host: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":  # pinned, so the copy does not block the host
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
 
     def _pack(self, items: list[ScheduledRequest]):
         ids: list[int] = []
@@ -75,6 +89,4 @@ class ModelRunner:
             block_size=bs,
             slot_mapping=torch.tensor(slots, dtype=torch.long),
         )
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        positions = torch.tensor(pos, dtype=torch.long).to(self.device, non_blocking=True)
-        return input_ids, positions, layout
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), layout  # on the host

@@ -65,6 +65,10 @@ class ServerSettings(BaseSettings):
     block_size: int = Field(16, ge=1, description="tokens per KV block")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     seed: int = Field(0, description="seed of requests that give none")
+    attention_backend: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="auto: Triton kernels on CUDA when they run, else the PyTorch reference"
+    )
+    enforce_eager: bool = Field(False, description="no CUDA graphs for decode steps (CUDA only)")
 
     # -- HTTP ----------------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="address to bind")
@@ -151,6 +155,8 @@ class ServerSettings(BaseSettings):
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
             show_progress=False,
         )
 

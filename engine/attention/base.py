@@ -31,6 +31,7 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    supports_cuda_graphs: bool = False  # implements graph_decode_metadata (engine/cuda_graphs.py)
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
@@ -53,3 +54,14 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Store k/v into their slots, then attend each query causally over its sequence's
         cached context. Returns [num_tokens, num_heads, head_dim]."""
+
+    def graph_decode_metadata(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+        block_size: int, max_context: int,
+    ) -> AttentionMetadata:
+        """Metadata of a decode-only batch that reads persistent int64 buffers: slot_mapping [B]
+        (-1: padding), block_tables [B, W], context_lens [B] (0: padding). A CUDA graph is captured
+        with it once and replayed after the buffers are rewritten, so nothing in it may depend on
+        their values on the host; max_context bounds every context length it will see. Only for
+        backends with supports_cuda_graphs."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
