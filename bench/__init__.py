@@ -1,0 +1,1 @@
+"""Benchmarks of tokenmill against baselines: `python -m bench <subcommand>` (or `tokenmill bench`)."""

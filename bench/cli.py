@@ -1,0 +1,31 @@
+"""Command line of the benchmarks: `python -m bench <subcommand> ...`, also `tokenmill bench ...`.
+
+Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
+and sets `func(args) -> int`. Today: `offline`, `load` (HTTP load test), `sweep`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+
+from bench import load, offline, sweep
+
+
+def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="tokenmill benchmarks")
+    subparsers = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
+    offline.add_parser(subparsers)
+    load.add_parser(subparsers)
+    sweep.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m bench") -> int:
+    """Parse `argv` (default: sys.argv[1:]) and run the subcommand; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(prog).parse_args(argv)
+    args.command_line = shlex.join([*shlex.split(prog), *argv])
+    return args.func(args)
