@@ -11,13 +11,14 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from bench import load, offline, sweep
+from bench import floor, load, offline, sweep
 
 
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="tokenmill benchmarks")
     subparsers = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
     offline.add_parser(subparsers)
+    floor.add_parser(subparsers)
     load.add_parser(subparsers)
     sweep.add_parser(subparsers)
     return parser

@@ -1,0 +1,118 @@
+"""Decode step vs its floor: how close one engine decode step gets to the time of its matrix
+multiplications alone (the same weights, the same batch), measured in the same process.
+
+    python -m bench floor --model bench-135m --batch 32 --context 256 --threads 2
+
+The floor is every linear layer of the model (fused QKV, O, fused gate/up, down, lm_head) applied
+once to a [batch, in_features] input, back to back: the arithmetic and weight traffic a decode step
+cannot avoid. Attention, norms, rotary, sampling and scheduling are what the step adds on top.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+
+
+@dataclass
+class FloorResult:
+    batch: int
+    context: int
+    step_ms: float  # median wall time of one decode step (engine.step())
+    floor_ms: float  # median wall time of the step's matmuls alone
+    ratio: float  # step_ms / floor_ms
+    step_runs_ms: list[float]
+    floor_runs_ms: list[float]
+
+
+def decode_engine(model: str, dtype: str, batch: int, context: int, max_tokens: int) -> Engine:
+    """An engine with `batch` requests whose prompts are prefilled: every later step is a decode."""
+    engine = Engine(EngineConfig(
+        model=model, dtype=dtype, device="cpu", max_num_seqs=batch, max_num_batched_tokens=max(2048, context),
+        num_kv_blocks=batch * (-(-(context + max_tokens) // 16)) + 8, enable_prefix_caching=False,
+        show_progress=False,
+    ))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = [(100 + 7 * i + 13 * j) % 1000 + 10 for j in range(context)]
+        engine.add_request(f"floor-{i}", prompt_token_ids=prompt, params=params)
+    while engine.stats().waiting or engine.stats().last_step_prefill_tokens or not engine.stats().steps:
+        engine.step()
+    return engine
+
+
+def time_steps(engine: Engine, repeats: int) -> list[float]:
+    runs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        outs = engine.step()
+        runs.append((time.perf_counter() - t) * 1e3)
+        if engine.stats().last_step_prefill_tokens or not outs:
+            raise RuntimeError("a timed step was not a pure decode step: raise max_tokens")
+    return runs
+
+
+@torch.inference_mode()
+def time_matmuls(model: torch.nn.Module, batch: int, repeats: int) -> list[float]:
+    """The decode step's linear layers alone, on [batch, in] inputs of the model's dtype."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if getattr(model, "tie_word_embeddings", False):
+        weights.append(model.model.embed_tokens.weight)  # the tied lm_head
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    for w in weights:  # warm-up
+        torch.nn.functional.linear(inputs[w.shape[1]], w)
+    runs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for w in weights:
+            torch.nn.functional.linear(inputs[w.shape[1]], w)
+        runs.append((time.perf_counter() - t) * 1e3)
+    return runs
+
+
+def measure(model: str, dtype: str, batch: int, context: int, repeats: int) -> FloorResult:
+    engine = decode_engine(model, dtype, batch, context, max_tokens=repeats + 8)
+    time_steps(engine, 2)  # warm-up
+    # Interleave the two measurements so drifts in the machine's load hit both alike.
+    step, floor = [], []
+    for _ in range(repeats):
+        step += time_steps(engine, 1)
+        floor += time_matmuls(engine.runner.model, batch, 1)
+    s, f = statistics.median(step), statistics.median(floor)
+    return FloorResult(batch, context, s, f, s / f, step, floor)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("floor", help="decode step time vs its matmul floor",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="bench-135m", help="model folder or make_model preset")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--batch", type=int, nargs="+", default=[32])
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per request")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.offline import _resolve_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = str(_resolve_model(args.model))
+    results = [measure(model, args.dtype, b, args.context, args.repeats) for b in args.batch]
+    print(f"{args.command_line}\n{'batch':>6} {'context':>8} {'step ms':>9} {'floor ms':>9} {'ratio':>6}")
+    for r in results:
+        print(f"{r.batch:>6} {r.context:>8} {r.step_ms:>9.2f} {r.floor_ms:>9.2f} {r.ratio:>6.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=2)
+    return 0

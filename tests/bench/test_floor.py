@@ -1,0 +1,28 @@
+"""bench floor: the decode engine really decodes, and the floor times the model's own linears."""
+
+from __future__ import annotations
+
+import json
+
+from bench.cli import main
+from bench.floor import decode_engine, time_matmuls, time_steps
+
+
+def test_decode_engine_steps_are_pure_decodes(build_model):
+    engine = decode_engine(str(build_model("tiny-llama")), "float32", batch=3, context=20, max_tokens=12)
+    runs = time_steps(engine, 4)
+    assert len(runs) == 4 and all(r > 0 for r in runs)
+    st = engine.stats()
+    assert st.running == 3 and st.last_step_decode_tokens == 3 and st.last_step_prefill_tokens == 0
+    assert len(time_matmuls(engine.runner.model, 3, 2)) == 2
+
+
+def test_floor_cli_writes_json(build_model, tmp_path):
+    out = tmp_path / "floor.json"
+    rc = main(["floor", "--model", str(build_model("tiny-llama")), "--dtype", "float32", "--batch", "2", "4",
+               "--context", "16", "--repeats", "3", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert [r["batch"] for r in res] == [2, 4]
+    assert all(r["step_ms"] > 0 and r["floor_ms"] > 0 and len(r["step_runs_ms"]) == 3 for r in res)
+    assert all(abs(r["ratio"] - r["step_ms"] / r["floor_ms"]) < 1e-9 for r in res)
