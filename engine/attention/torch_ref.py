@@ -79,8 +79,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
         self._store(k, v, k_cache, v_cache, meta)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if not meta.prefills:  # decode-only step: no packed output to assemble
+            return _decode_attention(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
         for p in meta.prefills:

@@ -65,7 +65,12 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     # q: [T, heads, d], k: [T, kv_heads, d]; cos/sin: [T, 1, d]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x: [T, heads, d] (any number of heads: q and k can go through together)."""
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

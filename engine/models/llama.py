@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.layers import ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from engine.models.layers import ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rotate
 from engine.models.rope import rope_inv_freq
 
 
@@ -33,14 +33,17 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, (q_size, kv_size, _) = x.shape[0], self.split
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, ctx.cos, ctx.sin)
+            q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, self.head_dim))  # [T, H, D]
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, k, ctx.cos, ctx.sin)
+        else:
+            # q and k sit side by side in qkv: one RoPE over [T, H + Hkv, D] halves the elementwise ops.
+            qk = rotate(qkv[:, : q_size + kv_size].view(t, -1, self.head_dim), ctx.cos, ctx.sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(t, -1))
