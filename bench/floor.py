@@ -103,11 +103,11 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.offline import _resolve_model
+    from bench.workloads import resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = str(_resolve_model(args.model))
+    model = str(resolve_model(args.model))
     results = [measure(model, args.dtype, b, args.context, args.repeats) for b in args.batch]
     print(f"{args.command_line}\n{'batch':>6} {'context':>8} {'step ms':>9} {'floor ms':>9} {'ratio':>6}")
     for r in results:

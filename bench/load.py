@@ -28,6 +28,7 @@ import httpx
 from bench.machine import cpu_sample, other_cores
 from bench.stats import RequestRecord, Slo, summarize
 from bench.streams import SseDecoder, parse_generate_event, parse_openai_event
+from bench.workloads import resolve_model
 
 ENDPOINTS = {"generate": "/generate", "completions": "/v1/completions"}
 LANES = ("interactive", "standard", "batch")
@@ -349,18 +350,6 @@ def build_requests(args: argparse.Namespace, num: int | None) -> list[LoadReques
         reqs = synthetic_requests(str(resolve_model(args.model)), num or 8, args.prompt_len, args.output_len,
                                   args.seed)
     return assign_lanes(reqs, parse_priority_mix(args.priority_mix), args.seed)
-
-
-def resolve_model(name: str) -> Path:
-    """A model folder, or a make_model preset built on demand."""
-    path = Path(name)
-    if (path / "config.json").is_file():
-        return path
-    from engine.testing.make_model import PRESETS, ensure_model
-
-    if name in PRESETS:
-        return ensure_model(name)
-    raise SystemExit(f"--model: {name!r} is neither a model folder nor a preset ({', '.join(PRESETS)})")
 
 
 def make_config(args: argparse.Namespace, base_url: str, concurrency: int | None) -> LoadConfig:

@@ -29,7 +29,14 @@ import torch
 
 import engine
 from bench.machine import cpu_sample, machine_info, other_cores, wait_quiet
-from bench.workloads import BenchRequest, Workload, fixed_workload, mixed_workload, ordinary_token_ids
+from bench.workloads import (
+    BenchRequest,
+    Workload,
+    fixed_workload,
+    mixed_workload,
+    ordinary_token_ids,
+    resolve_model,
+)
 from engine import Engine, EngineConfig, SamplingParams
 
 SYSTEMS = ("engine", "hf-static", "hf-serial")
@@ -349,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"command: {args.command_line}")
     load_before = os.getloadavg()
     print(f"load average (1/5/15 min): {_fmt_load(load_before)} on {os.cpu_count()} CPUs")
-    model = _resolve_model(args.model)
+    model = resolve_model(args.model)
     workload = _build_workload(args, model)
     print(f"workload: {json.dumps(workload.describe())}")
     sample = serial_sample(workload, args.serial_sample)
@@ -400,17 +407,6 @@ def _parse_systems(text: str) -> list[str]:
     if unknown or not names:
         raise SystemExit(f"--systems: unknown {unknown or 'empty'}; choose from {', '.join(SYSTEMS)}")
     return [s for s in SYSTEMS if s in names]
-
-
-def _resolve_model(name: str) -> Path:
-    path = Path(name)
-    if (path / "config.json").is_file():
-        return path
-    from engine.testing.make_model import PRESETS, ensure_model
-
-    if name in PRESETS:
-        return ensure_model(name)
-    raise SystemExit(f"--model: {name!r} is neither a model folder nor a preset ({', '.join(PRESETS)})")
 
 
 def _build_workload(args: argparse.Namespace, model: Path) -> Workload:

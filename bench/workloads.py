@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 WORKLOADS = ("fixed", "mixed")
 
@@ -115,3 +116,15 @@ def _check_range(name: str, r: tuple[int, int]) -> None:
         raise ValueError(f"{name} must be two integers, got {r!r}")
     if not 0 < lo <= hi:
         raise ValueError(f"{name} must satisfy 0 < low <= high, got {r!r}")
+
+
+def resolve_model(name: str) -> Path:
+    """A model folder, or a make_model preset built on demand (SystemExit naming both otherwise)."""
+    path = Path(name)
+    if (path / "config.json").is_file():
+        return path
+    from engine.testing.make_model import PRESETS, ensure_model
+
+    if name in PRESETS:
+        return ensure_model(name)
+    raise SystemExit(f"--model: {name!r} is neither a model folder nor a preset ({', '.join(PRESETS)})")
