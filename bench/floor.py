@@ -77,9 +77,21 @@ def time_matmuls(model: torch.nn.Module, batch: int, repeats: int) -> list[float
     return runs
 
 
-def measure(model: str, dtype: str, batch: int, context: int, repeats: int) -> FloorResult:
+def compile_elementwise(model: torch.nn.Module) -> None:
+    """torch.compile (inductor, dynamic shapes) the RMSNorms and gated MLPs: the fusable elementwise
+    work around the matmuls. An experiment switch, measured in docs/BENCHMARKS.md."""
+    from engine.models.layers import GatedMLP, RMSNorm
+
+    for mod in model.modules():
+        if isinstance(mod, (RMSNorm, GatedMLP)):
+            mod.forward = torch.compile(mod.forward, dynamic=True)
+
+
+def measure(model: str, dtype: str, batch: int, context: int, repeats: int, compile_: bool = False) -> FloorResult:
     engine = decode_engine(model, dtype, batch, context, max_tokens=repeats + 8)
-    time_steps(engine, 2)  # warm-up
+    if compile_:
+        compile_elementwise(engine.runner.model)
+    time_steps(engine, 2)  # warm-up (and compilation)
     # Interleave the two measurements so drifts in the machine's load hit both alike.
     step, floor = [], []
     for _ in range(repeats):
@@ -99,6 +111,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--compile", action="store_true", help="torch.compile the norms and MLPs first (experiment)")
     p.set_defaults(func=run)
 
 
@@ -108,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = str(resolve_model(args.model))
-    results = [measure(model, args.dtype, b, args.context, args.repeats) for b in args.batch]
+    results = [measure(model, args.dtype, b, args.context, args.repeats, args.compile) for b in args.batch]
     print(f"{args.command_line}\n{'batch':>6} {'context':>8} {'step ms':>9} {'floor ms':>9} {'ratio':>6}")
     for r in results:
         print(f"{r.batch:>6} {r.context:>8} {r.step_ms:>9.2f} {r.floor_ms:>9.2f} {r.ratio:>6.2f}")

@@ -26,3 +26,10 @@ def test_floor_cli_writes_json(build_model, tmp_path):
     assert [r["batch"] for r in res] == [2, 4]
     assert all(r["step_ms"] > 0 and r["floor_ms"] > 0 and len(r["step_runs_ms"]) == 3 for r in res)
     assert all(abs(r["ratio"] - r["step_ms"] / r["floor_ms"]) < 1e-9 for r in res)
+
+
+def test_compile_switch_compiles_norms_and_mlps(build_model):
+    from bench.floor import measure
+
+    res = measure(str(build_model("tiny-llama")), "float32", batch=2, context=8, repeats=2, compile_=True)
+    assert res.step_ms > 0 and res.floor_ms > 0 and len(res.step_runs_ms) == 2
