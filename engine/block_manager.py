@@ -151,13 +151,6 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (e.g. after a failed step left K/V in doubt)."""
-        for block in self.blocks:
-            if block.ref_count == 0:
-                block.block_hash, block.token_ids = None, ()
-        self._cached = {h: b for h, b in self._cached.items() if self.blocks[b].ref_count > 0}
-
     # ---- invariants ----------------------------------------------------------------------
     def check_integrity(self, requests: Iterable[Request] = ()) -> None:
         """Raise AssertionError-free RuntimeError if bookkeeping is inconsistent.

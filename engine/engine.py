@@ -23,6 +23,7 @@ from engine.request import Request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.tokenization import chat_prompt_ids, encode_prompt
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -69,7 +70,7 @@ class Engine:
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small for one KV block")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         self.sampler = Sampler(config.seed)
         kv = allocate_kv_cache(spec, num_blocks, self.device, backend)
@@ -96,13 +97,10 @@ class Engine:
         return str(self.device)
 
     def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return encode_prompt(self.tokenizer, prompt)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers v5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(

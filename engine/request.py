@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.outputs import FinishReason, TokenLogprob
+from engine.outputs import FinishReason
 from engine.sampling_params import SamplingParams
 
 
@@ -34,8 +34,6 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    # Generator state for seeded sampling is kept by the sampler, keyed by request id.
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -49,10 +47,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
-
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids [start, end) over prompt + output."""
         n = len(self.prompt_token_ids)
@@ -61,10 +55,6 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
 
     def sort_key(self) -> tuple[int, float, str]:
         """The one ordering of requests: priority, then arrival, then id."""

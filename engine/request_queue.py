@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
 
 from engine.request import Request
 
@@ -56,10 +55,6 @@ class RequestQueue:
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def __iter__(self) -> Iterator[Request]:
-        """Requests in order (a sorted copy; the queue is unchanged)."""
-        return iter(sorted((e.request for e in self._entries.values()), key=Request.sort_key))
 
     def _drop_dead(self) -> None:
         while self._heap and not self._heap[0].alive:

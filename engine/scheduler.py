@@ -29,7 +29,6 @@ class SchedulerOutput:
     """What the model runner runs this step."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)  # preempted while scheduling this step
 
     @property
     def num_tokens(self) -> int:
@@ -44,7 +43,6 @@ class SchedulerOutput:
 class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
-    max_model_len: int
 
 
 class Scheduler:
@@ -178,7 +176,6 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(victim)  # same sort key: it keeps its place in line
-        out.preempted.append(victim)
         return refund
 
     # ---- after the model ran -------------------------------------------------------------------

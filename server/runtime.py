@@ -74,7 +74,6 @@ class Runtime:
             self.lanes,
             max_num_seqs=min(settings.max_num_seqs, getattr(built, "max_num_seqs", settings.max_num_seqs)),
             max_num_batched_tokens=getattr(built, "max_num_batched_tokens", settings.max_num_batched_tokens),
-            block_size=getattr(built, "block_size", settings.block_size),
             on_finish=self._on_finish,
             on_step=self.metrics.observe_step,
             on_token_gap=self.metrics.observe_token_gap,

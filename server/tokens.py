@@ -1,6 +1,7 @@
 """Prompt tokenization on the server side, on a private copy of the engine's tokenizer: the engine
-itself belongs to the worker thread. Mirrors `Engine.encode` and `Engine.apply_chat_template`
-(tests check they agree). Calls run on one dedicated thread so long prompts never stall the loop.
+itself belongs to the worker thread. Uses the engine's own tokenization functions
+(engine/tokenization.py), so both sides agree. Calls run on one dedicated thread so long prompts
+never stall the loop.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import asyncio
 import copy
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from engine.tokenization import chat_prompt_ids, encode_prompt
 
 
 class PromptCodec:
@@ -26,13 +29,10 @@ class PromptCodec:
         return await asyncio.get_running_loop().run_in_executor(self._pool, self.chat_sync, messages)
 
     def encode_sync(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+        return encode_prompt(self._tok, text)
 
     def chat_sync(self, messages: list[dict[str, Any]]) -> list[int]:
-        ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers v5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_prompt_ids(self._tok, messages)
 
     def token_text(self, token_id: int) -> str:
         return self._loop_tok.decode([token_id])

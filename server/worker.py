@@ -70,7 +70,6 @@ class Worker:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        block_size: int,
         on_finish: Callable[[Ticket], None] = lambda ticket: None,
         on_step: Callable[[EngineStats], None] = lambda stats: None,
         on_token_gap: Callable[[Lane, float], None] = lambda lane, seconds: None,
@@ -81,7 +80,6 @@ class Worker:
         self._lanes = lanes
         self._max_num_seqs = max_num_seqs
         self._max_batched = max_num_batched_tokens
-        self._block_size = block_size
         self._on_finish = on_finish
         self._on_step = on_step  # after each step the engine ran, with its stats (metrics)
         self._on_token_gap = on_token_gap  # time between two tokens of a request (metrics)

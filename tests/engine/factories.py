@@ -22,7 +22,7 @@ def make_request(rid: str, n_prompt: int, priority: int = 0, arrival: float = 0.
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens=64, prefix=True) -> Scheduler:
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens, 4096), bm)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_tokens), bm)
 
 
 def fake_step(sched: Scheduler, token: int = 7) -> dict[str, int]:
