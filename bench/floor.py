@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.models.packed_linear import PackedLinear
 
 
 @dataclass
@@ -32,12 +33,12 @@ class FloorResult:
     floor_runs_ms: list[float]
 
 
-def decode_engine(model: str, dtype: str, batch: int, context: int, max_tokens: int) -> Engine:
+def decode_engine(model: str, dtype: str, batch: int, context: int, max_tokens: int, pack: bool = True) -> Engine:
     """An engine with `batch` requests whose prompts are prefilled: every later step is a decode."""
     engine = Engine(EngineConfig(
         model=model, dtype=dtype, device="cpu", max_num_seqs=batch, max_num_batched_tokens=max(2048, context),
         num_kv_blocks=batch * (-(-(context + max_tokens) // 16)) + 8, enable_prefix_caching=False,
-        show_progress=False,
+        show_progress=False, pack_weights=pack,
     ))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -61,18 +62,25 @@ def time_steps(engine: Engine, repeats: int) -> list[float]:
 
 @torch.inference_mode()
 def time_matmuls(model: torch.nn.Module, batch: int, repeats: int) -> list[float]:
-    """The decode step's linear layers alone, on [batch, in] inputs of the model's dtype."""
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    if getattr(model, "tie_word_embeddings", False):
-        weights.append(model.model.embed_tokens.weight)  # the tied lm_head
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
-    for w in weights:  # warm-up
-        torch.nn.functional.linear(inputs[w.shape[1]], w)
+    """The decode step's linear layers alone, on [batch, in] inputs of the model's dtype, through
+    the same modules the engine calls (oneDNN-packed ones when the engine packed its weights)."""
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    if model.lm_head is None:  # tied and unpacked: the logits multiply by the embedding matrix
+        linears.append(model.compute_logits)
+    dtype = model.model.embed_tokens.weight.dtype
+    hidden = model.model.embed_tokens.weight.shape[1]
+
+    def in_features(m) -> int:
+        return getattr(m, "in_features", hidden)
+
+    inputs = {in_features(m): torch.randn(batch, in_features(m), dtype=dtype) for m in linears}
+    for m in linears:  # warm-up
+        m(inputs[in_features(m)])
     runs = []
     for _ in range(repeats):
         t = time.perf_counter()
-        for w in weights:
-            torch.nn.functional.linear(inputs[w.shape[1]], w)
+        for m in linears:
+            m(inputs[in_features(m)])
         runs.append((time.perf_counter() - t) * 1e3)
     return runs
 
@@ -87,8 +95,9 @@ def compile_elementwise(model: torch.nn.Module) -> None:
             mod.forward = torch.compile(mod.forward, dynamic=True)
 
 
-def measure(model: str, dtype: str, batch: int, context: int, repeats: int, compile_: bool = False) -> FloorResult:
-    engine = decode_engine(model, dtype, batch, context, max_tokens=repeats + 8)
+def measure(model: str, dtype: str, batch: int, context: int, repeats: int, compile_: bool = False,
+            pack: bool = True) -> FloorResult:
+    engine = decode_engine(model, dtype, batch, context, max_tokens=repeats + 8, pack=pack)
     if compile_:
         compile_elementwise(engine.runner.model)
     time_steps(engine, 2)  # warm-up (and compilation)
@@ -112,6 +121,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--compile", action="store_true", help="torch.compile the norms and MLPs first (experiment)")
+    p.add_argument("--no-pack", action="store_true", help="plain F.linear weights (EngineConfig.pack_weights=False)")
     p.set_defaults(func=run)
 
 
@@ -121,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = str(resolve_model(args.model))
-    results = [measure(model, args.dtype, b, args.context, args.repeats, args.compile) for b in args.batch]
+    results = [measure(model, args.dtype, b, args.context, args.repeats, args.compile, not args.no_pack) for b in args.batch]
     print(f"{args.command_line}\n{'batch':>6} {'context':>8} {'step ms':>9} {'floor ms':>9} {'ratio':>6}")
     for r in results:
         print(f"{r.batch:>6} {r.context:>8} {r.step_ms:>9.2f} {r.floor_ms:>9.2f} {r.ratio:>6.2f}")

@@ -38,6 +38,7 @@ from bench.workloads import (
     resolve_model,
 )
 from engine import Engine, EngineConfig, SamplingParams
+from engine.setup import resolve_block_size, resolve_device
 
 SYSTEMS = ("engine", "hf-static", "hf-serial")
 _WARMUP = (BenchRequest(tuple(range(100, 108)), 4), BenchRequest(tuple(range(200, 205)), 3))
@@ -131,7 +132,7 @@ class HFStaticSystem:
 def engine_config(model: str, workload: Workload, args: argparse.Namespace) -> EngineConfig:
     """The engine's config for this run: KV blocks for every request at once (no preemption, as the
     baselines never preempt) plus the warm-up requests."""
-    bs = args.block_size
+    bs = resolve_block_size(args.block_size, resolve_device(args.device))
     blocks = sum(-(-(len(r.prompt_token_ids) + r.output_len) // bs) for r in workload.requests + _WARMUP)
     return EngineConfig(
         model=model, dtype=args.dtype, device=args.device, block_size=bs, num_kv_blocks=blocks + 1,
@@ -336,7 +337,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--static-batch", type=int, default=None, help="hf-static batch size (default: all)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="default: the engine's (32 on CPU, 16 on CUDA)")
     p.add_argument("--prefix-caching", action="store_true",
                    help="enable the engine's prefix cache (off by default: the baselines have none)")
     p.add_argument("--quiet-wait", type=float, default=0.0, metavar="SECONDS",

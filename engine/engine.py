@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphRunner, graph_buckets, graphs_enabled
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model
+from engine.models.packed_linear import packing_supported
 from engine.model_runner import ModelRunner, ModelRunnerOutput
 from engine.output_processor import RequestTextState, error_output, make_output
 from engine.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprob
@@ -55,13 +56,17 @@ class Engine:
         self.device = setup.resolve_device(config.device)
         self.dtype = setup.resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = setup.resolve_max_model_len(config, self.hf_config)
+        self.block_size = setup.resolve_block_size(config.block_size, self.device)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.eos_token_ids = setup.eos_token_ids(path, self.hf_config, self.tokenizer)
         model = load_model(path, self.hf_config, self.dtype, self.device, self.max_model_len, config.show_progress)
+        self.packed_weights = config.pack_weights and packing_supported(self.device, self.dtype)
+        if self.packed_weights:
+            model.pack_weights(batch_hint=config.max_num_seqs)
         backend = select_backend(self.device, config.attention_backend, self.dtype)
         use_graphs = graphs_enabled(self.device, config.enforce_eager, backend)
         buckets = graph_buckets(config.max_num_seqs)
-        spec = setup.kv_spec(self.hf_config, config.block_size, self.dtype)
+        spec = setup.kv_spec(self.hf_config, self.block_size, self.dtype)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             cuda_profile = self.device.type == "cuda" and config.kv_cache_memory is None
@@ -69,22 +74,22 @@ class Engine:
             num_blocks = spec.num_blocks_for(setup.kv_budget_bytes(config, self.device, peak))
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small for one KV block")
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, self.block_size, config.enable_prefix_caching)
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(sched_cfg, self.block_manager)
         self.sampler = Sampler(config.seed)
         kv = allocate_kv_cache(spec, num_blocks, self.device, backend)
         self.kv_cache_bytes = num_blocks * spec.bytes_per_block
         graphs = self._capture_graphs(model, backend, kv, buckets) if use_graphs else None
-        self.runner = ModelRunner(model, kv, backend, config.block_size, self.device, self.sampler, graphs)
+        self.runner = ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs)
         self._text: dict[str, RequestTextState] = {}
         self._stats = EngineStats(kv_blocks_total=num_blocks)
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "
-            "cuda graphs=%s",
+            "cuda graphs=%s, packed weights=%s",
             self.model_name, str(self.dtype).removeprefix("torch."), self.device, num_blocks,
-            config.block_size, num_blocks * config.block_size, self.kv_cache_bytes / 2**30, backend.name,
-            ",".join(map(str, buckets)) if graphs else "off",
+            self.block_size, num_blocks * self.block_size, self.kv_cache_bytes / 2**30, backend.name,
+            ",".join(map(str, buckets)) if graphs else "off", self.packed_weights,
         )
 
     # ---- names the server reads ------------------------------------------------------------------
@@ -295,7 +300,7 @@ class Engine:
         from engine.attention import BatchLayout
 
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        bs = self.config.block_size
+        bs = self.block_size
         blocks = -(-n // bs)
         prefill = BatchLayout(0, [n], [n], [list(range(blocks))], bs, torch.arange(n))
         peak = self._peak_bytes(model, backend, prefill, blocks, logits_rows=self.config.max_num_seqs)
@@ -313,7 +318,7 @@ class Engine:
         from engine.models.layers import ForwardContext
 
         n = len(layout.slot_mapping)
-        spec = setup.kv_spec(self.hf_config, self.config.block_size, self.dtype)
+        spec = setup.kv_spec(self.hf_config, self.block_size, self.dtype)
         kv = alloc(spec, blocks, self.device, backend)
         pos = [p for c, q in zip(layout.context_lens, layout.query_lens, strict=True) for p in range(c - q, c)]
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
@@ -336,7 +341,7 @@ class Engine:
         """Capture the decode graphs; logs the memory they took."""
         before = torch.cuda.memory_reserved(self.device)
         graphs = DecodeGraphRunner(
-            model, backend, kv, buckets=buckets, block_size=self.config.block_size,
+            model, backend, kv, buckets=buckets, block_size=self.block_size,
             max_model_len=self.max_model_len, device=self.device,
         )
         with torch.inference_mode():

@@ -36,8 +36,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [N, vocab] (model dtype), one row per request in reqs. Returns tokens and logprobs."""
         if all(r.params.greedy and r.params.logprobs is None and not _needs_processing(r) for r in reqs):
-            # Plain greedy batch: argmax is exact in the model dtype; skip the float32 copy.
-            return logits.argmax(dim=-1).tolist(), [None] * len(reqs)
+            # Plain greedy batch. The upcast is exact and pays for itself: on CPU, argmax over bf16
+            # runs about 4x slower than the copy plus a float32 argmax (bench-135m, 32 x 49152).
+            return logits.float().argmax(dim=-1).tolist(), [None] * len(reqs)
         logits = logits.float()
         want_lp = [r.params.logprobs is not None for r in reqs]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None

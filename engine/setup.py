@@ -38,6 +38,15 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+def resolve_block_size(block_size: int | None, device: torch.device) -> int:
+    """32 tokens on CPU: the torch backend gathers whole blocks per decode step, and 4 KiB (bf16,
+    head_dim 64) contiguous runs copy about twice as fast as 2 KiB ones (bench-135m, batch 32: the
+    step is ~6% faster). 16 on CUDA, where the Triton kernels read the cache in place."""
+    if block_size is not None:
+        return block_size
+    return 32 if device.type == "cpu" else 16
+
+
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
     window = getattr(hf_config, "sliding_window", None)

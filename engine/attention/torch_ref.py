@@ -31,8 +31,15 @@ class TorchMetadata(AttentionMetadata):
     block_size: int
     decode_ctx: int  # padded context length of the decode batch (a multiple of block_size)
     decode_gather: torch.Tensor | None  # [num_decodes * decode_ctx / block_size] block ids, padded with 0
-    decode_bias: torch.Tensor | None  # [1, num_decodes, 1, decode_ctx] float32: 0 attend, -inf padding
+    decode_bias: torch.Tensor | None  # [num_decodes, 1, decode_ctx]: 0 attend, -inf padding (the first
+    # layer repeats it per KV head in q's dtype: [num_decodes * kv_heads, 1, decode_ctx])
     prefills: list[_Prefill]
+    # Built by the first layer, reused by the rest (every layer's cache has the same shape):
+    # decode_rows: [kv_heads * len(decode_gather)] rows of the cache viewed [kv_heads * num_blocks,
+    # block_size * d]; decode_k/decode_v: the gathered blocks, one workspace for all layers.
+    decode_rows: torch.Tensor | None = None
+    decode_k: torch.Tensor | None = None
+    decode_v: torch.Tensor | None = None
 
 
 def _slots(block_table: list[int], block_size: int, n: int) -> torch.Tensor:
@@ -63,7 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
             pad = torch.arange(max_ctx)[None, :] >= lens[:, None]
             bias = torch.zeros(nd, max_ctx).masked_fill_(pad, float("-inf"))
             decode_gather = tables.flatten().to(device)
-            decode_bias = bias[None, :, None, :].to(device)
+            decode_bias = bias[:, None, :].to(device)
         prefills, q_start = [], nd
         for i in range(nd, len(layout.query_lens)):
             q, c = layout.query_lens[i], layout.context_lens[i]
@@ -108,14 +115,27 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 def _decode_attention(q, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
-    """One query per sequence; batched matmuls per KV head (GQA without repeating K/V).
+    """One query per sequence; batched matmuls per (sequence, KV head), GQA without repeating K/V.
     Much cheaper on CPU than the flash kernel for a single query row."""
     nd, h, d = q.shape
     kvh, ctx, bs = k_cache.shape[0], meta.decode_ctx, meta.block_size
-    # Gather whole blocks (block_size * d contiguous elements each), not single slots.
-    kk = k_cache.view(kvh, -1, bs * d).index_select(1, meta.decode_gather).view(kvh, nd, ctx, d)
-    vv = v_cache.view(kvh, -1, bs * d).index_select(1, meta.decode_gather).view(kvh, nd, ctx, d)
-    qq = q.view(nd, kvh, h // kvh, d).transpose(0, 1)  # [kv_heads, nd, group, d]
-    scores = torch.matmul(qq, kk.transpose(-1, -2)).float() * scale + meta.decode_bias  # [kvh, nd, g, ctx]
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.matmul(probs, vv).transpose(0, 1).reshape(nd, h, d)
+    if meta.decode_rows is None:
+        # Row (head, block) of the cache viewed [kv_heads * num_blocks, bs * d], ordered (sequence,
+        # head, block): one dim-0 gather of whole blocks (bs * d contiguous elements each) lands K
+        # as [nd * kv_heads, ctx, d], the layout of q viewed [nd * kv_heads, group, d]: no transposes.
+        num_blocks = k_cache.shape[1] // bs
+        blocks = meta.decode_gather.view(nd, 1, -1)
+        heads = torch.arange(kvh, device=q.device).view(1, kvh, 1) * num_blocks
+        meta.decode_rows = (heads + blocks).flatten()
+        # Written into the same two buffers by every layer: no per-layer allocation of the big
+        # gathered tensors (on CPU a fresh multi-megabyte allocation can cost more than the copy).
+        meta.decode_k = k_cache.new_empty(meta.decode_rows.shape[0], bs * d)
+        meta.decode_v = v_cache.new_empty(meta.decode_rows.shape[0], bs * d)
+        meta.decode_bias = meta.decode_bias.to(q.dtype).repeat_interleave(kvh, dim=0)  # [nd * kvh, 1, ctx]
+    kk = torch.index_select(k_cache.view(-1, bs * d), 0, meta.decode_rows, out=meta.decode_k).view(-1, ctx, d)
+    vv = torch.index_select(v_cache.view(-1, bs * d), 0, meta.decode_rows, out=meta.decode_v).view(-1, ctx, d)
+    qq = q.reshape(nd * kvh, h // kvh, d)  # [nd * kvh, group, d] (a copy when q is a view into qkv)
+    # scale * q k^T + bias (0 or -inf: exact whatever the rounding), then softmax over the context.
+    scores = torch.baddbmm(meta.decode_bias, qq, kk.transpose(1, 2), alpha=scale)  # [nd * kvh, group, ctx]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs, vv).view(nd, h, d)

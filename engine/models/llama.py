@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from engine.models.layers import ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rotate
+from engine.models.packed_linear import PackedLinear, pack_linears
 from engine.models.rope import rope_inv_freq
 
 
@@ -96,6 +97,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg, self.layer_cls, max_positions)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        # Tied: None, the logits reuse the embedding matrix (until pack_weights gives it a packed copy).
+        self.lm_head: nn.Module | None = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -105,8 +108,19 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab] in the model dtype (the sampler upcasts when it needs to)."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        if self.lm_head is None:
+            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
+        return self.lm_head(hidden)
+
+    def pack_weights(self, batch_hint: int) -> int:
+        """Every linear, the logits projection included, to oneDNN's packed layout (CPU bf16; see
+        packed_linear.py). A tied model's packed head is a copy: the embedding lookup keeps the
+        row-major matrix. Returns the number of packed matrices."""
+        n = pack_linears(self, batch_hint)
+        if self.lm_head is None:
+            self.lm_head = PackedLinear(self.model.embed_tokens.weight, None, batch_hint)
+            n += 1
+        return n
 
     def shard_sizes(self, fused: str) -> list[int]:
         """Row sizes of the shards of a fused parameter, in shard order."""

@@ -46,7 +46,7 @@ def test_abort_mid_generation_frees_everything(engine):
     for i in range(6):
         engine.add_request(f"r{i}", prompt_token_ids=_prompt(40 + i), params=greedy(50, ignore_eos=True))
     outs = [o for _ in range(3) for o in engine.step()]
-    assert outs and all(o.kv_blocks >= 3 for o in outs)  # 40+ prompt tokens at 16 per block
+    assert outs and all(o.kv_blocks >= -(-40 // engine.block_size) for o in outs)  # 40+ prompt tokens held
     assert engine.stats().kv_blocks_used > 0 and engine.stats().running > 0
     for i in range(6):
         assert engine.abort(f"r{i}")

@@ -60,9 +60,11 @@ def test_not_a_model_folder(tmp_path):
 
 
 def test_tied_embeddings_share_the_embedding_matrix(build_model):
-    engine = make_engine(build_model("tiny-qwen3"))
+    engine = make_engine(build_model("tiny-qwen3"))  # float32: no packed copy of the head
     model = engine.runner.model
-    assert model.tie_word_embeddings and not hasattr(model, "lm_head")
+    assert model.tie_word_embeddings and model.lm_head is None
+    hidden = torch.randn(3, model.config.hidden_size)
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.model.embed_tokens.weight.T)
 
 
 @pytest.mark.parametrize("rope", [
