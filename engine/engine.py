@@ -16,8 +16,8 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphRunner, graph_buckets, graphs_enabled
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model
-from engine.models.packed_linear import packing_supported
 from engine.model_runner import ModelRunner, ModelRunnerOutput
+from engine.models.packed_linear import packing_supported
 from engine.output_processor import RequestTextState, error_output, make_output
 from engine.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprob
 from engine.request import Request
