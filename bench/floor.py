@@ -4,8 +4,10 @@ multiplications alone (the same weights, the same batch), measured in the same p
     python -m bench floor --model bench-135m --batch 32 --context 256 --threads 2
 
 The floor is every linear layer of the model (fused QKV, O, fused gate/up, down, lm_head) applied
-once to a [batch, in_features] input, back to back: the arithmetic and weight traffic a decode step
-cannot avoid. Attention, norms, rotary, sampling and scheduling are what the step adds on top.
+once to a [batch, in_features] input, back to back, through the modules the engine calls: the
+arithmetic and weight traffic a decode step cannot avoid. A second figure adds the attention's own
+products (q k^T and p v on contiguous K/V of the step's shapes), also matrix multiplications of the
+step. Gathers, softmax, norms, rotary, sampling and scheduling are what the step adds on top.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ class FloorResult:
     batch: int
     context: int
     step_ms: float  # median wall time of one decode step (engine.step())
-    floor_ms: float  # median wall time of the step's matmuls alone
+    floor_ms: float  # median wall time of the step's linear layers alone
     ratio: float  # step_ms / floor_ms
+    attn_ms: float  # median wall time of the attention products alone (q k^T and p v, contiguous K/V)
+    ratio_with_attn: float  # step_ms / (floor_ms + attn_ms)
     step_runs_ms: list[float]
     floor_runs_ms: list[float]
 
@@ -85,6 +89,31 @@ def time_matmuls(model: torch.nn.Module, batch: int, repeats: int) -> list[float
     return runs
 
 
+@torch.inference_mode()
+def time_attention_products(model: torch.nn.Module, batch: int, context: int, repeats: int) -> list[float]:
+    """The attention's own matrix products, every layer, on the decode shapes: scores = q k^T
+    ([batch * kv_heads, group, head_dim] x [.., head_dim, context]) and out = p v, with K/V already
+    contiguous (what a kernel reading the paged cache in place could not beat)."""
+    cfg = model.config
+    heads, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dtype = model.model.embed_tokens.weight.dtype
+    q = torch.randn(batch * kvh, heads // kvh, d, dtype=dtype)
+    k = torch.randn(batch * kvh, context, d, dtype=dtype)
+    v = torch.randn(batch * kvh, context, d, dtype=dtype)
+    p = torch.softmax(torch.randn(batch * kvh, heads // kvh, context), -1).to(dtype)
+    layers = cfg.num_hidden_layers
+    torch.bmm(torch.bmm(q, k.transpose(1, 2)), v)  # warm-up
+    runs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(layers):
+            torch.bmm(q, k.transpose(1, 2))
+            torch.bmm(p, v)
+        runs.append((time.perf_counter() - t) * 1e3)
+    return runs
+
+
 def compile_elementwise(model: torch.nn.Module) -> None:
     """torch.compile (inductor, dynamic shapes) the RMSNorms and gated MLPs: the fusable elementwise
     work around the matmuls. An experiment switch, measured in docs/BENCHMARKS.md."""
@@ -102,12 +131,15 @@ def measure(model: str, dtype: str, batch: int, context: int, repeats: int, comp
         compile_elementwise(engine.runner.model)
     time_steps(engine, 2)  # warm-up (and compilation)
     # Interleave the two measurements so drifts in the machine's load hit both alike.
-    step, floor = [], []
+    step, floor, attn = [], [], []
+    bs = engine.block_size
+    padded = -(-(context + repeats // 2) // bs) * bs  # mid-run context, whole blocks as the engine reads
     for _ in range(repeats):
         step += time_steps(engine, 1)
         floor += time_matmuls(engine.runner.model, batch, 1)
-    s, f = statistics.median(step), statistics.median(floor)
-    return FloorResult(batch, context, s, f, s / f, step, floor)
+        attn += time_attention_products(engine.runner.model, batch, padded, 1)
+    s, f, a = statistics.median(step), statistics.median(floor), statistics.median(attn)
+    return FloorResult(batch, context, s, f, s / f, a, s / (f + a), step, floor)
 
 
 def add_parser(subparsers) -> None:
@@ -132,9 +164,11 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model = str(resolve_model(args.model))
     results = [measure(model, args.dtype, b, args.context, args.repeats, args.compile, not args.no_pack) for b in args.batch]
-    print(f"{args.command_line}\n{'batch':>6} {'context':>8} {'step ms':>9} {'floor ms':>9} {'ratio':>6}")
+    print(f"{args.command_line}\n{'batch':>6} {'context':>8} {'step ms':>9} {'floor ms':>9} {'ratio':>6}"
+          f" {'attn mm ms':>11} {'ratio w/ attn':>14}")
     for r in results:
-        print(f"{r.batch:>6} {r.context:>8} {r.step_ms:>9.2f} {r.floor_ms:>9.2f} {r.ratio:>6.2f}")
+        print(f"{r.batch:>6} {r.context:>8} {r.step_ms:>9.2f} {r.floor_ms:>9.2f} {r.ratio:>6.2f}"
+              f" {r.attn_ms:>11.2f} {r.ratio_with_attn:>14.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in results], f, indent=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from bench.cli import main
-from bench.floor import decode_engine, time_matmuls, time_steps
+from bench.floor import decode_engine, time_attention_products, time_matmuls, time_steps
 
 
 def test_decode_engine_steps_are_pure_decodes(build_model):
@@ -15,6 +15,7 @@ def test_decode_engine_steps_are_pure_decodes(build_model):
     st = engine.stats()
     assert st.running == 3 and st.last_step_decode_tokens == 3 and st.last_step_prefill_tokens == 0
     assert len(time_matmuls(engine.runner.model, 3, 2)) == 2
+    assert len(time_attention_products(engine.runner.model, 3, 32, 2)) == 2
 
 
 def test_floor_cli_writes_json(build_model, tmp_path):
@@ -26,6 +27,8 @@ def test_floor_cli_writes_json(build_model, tmp_path):
     assert [r["batch"] for r in res] == [2, 4]
     assert all(r["step_ms"] > 0 and r["floor_ms"] > 0 and len(r["step_runs_ms"]) == 3 for r in res)
     assert all(abs(r["ratio"] - r["step_ms"] / r["floor_ms"]) < 1e-9 for r in res)
+    assert all(r["attn_ms"] > 0 for r in res)
+    assert all(abs(r["ratio_with_attn"] - r["step_ms"] / (r["floor_ms"] + r["attn_ms"])) < 1e-9 for r in res)
 
 
 def test_compile_switch_compiles_norms_and_mlps(build_model):
