@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # engine.attention.select_backend
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine.attention.select_backend
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0  # seed of the engine's default generator (requests without a seed)
     show_progress: bool = True  # progress bar while loading weights
-    attention_backend: str = "auto"  # auto: Triton kernels on CUDA when they run there, else torch
+    attention_backend: str = "auto"  # auto: Triton kernels on CUDA, C++ kernels on CPU, when they run; else torch
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only; the CPU never uses them)
     pack_weights: bool = True  # CPU bf16: linear weights in oneDNN's packed layout (same results, faster)
 

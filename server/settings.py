@@ -65,8 +65,8 @@ class ServerSettings(BaseSettings):
     block_size: int | None = Field(None, ge=1, description="tokens per KV block; default 32 on CPU, 16 on CUDA")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     seed: int = Field(0, description="seed of requests that give none")
-    attention_backend: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="auto: Triton kernels on CUDA when they run, else the PyTorch reference"
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        "auto", description="auto: Triton kernels on CUDA, C++ kernels on CPU, when they run; else the PyTorch reference"
     )
     enforce_eager: bool = Field(False, description="no CUDA graphs for decode steps (CUDA only)")
     pack_weights: bool = Field(True, description="CPU bf16: linear weights packed for oneDNN (same output, faster)")

@@ -1,8 +1,10 @@
 """Attention over the paged KV cache, behind a small backend interface.
 
-Backends: "torch" (torch_ref.py, the reference, runs everywhere) and "triton" (triton_backend.py,
-this repository's Triton kernels; CUDA, or the CPU under the Triton interpreter for tests). The
-Triton modules are imported only when that backend is chosen, so nothing here needs triton.
+Backends: "torch" (torch_ref.py, the reference, runs everywhere), "cpu" (cpu_backend.py, the
+reference with this repository's C++ decode kernels; CPU, needs a C++ compiler the first time) and
+"triton" (triton_backend.py, this repository's Triton kernels; CUDA, or the CPU under the Triton
+interpreter for tests). The Triton modules are imported only when that backend is chosen, so
+nothing here needs triton.
 """
 
 from __future__ import annotations
@@ -54,14 +56,19 @@ def select_backend(
 ) -> AttentionBackend:
     """The attention backend for `device`.
 
-    "auto": the Triton kernels on CUDA when they can run there, else the PyTorch reference (always on
-    the CPU). "torch": the reference. "triton": the kernels, or ValueError saying why they cannot run.
+    "auto": the Triton kernels on CUDA when they can run there, else the reference; on the CPU the
+    C++ decode kernels when they build, else the reference. "torch": the reference. "triton" and
+    "cpu": those kernels, or ValueError saying why they cannot run.
     `probe` (tests pass a fake) says why Triton cannot run; `num_sms` defaults to the device's count.
     """
     if preference not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {preference!r}")
     dev = torch.device(device)
-    if preference == "torch" or (preference == "auto" and dev.type != "cuda"):
+    if preference == "torch":
+        return TorchAttentionBackend()
+    if preference == "cpu" or (preference == "auto" and dev.type == "cpu"):
+        return _cpu_backend(dev, required=preference == "cpu")
+    if preference == "auto" and dev.type != "cuda":
         return TorchAttentionBackend()
     reason = probe(dev)
     if reason is not None:
@@ -74,3 +81,17 @@ def select_backend(
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
     return TritonAttentionBackend(num_sms=num_sms, dtype=dtype)
+
+
+def _cpu_backend(dev: torch.device, required: bool) -> AttentionBackend:
+    from engine import cpu_kernels
+
+    reason = "the C++ kernels run on the CPU only" if dev.type != "cpu" else cpu_kernels.load()
+    if reason is None:
+        from engine.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
+    if required:
+        raise ValueError(f"attention_backend 'cpu' cannot run on {dev}: {reason}")
+    log.warning("CPU attention kernels unavailable (%s); using the PyTorch reference backend", reason)
+    return TorchAttentionBackend()

@@ -20,6 +20,7 @@ class _Prefill:
     q_start: int  # offset of its first query token in the packed batch
     q_len: int
     gather: torch.Tensor  # [context_len] long, cache slots of its whole context
+    blocks: torch.Tensor  # [ceil(context_len / block_size)] long, its block ids in order
     mask: torch.Tensor | None  # [q_len, context_len] bool, None when plain causal (no cached prefix)
 
 
@@ -31,6 +32,7 @@ class TorchMetadata(AttentionMetadata):
     block_size: int
     decode_ctx: int  # padded context length of the decode batch (a multiple of block_size)
     decode_gather: torch.Tensor | None  # [num_decodes * decode_ctx / block_size] block ids, padded with 0
+    decode_lens: torch.Tensor | None  # [num_decodes] long, context lengths (this step's token included)
     decode_bias: torch.Tensor | None  # [num_decodes, 1, decode_ctx]: 0 attend, -inf padding (the first
     # layer repeats it per KV head in q's dtype: [num_decodes * kv_heads, 1, decode_ctx])
     prefills: list[_Prefill]
@@ -57,7 +59,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchMetadata:
         nd, bs = layout.num_decodes, layout.block_size
-        decode_gather = decode_bias = None
+        decode_gather = decode_bias = decode_lens = None
         max_ctx = 0
         if nd:
             lens = torch.tensor(layout.context_lens[:nd])
@@ -71,6 +73,7 @@ class TorchAttentionBackend(AttentionBackend):
             bias = torch.zeros(nd, max_ctx).masked_fill_(pad, float("-inf"))
             decode_gather = tables.flatten().to(device)
             decode_bias = bias[:, None, :].to(device)
+            decode_lens = lens.to(device)
         prefills, q_start = [], nd
         for i in range(nd, len(layout.query_lens)):
             q, c = layout.query_lens[i], layout.context_lens[i]
@@ -78,32 +81,43 @@ class TorchAttentionBackend(AttentionBackend):
             if c != q:  # cached prefix or earlier chunks: causal with an offset
                 mask = torch.arange(c)[None, :] <= (c - q + torch.arange(q))[:, None]
                 mask = mask.to(device)
-            prefills.append(_Prefill(q_start, q, _slots(layout.block_tables[i], bs, c).to(device), mask))
+            table = layout.block_tables[i][: -(-c // bs)]
+            blocks = torch.tensor(table, dtype=torch.long).to(device)
+            prefills.append(_Prefill(q_start, q, _slots(table, bs, c).to(device), blocks, mask))
             q_start += q
         slot_mapping = layout.slot_mapping.to(device)
         store_all = bool((layout.slot_mapping >= 0).all())
-        return TorchMetadata(slot_mapping, store_all, nd, bs, max_ctx, decode_gather, decode_bias, prefills)
+        return TorchMetadata(
+            slot_mapping, store_all, nd, bs, max_ctx, decode_gather, decode_lens, decode_bias, prefills
+        )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
         self._store(k, v, k_cache, v_cache, meta)
         nd = meta.num_decodes
         if not meta.prefills:  # decode-only step: no packed output to assemble
-            return _decode_attention(q, k_cache, v_cache, meta, scale)
+            return self._decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, meta, scale)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         for p in meta.prefills:
             qq = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
-            kk = k_cache.index_select(1, p.gather).unsqueeze(0)  # [1, kv_heads, ctx, d]
-            vv = v_cache.index_select(1, p.gather).unsqueeze(0)
+            kk, vv = self._context_kv(k_cache, v_cache, p, meta.block_size)  # [kv_heads, ctx, d] each
+            kk, vv = kk.unsqueeze(0), vv.unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qq, kk, vv, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
             )
             out[p.q_start : p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
         return out
 
-    @staticmethod
-    def _store(k, v, k_cache, v_cache, meta: TorchMetadata) -> None:
+    # ---- what a backend with another cache layout overrides (cpu_backend.py) ----------------------
+    def _decode(self, q, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+
+    def _context_kv(self, k_cache, v_cache, p: _Prefill, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefilling sequence's whole context: K, V [kv_heads, context_len, d]."""
+        return k_cache.index_select(1, p.gather), v_cache.index_select(1, p.gather)
+
+    def _store(self, k, v, k_cache, v_cache, meta: TorchMetadata) -> None:
         # k, v: [T, kv_heads, d] -> cache [kv_heads, slots, d]
         if meta.store_all:
             k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))

@@ -27,9 +27,25 @@ def _triton_backend_class():
     return TritonAttentionBackend
 
 
-def test_cpu_auto_is_the_reference_even_when_triton_could_run():
-    assert isinstance(select_backend("cpu", probe=ok), TorchAttentionBackend)
-    assert isinstance(select_backend(torch.device("cpu")), TorchAttentionBackend)
+def test_cpu_auto_is_the_cpu_kernels_never_triton():
+    from engine.attention.cpu_backend import CpuAttentionBackend
+
+    assert isinstance(select_backend("cpu", probe=ok), CpuAttentionBackend)
+    assert isinstance(select_backend(torch.device("cpu")), CpuAttentionBackend)
+    assert type(select_backend("cpu", "torch")) is TorchAttentionBackend
+
+
+def test_cpu_auto_falls_back_to_the_reference_and_says_why(monkeypatch, caplog):
+    from engine import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "load", lambda: "no C++ compiler")
+    with caplog.at_level(logging.WARNING, logger="tokenmill.engine"):
+        backend = select_backend("cpu")
+    assert type(backend) is TorchAttentionBackend and "no C++ compiler" in caplog.text
+    with pytest.raises(ValueError, match="no C\\+\\+ compiler"):
+        select_backend("cpu", "cpu")
+    with pytest.raises(ValueError, match="CPU only"):
+        select_backend("cuda", "cpu", probe=ok, num_sms=132)
 
 
 def test_torch_preference_wins_everywhere():
@@ -99,10 +115,10 @@ def test_config_validates_backend_and_eager_flag():
         EngineConfig(model="m", enforce_eager="yes")
 
 
-def test_cpu_engine_uses_the_reference_and_no_graphs(build_model):
+def test_cpu_engine_uses_the_cpu_kernels_and_no_graphs(build_model):
     from .helpers import make_engine
 
     engine = make_engine(build_model("tiny-llama"))
-    assert engine.runner.backend.name == "torch"
+    assert engine.runner.backend.name == "cpu"
     assert engine.runner.graphs is None
     assert engine.device_memory() is None  # device-memory numbers come from CUDA only

@@ -40,6 +40,16 @@ def test_batched_greedy_matches_transformers(preset):
     assert_idle(engine)
 
 
+def test_reference_backend_keeps_parity(preset):
+    # "auto" on the CPU is the C++ kernel backend; the plain-PyTorch reference (the fallback, and
+    # the CUDA path without Triton) must stay exact too.
+    _, path, case, ref, _ = preset
+    engine = make_engine(path, attention_backend="torch")
+    assert engine.runner.backend.name == "torch"
+    assert mismatches(run_all(engine, case), ref.token_ids) == []
+    assert_idle(engine)
+
+
 def test_preemption_keeps_parity(preset):
     _, path, case, ref, _ = preset
     # 28 blocks x 16 tokens: enough for the longest request (300 + 64), far too few for 48.

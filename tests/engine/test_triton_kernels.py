@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from engine.attention import BatchLayout, TorchAttentionBackend, select_backend  # noqa: E402
+from engine.attention import TorchAttentionBackend, select_backend  # noqa: E402
 from engine.attention import triton_kernels as K  # noqa: E402
 
 if not K.INTERPRETED:  # imported earlier in this process without the interpreter: decorate again
@@ -25,68 +25,12 @@ if not K.INTERPRETED:  # imported earlier in this process without the interprete
 
 from engine.attention.triton_backend import TritonAttentionBackend, TritonTiles  # noqa: E402
 
+from .attention_cases import random_step, reference, rel_err  # noqa: E402
 from .helpers import greedy, make_engine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TILES = TritonTiles(decode_n=16, prefill_m=16, prefill_n=16)  # small: the interpreter is slow
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}  # ||out - ref|| / ||ref|| against float64
-
-
-def make_layout(specs, block_size: int, num_blocks: int, gen: torch.Generator, skip=()) -> BatchLayout:
-    """specs: (context_len, query_len) per sequence, decodes (query_len 1) first. Each sequence's
-    blocks come from a shuffled pool; `skip` indexes new tokens whose slot becomes -1."""
-    pool = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots = [], []
-    for ctx, q in specs:
-        n = -(-ctx // block_size)
-        table, pool = pool[:n], pool[n:]
-        tables.append(table)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q, ctx)]
-    for i in skip:
-        slots[i] = -1
-    nd = next((i for i, (_, q) in enumerate(specs) if q != 1), len(specs))
-    return BatchLayout(nd, [q for _, q in specs], [c for c, _ in specs], tables, block_size, torch.tensor(slots))
-
-
-def random_step(specs, heads, kv_heads, head_dim, block_size, dtype, seed, skip=()):
-    gen = torch.Generator().manual_seed(seed)
-    need = sum(-(-c // block_size) for c, _ in specs)
-    num_blocks = need + 5  # a few blocks no sequence owns
-    layout = make_layout(specs, block_size, num_blocks, gen, skip)
-    t = len(layout.slot_mapping)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    step = dict(
-        q=rnd(t, heads, head_dim), k=rnd(t, kv_heads, head_dim), v=rnd(t, kv_heads, head_dim),
-        k_cache=rnd(kv_heads, num_blocks * block_size, head_dim), v_cache=rnd(kv_heads, num_blocks * block_size, head_dim),
-    )
-    return layout, step
-
-
-def reference(q, k_cache, v_cache, layout: BatchLayout, scale: float) -> torch.Tensor:
-    """float64 attention of each query row over its sequence's visible cached positions."""
-    kvh = k_cache.shape[0]
-    group = q.shape[1] // kvh
-    out, row = [], 0
-    for table, ctx, ql in zip(layout.block_tables, layout.context_lens, layout.query_lens, strict=True):
-        bs = layout.block_size
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(ctx)])
-        kk = k_cache[:, slots].double().repeat_interleave(group, 0)  # [H, ctx, D]
-        vv = v_cache[:, slots].double().repeat_interleave(group, 0)
-        qq = q[row : row + ql].double().transpose(0, 1)  # [H, ql, D]
-        scores = qq @ kk.transpose(1, 2) * scale
-        visible = torch.arange(ctx)[None, :] <= (ctx - ql + torch.arange(ql))[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out.append((scores.softmax(-1) @ vv).transpose(0, 1))
-        row += ql
-    return torch.cat(out)
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    assert torch.isfinite(got).all(), "non-finite output (an unwritten or NaN row)"
-    return float((got.double() - want).norm() / want.norm())
 
 
 def test_kernels_run_under_the_interpreter():
@@ -244,8 +188,8 @@ def test_choose_num_splits():
     assert K.choose_num_splits(8, 2, 32768, num_sms=132) == 16
 
 
-def test_auto_selection_on_cpu_stays_torch_even_under_the_interpreter():
-    assert isinstance(select_backend("cpu"), TorchAttentionBackend)
+def test_auto_selection_on_cpu_is_never_triton_even_under_the_interpreter():
+    assert not isinstance(select_backend("cpu"), TritonAttentionBackend)
     assert isinstance(select_backend("cpu", "triton"), TritonAttentionBackend)
 
 

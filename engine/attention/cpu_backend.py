@@ -1,0 +1,58 @@
+"""CPU attention with this repository's C++ decode kernels (engine/csrc/cpu_attention.cpp).
+
+Decode attention reads the paged cache in place: one kernel computes the scores q k^T straight from
+the cache blocks, PyTorch's softmax normalises them, a second kernel sums p v from the blocks. The
+reference backend instead copies every decode's context out of the cache in every layer before its
+batched matmuls; on CPU that copy is as costly as the matmuls themselves.
+
+Cache layout: the same allocation as the reference, [kv_heads, num_blocks * block_size, head_dim]
+per layer, but each K block is stored dimension-major, i.e. K is used as
+[kv_heads, num_blocks, head_dim, block_size], so the scores kernel multiplies a query element by a
+run of block_size contiguous keys (vertical SIMD, no horizontal sums). V stays token-major. Prefill
+(and chunked prefill over cached context) runs the reference's scaled_dot_product_attention on the
+context gathered back into [kv_heads, ctx, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.torch_ref import TorchAttentionBackend, TorchMetadata, _Prefill
+
+
+def _k_blocks(k_cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The K cache as [kv_heads, num_blocks, head_dim, block_size] (a view)."""
+    kvh, slots, d = k_cache.shape
+    return k_cache.view(kvh, slots // block_size, d, block_size)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def _store(self, k, v, k_cache, v_cache, meta: TorchMetadata) -> None:
+        # k, v: [T, kv_heads, d]. V as the reference; K into (block, :, offset) of its block.
+        slots = meta.slot_mapping
+        if not meta.store_all:
+            keep = slots >= 0
+            slots, k, v = slots[keep], k[keep], v[keep]
+        bs = meta.block_size
+        v_cache.index_copy_(1, slots, v.transpose(0, 1))
+        # Indices on dims 1 and 3 (not adjacent): the indexed shape is [T, kv_heads, d], k's own.
+        _k_blocks(k_cache, bs)[:, slots // bs, :, slots % bs] = k
+
+    def _context_kv(self, k_cache, v_cache, p: _Prefill, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = p.gather.shape[0]
+        kb = _k_blocks(k_cache, block_size).index_select(1, p.blocks)  # [kvh, n, d, bs]
+        kk = kb.transpose(2, 3).reshape(kb.shape[0], -1, kb.shape[2])[:, :ctx]  # [kvh, ctx, d]
+        return kk, v_cache.index_select(1, p.gather)
+
+    def _decode(self, q, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
+        nd, heads, _ = q.shape
+        tables = meta.decode_gather.view(nd, -1)  # [nd, width] block ids (padding: block 0, never read)
+        scores = torch.ops.tokenmill.paged_decode_scores(
+            q.contiguous(), k_cache, tables, meta.decode_lens, meta.block_size, meta.decode_ctx, scale
+        )  # float32 [nd, heads, decode_ctx], -inf past each context
+        probs = torch.softmax(scores, dim=-1)
+        return torch.ops.tokenmill.paged_decode_values(
+            probs, v_cache, tables, meta.decode_lens, meta.block_size, heads
+        )  # [nd, heads, d] in the cache's dtype

@@ -1,0 +1,93 @@
+"""The C++ CPU kernels in engine/csrc: built once per machine with the system C++ compiler, then
+loaded into torch.ops.tokenmill.
+
+Built with -march=native (memory-bound loops the compiler vectorises for this CPU's AVX-512/AVX2)
+and OpenMP through ATen's intra-op pool: the library links libgomp.so.1, which resolves to the copy
+torch already loaded, so there is one thread pool and torch.set_num_threads applies. The library
+is cached under $TOKENMILL_KERNEL_CACHE (default ~/.cache/tokenmill/kernels), keyed by the
+sources, the torch version, the flags and the CPU, and written atomically, so concurrent processes
+can share it. Without a compiler nothing breaks: `load()` says why and the engine keeps the plain
+PyTorch attention. TOKENMILL_CPU_KERNELS=0 turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tokenmill.engine")
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("cpu_attention.cpp",)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("TOKENMILL_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "tokenmill" / "kernels"
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(sorted({ln for ln in f if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor()
+
+
+def library_path() -> Path:
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((CSRC / name).read_bytes())
+    h.update(f"{torch.__version__}|{FLAGS}|{platform.machine()}|{_cpu_signature()}".encode())
+    return cache_dir() / f"tokenmill_cpu_{h.hexdigest()[:16]}.so"
+
+
+def _compile(out: Path) -> None:
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or $CXX) on PATH")
+    lib_dirs = cpp_extension.library_paths()
+    cmd = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
+    cmd += [str(CSRC / s) for s in SOURCES]
+    cmd += [f"-L{p}" for p in lib_dirs] + [f"-Wl,-rpath,{p}" for p in lib_dirs] + ["-lc10", "-ltorch_cpu"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"compiling {', '.join(SOURCES)} failed:\n{res.stderr[-2000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent loader sees no file or a whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> str | None:
+    """Build (the first time on this machine) and load the kernels: None on success, else why not.
+    Loaded once per process (a library cannot be unloaded from torch.ops)."""
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        return "turned off by TOKENMILL_CPU_KERNELS=0"
+    try:
+        path = library_path()
+        if not path.exists():
+            log.info("building the CPU kernels into %s (once per machine, ~10 s)", path)
+            _compile(path)
+        torch.ops.load_library(str(path))
+        return None
+    except Exception as exc:  # no compiler, a read-only home, a broken toolchain: keep the torch path
+        return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,241 @@
+// Paged decode attention for the CPU, in two products that read the paged KV cache in place (no
+// gather copy; K and V each read once per layer). The softmax between them runs in PyTorch.
+// Registered as torch.ops.tokenmill.paged_decode_scores and torch.ops.tokenmill.paged_decode_values.
+//
+// Cache layout, per layer (engine/attention/cpu_backend.py): both tensors are allocated
+// [kv_heads, num_blocks * block_size, D], but K is used as [kv_heads, num_blocks, D, block_size]
+// (each block dimension-major, so q . k for a block's tokens is a run of vertical multiply-adds
+// over contiguous token lanes, no horizontal sums) and V as [kv_heads, num_blocks, block_size, D]
+// (token-major, so p * v accumulates over contiguous head-dim lanes). Token t of sequence s is in
+// block block_tables[s][t / block_size] at offset t % block_size.
+//
+// Work items are (sequence, KV head) pairs spread over ATen's intra-op threads; an item serves the
+// `group` query heads that share its KV head (GQA without repeating K/V). Float32 accumulation.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  // bf16 is the top half of a float32: widen by shifting (spelled out so loops vectorise).
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+struct Shapes {
+  int64_t num_seqs, heads, dim, kv_heads, group, block_size, head_slots, width;
+};
+
+Shapes check(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens,
+             int64_t block_size) {
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "paged decode: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged decode: q must be contiguous [num_seqs, heads, D]");
+  TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous(), "paged decode: cache must be contiguous [kv_heads, slots, D]");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "paged decode: q and the cache must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "paged decode: float32 or bfloat16");
+  TORCH_CHECK(q.size(1) % cache.size(0) == 0 && q.size(2) == cache.size(2), "paged decode: head shapes");
+  TORCH_CHECK(block_size > 0 && cache.size(1) % block_size == 0, "paged decode: bad block_size");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.is_contiguous() &&
+                  tables.size(0) == q.size(0),
+              "paged decode: block_tables must be contiguous int64 [num_seqs, width]");
+  TORCH_CHECK(lens.scalar_type() == at::kLong && lens.dim() == 1 && lens.size(0) == q.size(0),
+              "paged decode: context_lens must be int64 [num_seqs]");
+  return {q.size(0), q.size(1), q.size(2), cache.size(0), q.size(1) / cache.size(0), block_size, cache.size(1),
+          tables.size(1)};
+}
+
+// One block's scores for the G query rows of a KV head: sc[g][j] = q_g . k_j, j < BS, with the K
+// block dimension-major [D, BS]. Each K row is widened once and used by all G rows; BS and G are
+// compile-time constants so the G x BS accumulators live in registers. Partial blocks are computed
+// whole (the rows past the end lie in the same allocated block) and only their valid part kept.
+template <typename T, int BS, int G>
+inline void block_scores(const float* qf, const T* kb, int64_t D, float* sc) {
+  float acc[G][BS] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const T* kr = kb + d * BS;
+    float k[BS];
+#pragma omp simd
+    for (int j = 0; j < BS; ++j) k[j] = to_float(kr[j]);
+    for (int g = 0; g < G; ++g) {
+      const float qd = qf[g * D + d];
+#pragma omp simd
+      for (int j = 0; j < BS; ++j) acc[g][j] += qd * k[j];
+    }
+  }
+  std::memcpy(sc, acc, sizeof(acc));
+}
+
+template <typename T>
+inline void block_scores_any(const float* qf, const T* kb, int64_t D, int64_t bs, int64_t G, float* sc) {
+  std::fill(sc, sc + G * bs, 0.f);
+  for (int64_t d = 0; d < D; ++d) {
+    const T* kr = kb + d * bs;
+    for (int64_t g = 0; g < G; ++g) {
+      const float qd = qf[g * D + d];
+      float* sg = sc + g * bs;
+#pragma omp simd
+      for (int64_t j = 0; j < bs; ++j) sg[j] += qd * to_float(kr[j]);
+    }
+  }
+}
+
+template <typename T, int BS>
+inline bool block_scores_fixed(const float* qf, const T* kb, int64_t D, int64_t G, float* sc) {
+  switch (G) {
+    case 1: block_scores<T, BS, 1>(qf, kb, D, sc); return true;
+    case 2: block_scores<T, BS, 2>(qf, kb, D, sc); return true;
+    case 3: block_scores<T, BS, 3>(qf, kb, D, sc); return true;
+    case 4: block_scores<T, BS, 4>(qf, kb, D, sc); return true;
+    case 5: block_scores<T, BS, 5>(qf, kb, D, sc); return true;
+    case 6: block_scores<T, BS, 6>(qf, kb, D, sc); return true;
+    case 7: block_scores<T, BS, 7>(qf, kb, D, sc); return true;
+    case 8: block_scores<T, BS, 8>(qf, kb, D, sc); return true;
+    default: return false;
+  }
+}
+
+// scores[s, h * group + g, t] = scale * q[s, h * group + g] . k_t for t < ctx_s; -inf beyond.
+template <typename T>
+void scores_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& tables_t,
+                 const at::Tensor& lens_t, at::Tensor& out, const Shapes& sh, float scale) {
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const int64_t* tables = tables_t.data_ptr<int64_t>();
+  const int64_t* lens = lens_t.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t D = sh.dim, G = sh.group, bs = sh.block_size, width_ctx = out.size(2);
+  at::parallel_for(0, sh.num_seqs * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), tmp(G * bs);  // tmp: [G, bs] scores of one block
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / sh.kv_heads, h = item % sh.kv_heads;
+      const int64_t ctx = std::min(lens[s], width_ctx);
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(qp[(s * sh.heads + h * G) * D + i]) * scale;
+      float* orow = op + (s * sh.heads + h * G) * width_ctx;  // [G, width_ctx]
+      const T* kh = kp + h * sh.head_slots * D;
+      for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+        const int64_t n = std::min(bs, ctx - t0);
+        const T* kb = kh + tables[s * sh.width + t0 / bs] * bs * D;  // [D, bs]
+        const bool done = (bs == 32 && block_scores_fixed<T, 32>(qf.data(), kb, D, G, tmp.data())) ||
+                          (bs == 16 && block_scores_fixed<T, 16>(qf.data(), kb, D, G, tmp.data()));
+        if (!done) block_scores_any<T>(qf.data(), kb, D, bs, G, tmp.data());
+        for (int64_t g = 0; g < G; ++g)
+          std::copy(tmp.begin() + g * bs, tmp.begin() + g * bs + n, orow + g * width_ctx + t0);
+      }
+      for (int64_t g = 0; g < G; ++g)
+        std::fill(orow + g * width_ctx + ctx, orow + (g + 1) * width_ctx, -std::numeric_limits<float>::infinity());
+    }
+  });
+}
+
+// acc[g] += p[g] * v for the group's G query rows: the V row is widened once for all of them; D
+// is a compile-time constant (64 or 128) so the loops unroll.
+template <typename T, int DIM>
+inline void accumulate(float* acc, const float* p, int64_t p_stride, int64_t G, const T* v) {
+  float w[DIM];
+#pragma omp simd
+  for (int d = 0; d < DIM; ++d) w[d] = to_float(v[d]);
+  for (int64_t g = 0; g < G; ++g) {
+    const float pg = p[g * p_stride];
+    float* ag = acc + g * DIM;
+#pragma omp simd
+    for (int d = 0; d < DIM; ++d) ag[d] += pg * w[d];
+  }
+}
+
+template <typename T>
+inline void accumulate_any(float* acc, const float* p, int64_t p_stride, int64_t G, const T* v, int64_t D) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float pg = p[g * p_stride];
+    float* ag = acc + g * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) ag[d] += pg * to_float(v[d]);
+  }
+}
+
+// out[s, h * group + g] = sum_t probs[s, h * group + g, t] * v_t over t < ctx_s.
+template <typename T>
+void values_impl(const at::Tensor& probs, const at::Tensor& v_cache, const at::Tensor& tables_t,
+                 const at::Tensor& lens_t, at::Tensor& out, const Shapes& sh) {
+  const float* pp = probs.data_ptr<float>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tables = tables_t.data_ptr<int64_t>();
+  const int64_t* lens = lens_t.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t D = sh.dim, G = sh.group, bs = sh.block_size, width_ctx = probs.size(2);
+  at::parallel_for(0, sh.num_seqs * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(G * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / sh.kv_heads, h = item % sh.kv_heads;
+      const int64_t ctx = std::min(lens[s], width_ctx);
+      const float* prow = pp + (s * sh.heads + h * G) * width_ctx;  // [G, width_ctx]
+      const T* vh = vp + h * sh.head_slots * D;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+        const int64_t n = std::min(bs, ctx - t0);
+        const T* vb = vh + tables[s * sh.width + t0 / bs] * bs * D;  // [bs, D]
+        for (int64_t j = 0; j < n; ++j) {
+          const float* p = prow + t0 + j;
+          if (D == 64) {
+            accumulate<T, 64>(acc.data(), p, width_ctx, G, vb + j * D);
+          } else if (D == 128) {
+            accumulate<T, 128>(acc.data(), p, width_ctx, G, vb + j * D);
+          } else {
+            accumulate_any<T>(acc.data(), p, width_ctx, G, vb + j * D, D);
+          }
+        }
+      }
+      T* o = op + (s * sh.heads + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+at::Tensor paged_decode_scores(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, int64_t block_size, int64_t max_context,
+                               double scale) {
+  // q: [num_seqs, heads, D]. Returns float32 [num_seqs, heads, max_context] (-inf past each length).
+  const Shapes sh = check(q, k_cache, block_tables, context_lens, block_size);
+  auto out = at::empty({sh.num_seqs, sh.heads, max_context}, q.options().dtype(at::kFloat));
+  if (q.scalar_type() == at::kFloat) {
+    scores_impl<float>(q, k_cache, block_tables, context_lens, out, sh, static_cast<float>(scale));
+  } else {
+    scores_impl<c10::BFloat16>(q, k_cache, block_tables, context_lens, out, sh, static_cast<float>(scale));
+  }
+  return out;
+}
+
+at::Tensor paged_decode_values(const at::Tensor& probs, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, int64_t block_size, int64_t heads) {
+  // probs: float32 [num_seqs, heads, max_context]. Returns [num_seqs, heads, D] in the cache's dtype.
+  TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.dim() == 3 && probs.is_contiguous() && probs.size(1) == heads,
+              "paged decode: probs must be contiguous float32 [num_seqs, heads, context]");
+  auto q_like = at::empty({probs.size(0), heads, v_cache.size(2)}, v_cache.options());
+  const Shapes sh = check(q_like, v_cache, block_tables, context_lens, block_size);
+  if (v_cache.scalar_type() == at::kFloat) {
+    values_impl<float>(probs, v_cache, block_tables, context_lens, q_like, sh);
+  } else {
+    values_impl<c10::BFloat16>(probs, v_cache, block_tables, context_lens, q_like, sh);
+  }
+  return q_like;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill, m) {
+  m.def("paged_decode_scores(Tensor q, Tensor k_cache, Tensor block_tables, Tensor context_lens, int block_size, "
+        "int max_context, float scale) -> Tensor");
+  m.def("paged_decode_values(Tensor probs, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "int block_size, int heads) -> Tensor");
+  m.impl("paged_decode_scores", c10::DispatchKey::CPU, TORCH_FN(paged_decode_scores));
+  m.impl("paged_decode_values", c10::DispatchKey::CPU, TORCH_FN(paged_decode_values));
+}
