@@ -27,8 +27,10 @@ import torch
 log = logging.getLogger("tokenmill.engine")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("cpu_attention.cpp",)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w")
+# source -> its own flags. The layer kernels reproduce PyTorch's roundings op by op, so the compiler
+# must not contract a * b + c into one fused multiply-add there; the attention products may.
+SOURCES = {"cpu_attention.cpp": (), "cpu_layers.cpp": ("-ffp-contract=off",)}
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-w")
 
 
 def cache_dir() -> Path:
@@ -46,8 +48,8 @@ def _cpu_signature() -> str:
 
 def library_path() -> Path:
     h = hashlib.sha256()
-    for name in SOURCES:
-        h.update((CSRC / name).read_bytes())
+    for name, flags in SOURCES.items():
+        h.update((CSRC / name).read_bytes() + repr(flags).encode())
     h.update(f"{torch.__version__}|{FLAGS}|{platform.machine()}|{_cpu_signature()}".encode())
     return cache_dir() / f"tokenmill_cpu_{h.hexdigest()[:16]}.so"
 
@@ -59,21 +61,25 @@ def _compile(out: Path) -> None:
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or $CXX) on PATH")
     lib_dirs = cpp_extension.library_paths()
-    cmd = [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [str(CSRC / s) for s in SOURCES]
-    cmd += [f"-L{p}" for p in lib_dirs] + [f"-Wl,-rpath,{p}" for p in lib_dirs] + ["-lc10", "-ltorch_cpu"]
+    common = [*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    common += [f"-I{p}" for p in cpp_extension.include_paths()]
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"compiling {', '.join(SOURCES)} failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp, out)  # atomic: a concurrent loader sees no file or a whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objects = []
+        for name, flags in SOURCES.items():
+            obj = os.path.join(tmp, name + ".o")
+            _run([cxx, *common, *flags, "-c", str(CSRC / name), "-o", obj], name)
+            objects.append(obj)
+        lib = os.path.join(tmp, out.name)
+        link = [f"-L{p}" for p in lib_dirs] + [f"-Wl,-rpath,{p}" for p in lib_dirs] + ["-lc10", "-ltorch_cpu"]
+        _run([cxx, "-shared", "-fopenmp", *objects, *link, "-o", lib], "linking")
+        os.replace(lib, out)  # atomic: a concurrent loader sees no file or a whole one
+
+
+def _run(cmd: list[str], what: str) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"building the CPU kernels ({what}) failed:\n{res.stderr[-2000:]}")
 
 
 @functools.lru_cache(maxsize=1)

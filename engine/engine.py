@@ -64,6 +64,8 @@ class Engine:
         if self.packed_weights:
             model.pack_weights(batch_hint=config.max_num_seqs)
         backend = select_backend(self.device, config.attention_backend, self.dtype)
+        if backend.name == "cpu":  # the C++ kernels are loaded: the layers use theirs too
+            model.use_cpu_kernels(norms=self.dtype == torch.bfloat16)
         use_graphs = graphs_enabled(self.device, config.enforce_eager, backend)
         buckets = graph_buckets(config.max_num_seqs)
         spec = setup.kv_spec(self.hf_config, self.block_size, self.dtype)

@@ -30,15 +30,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def _store(self, k, v, k_cache, v_cache, meta: TorchMetadata) -> None:
-        # k, v: [T, kv_heads, d]. V as the reference; K into (block, :, offset) of its block.
-        slots = meta.slot_mapping
-        if not meta.store_all:
-            keep = slots >= 0
-            slots, k, v = slots[keep], k[keep], v[keep]
-        bs = meta.block_size
-        v_cache.index_copy_(1, slots, v.transpose(0, 1))
-        # Indices on dims 1 and 3 (not adjacent): the indexed shape is [T, kv_heads, d], k's own.
-        _k_blocks(k_cache, bs)[:, slots // bs, :, slots % bs] = k
+        # k, v: [T, kv_heads, d]. V rows to their slots; K values to column (slot % bs) of their
+        # dimension-major block. Slot -1 stores nothing.
+        torch.ops.tokenmill.paged_store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.block_size)
 
     def _context_kv(self, k_cache, v_cache, p: _Prefill, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = p.gather.shape[0]

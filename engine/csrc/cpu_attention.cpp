@@ -137,28 +137,61 @@ void scores_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   });
 }
 
-// acc[g] += p[g] * v for the group's G query rows: the V row is widened once for all of them; D
-// is a compile-time constant (64 or 128) so the loops unroll.
-template <typename T, int DIM>
-inline void accumulate(float* acc, const float* p, int64_t p_stride, int64_t G, const T* v) {
-  float w[DIM];
+// One sequence-head's sum over its context: acc[g] = sum_t p[g][t] v_t, V blocks token-major [bs, D].
+// Each V row is widened once for the G query rows; G and D compile-time constants keep the G x D
+// accumulators in registers.
+template <typename T, int G, int DIM>
+inline void sum_values(const float* prow, int64_t p_stride, const T* vh, const int64_t* table, int64_t bs,
+                       int64_t ctx, float* out) {
+  float acc[G][DIM] = {};
+  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+    const int64_t n = std::min(bs, ctx - t0);
+    const T* vb = vh + table[t0 / bs] * bs * DIM;
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vr = vb + j * DIM;
+      float w[DIM];
 #pragma omp simd
-  for (int d = 0; d < DIM; ++d) w[d] = to_float(v[d]);
-  for (int64_t g = 0; g < G; ++g) {
-    const float pg = p[g * p_stride];
-    float* ag = acc + g * DIM;
+      for (int d = 0; d < DIM; ++d) w[d] = to_float(vr[d]);
+      for (int g = 0; g < G; ++g) {
+        const float pg = prow[g * p_stride + t0 + j];
 #pragma omp simd
-    for (int d = 0; d < DIM; ++d) ag[d] += pg * w[d];
+        for (int d = 0; d < DIM; ++d) acc[g][d] += pg * w[d];
+      }
+    }
   }
+  std::memcpy(out, acc, sizeof(acc));
 }
 
 template <typename T>
-inline void accumulate_any(float* acc, const float* p, int64_t p_stride, int64_t G, const T* v, int64_t D) {
-  for (int64_t g = 0; g < G; ++g) {
-    const float pg = p[g * p_stride];
-    float* ag = acc + g * D;
+inline void sum_values_any(const float* prow, int64_t p_stride, const T* vh, const int64_t* table, int64_t bs,
+                           int64_t ctx, int64_t G, int64_t D, float* acc) {
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+    const int64_t n = std::min(bs, ctx - t0);
+    const T* vb = vh + table[t0 / bs] * bs * D;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t g = 0; g < G; ++g) {
+        const float pg = prow[g * p_stride + t0 + j];
+        float* ag = acc + g * D;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) ag[d] += pg * to_float(v[d]);
+        for (int64_t d = 0; d < D; ++d) ag[d] += pg * to_float(vb[j * D + d]);
+      }
+  }
+}
+
+template <typename T, int DIM>
+inline bool sum_values_fixed(const float* prow, int64_t p_stride, const T* vh, const int64_t* table, int64_t bs,
+                             int64_t ctx, int64_t G, float* acc) {
+  switch (G) {
+    case 1: sum_values<T, 1, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
+    case 2: sum_values<T, 2, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
+    case 3: sum_values<T, 3, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
+    case 4: sum_values<T, 4, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
+    case 5: sum_values<T, 5, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
+    case 6: sum_values<T, 6, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
+    case 7: sum_values<T, 7, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
+    case 8: sum_values<T, 8, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
+    default: return false;
   }
 }
 
@@ -179,25 +212,65 @@ void values_impl(const at::Tensor& probs, const at::Tensor& v_cache, const at::T
       const int64_t ctx = std::min(lens[s], width_ctx);
       const float* prow = pp + (s * sh.heads + h * G) * width_ctx;  // [G, width_ctx]
       const T* vh = vp + h * sh.head_slots * D;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
-        const int64_t n = std::min(bs, ctx - t0);
-        const T* vb = vh + tables[s * sh.width + t0 / bs] * bs * D;  // [bs, D]
-        for (int64_t j = 0; j < n; ++j) {
-          const float* p = prow + t0 + j;
-          if (D == 64) {
-            accumulate<T, 64>(acc.data(), p, width_ctx, G, vb + j * D);
-          } else if (D == 128) {
-            accumulate<T, 128>(acc.data(), p, width_ctx, G, vb + j * D);
-          } else {
-            accumulate_any<T>(acc.data(), p, width_ctx, G, vb + j * D, D);
-          }
-        }
-      }
+      const int64_t* table = tables + s * sh.width;
+      const bool done =
+          (D == 64 && sum_values_fixed<T, 64>(prow, width_ctx, vh, table, bs, ctx, G, acc.data())) ||
+          (D == 128 && sum_values_fixed<T, 128>(prow, width_ctx, vh, table, bs, ctx, G, acc.data()));
+      if (!done) sum_values_any<T>(prow, width_ctx, vh, table, bs, ctx, G, D, acc.data());
       T* o = op + (s * sh.heads + h * G) * D;
       for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
     }
   });
+}
+
+// k_cache[h, slot // bs, :, slot % bs] = k[t, h]; v_cache[h, slot] = v[t, h]; slot -1: skipped.
+template <typename T>
+void store_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                const at::Tensor& slots_t, int64_t bs) {
+  const int64_t T_ = k.size(0), kvh = k.size(1), D = k.size(2), head_slots = k_cache.size(1);
+  const int64_t* slots = slots_t.data_ptr<int64_t>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      const int64_t blk = slot / bs, off = slot % bs;
+      for (int64_t h = 0; h < kvh; ++h) {
+        T* kb = kc + (h * head_slots + blk * bs) * D + off;  // [D, bs] block, column `off`
+        const T* kr = kp + t * ks0 + h * ks1;
+        for (int64_t d = 0; d < D; ++d) kb[d * bs] = kr[d];
+        std::memcpy(vc + (h * head_slots + slot) * D, vp + t * vs0 + h * vs1, D * sizeof(T));
+      }
+    }
+  });
+}
+
+void paged_store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const at::Tensor& slot_mapping, int64_t block_size) {
+  // k, v: [T, kv_heads, D] (rows may be strided; head_dim contiguous). slot_mapping: int64 [T].
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "paged_store_kv: k and v must be [T, kv_heads, D] with contiguous D");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.size(0) == k.size(1) && k_cache.size(2) == k.size(2),
+              "paged_store_kv: cache shapes");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
+                  k.scalar_type() == v.scalar_type(),
+              "paged_store_kv: dtypes differ");
+  TORCH_CHECK(block_size > 0 && k_cache.size(1) % block_size == 0, "paged_store_kv: bad block_size");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == k.size(0),
+              "paged_store_kv: slot_mapping must be contiguous int64 [T]");
+  if (k.scalar_type() == at::kFloat) {
+    store_impl<float>(k, v, k_cache, v_cache, slot_mapping, block_size);
+  } else if (k.scalar_type() == at::kBFloat16) {
+    store_impl<c10::BFloat16>(k, v, k_cache, v_cache, slot_mapping, block_size);
+  } else {
+    TORCH_CHECK(false, "paged_store_kv: float32 or bfloat16 only");
+  }
 }
 
 at::Tensor paged_decode_scores(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_tables,
@@ -231,11 +304,14 @@ at::Tensor paged_decode_values(const at::Tensor& probs, const at::Tensor& v_cach
 
 }  // namespace
 
-TORCH_LIBRARY(tokenmill, m) {
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("paged_decode_scores(Tensor q, Tensor k_cache, Tensor block_tables, Tensor context_lens, int block_size, "
         "int max_context, float scale) -> Tensor");
   m.def("paged_decode_values(Tensor probs, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
         "int block_size, int heads) -> Tensor");
+  m.def("paged_store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "int block_size) -> ()");
   m.impl("paged_decode_scores", c10::DispatchKey::CPU, TORCH_FN(paged_decode_scores));
+  m.impl("paged_store_kv", c10::DispatchKey::CPU, TORCH_FN(paged_store_kv));
   m.impl("paged_decode_values", c10::DispatchKey::CPU, TORCH_FN(paged_decode_values));
 }

@@ -29,12 +29,26 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        # The fused C++ kernel (engine/csrc/cpu_layers.cpp); set by LlamaForCausalLM.use_cpu_kernels.
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.tokenmill.rms_norm(x.contiguous(), self.weight, self.eps)
         # Normalise in float32, scale in the model dtype (as transformers does).
         dtype = x.dtype
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * xf.to(dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after adding x (x itself when residual is None), and its norm:
+        returns (norm, stream). The fused kernel updates `residual` in place."""
+        if residual is None:
+            return self(x), x
+        if self.fused:
+            return torch.ops.tokenmill.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -71,6 +85,14 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on x: [T, heads, d] (any number of heads: q and k can go through together)."""
     return x * cos + _rotate_half(x) * sin
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
+    """rotate() in place when the C++ kernel is on (same roundings, one pass, no temporaries)."""
+    if not fused:
+        return rotate(x, cos, sin)
+    torch.ops.tokenmill.rotary_inplace(x, cos, sin)
+    return x
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.layers import ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rotate
+from engine.models.layers import ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rotate_
 from engine.models.packed_linear import PackedLinear, pack_linears
 from engine.models.rope import rope_inv_freq
 
@@ -32,6 +32,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.fused_rotary = False  # the C++ kernel in place (use_cpu_kernels)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, (q_size, kv_size, _) = x.shape[0], self.split
@@ -43,7 +44,7 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(q, k, ctx.cos, ctx.sin)
         else:
             # q and k sit side by side in qkv: one RoPE over [T, H + Hkv, D] halves the elementwise ops.
-            qk = rotate(qkv[:, : q_size + kv_size].view(t, -1, self.head_dim), ctx.cos, ctx.sin)
+            qk = rotate_(qkv[:, : q_size + kv_size].view(t, -1, self.head_dim), ctx.cos, ctx.sin, self.fused_rotary)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)  # [T, H, D]
@@ -60,9 +61,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous sublayer's output (the embeddings at layer 0), residual: the stream it adds
+        to (None at layer 0). Returns this layer's MLP output and the stream before it; adding the
+        two is left to the next norm, which can fuse the add."""
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h = self.self_attn(positions, h, ctx)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -74,11 +80,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         ctx.cos, ctx.sin = self.rotary.lookup(positions)
         for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, ctx)
+        return self.norm.add_norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -111,6 +117,16 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden)
+
+    def use_cpu_kernels(self, norms: bool) -> None:
+        """Route rotary (and, with norms, every RMSNorm and residual add) through the C++ CPU
+        kernels (engine/cpu_kernels.py, loaded by the caller). Rotary is bit-exact in any dtype;
+        the norms' float32 mean sums in another order than PyTorch's, so they are for bf16 only."""
+        for mod in self.modules():
+            if isinstance(mod, LlamaAttention):
+                mod.fused_rotary = True
+            elif isinstance(mod, RMSNorm):
+                mod.fused = norms
 
     def pack_weights(self, batch_hint: int) -> int:
         """Every linear, the logits projection included, to oneDNN's packed layout (CPU bf16; see
