@@ -44,7 +44,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         nd, heads, _ = q.shape
         tables = meta.decode_gather.view(nd, -1)  # [nd, width] block ids (padding: block 0, never read)
         scores = torch.ops.tokenmill.paged_decode_scores(
-            q.contiguous(), k_cache, tables, meta.decode_lens, meta.block_size, meta.decode_ctx, scale
+            q, k_cache, tables, meta.decode_lens, meta.block_size, meta.decode_ctx, scale
         )  # float32 [nd, heads, decode_ctx], -inf past each context
         probs = torch.softmax(scores, dim=-1)
         return torch.ops.tokenmill.paged_decode_values(

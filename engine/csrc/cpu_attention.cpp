@@ -39,7 +39,7 @@ struct Shapes {
 Shapes check(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens,
              int64_t block_size) {
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "paged decode: CPU tensors only");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "paged decode: q must be contiguous [num_seqs, heads, D]");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "paged decode: q must be [num_seqs, heads, D], D contiguous");
   TORCH_CHECK(cache.dim() == 3 && cache.is_contiguous(), "paged decode: cache must be contiguous [kv_heads, slots, D]");
   TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "paged decode: q and the cache must share a dtype");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "paged decode: float32 or bfloat16");
@@ -119,7 +119,8 @@ void scores_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / sh.kv_heads, h = item % sh.kv_heads;
       const int64_t ctx = std::min(lens[s], width_ctx);
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_float(qp[(s * sh.heads + h * G) * D + i]) * scale;
+      for (int64_t g = 0; g < G; ++g)  // q rows may be strided (a view into the fused QKV output)
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qp[s * q.stride(0) + (h * G + g) * q.stride(1) + d]) * scale;
       float* orow = op + (s * sh.heads + h * G) * width_ctx;  // [G, width_ctx]
       const T* kh = kp + h * sh.head_slots * D;
       for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
