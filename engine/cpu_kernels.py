@@ -57,9 +57,10 @@ def library_path() -> Path:
 def _compile(out: Path) -> None:
     from torch.utils import cpp_extension
 
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    wanted = os.environ.get("CXX")
+    cxx = shutil.which(wanted) if wanted else shutil.which("g++") or shutil.which("c++")
     if cxx is None:
-        raise RuntimeError("no C++ compiler (g++, c++ or $CXX) on PATH")
+        raise RuntimeError(f"no C++ compiler ({wanted!r} from $CXX)" if wanted else "no C++ compiler (g++ or c++) on PATH")
     lib_dirs = cpp_extension.library_paths()
     common = [*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     common += [f"-I{p}" for p in cpp_extension.include_paths()]
@@ -91,8 +92,12 @@ def load() -> str | None:
     try:
         path = library_path()
         if not path.exists():
-            log.info("building the CPU kernels into %s (once per machine, ~10 s)", path)
-            _compile(path)
+            log.info("building the CPU kernels into %s (once per machine, ~15 s)", path)
+            try:
+                _compile(path)
+            except OSError:  # the cache folder is not writable: build for this process only
+                path = Path(tempfile.mkdtemp(prefix="tokenmill-kernels-")) / path.name
+                _compile(path)
         torch.ops.load_library(str(path))
         return None
     except Exception as exc:  # no compiler, a read-only home, a broken toolchain: keep the torch path

@@ -1,0 +1,50 @@
+"""Building the CPU kernels: cached per machine, rebuilt into a fresh folder, refused cleanly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from engine import cpu_kernels
+
+
+def _load_in_subprocess(env_extra: dict, tmp_path) -> subprocess.CompletedProcess:
+    import os
+
+    env = {**os.environ, **env_extra}
+    code = "from engine import cpu_kernels; import sys; r = cpu_kernels.load(); print(r); sys.exit(0 if r is None else 3)"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300)
+
+
+def test_library_path_depends_on_sources_and_lives_in_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("TOKENMILL_KERNEL_CACHE", str(tmp_path))
+    path = cpu_kernels.library_path()
+    assert path.parent == tmp_path and path.name.startswith("tokenmill_cpu_") and path.suffix == ".so"
+    monkeypatch.setattr(cpu_kernels, "SOURCES", {**cpu_kernels.SOURCES, "cpu_layers.cpp": ("-O2",)})
+    assert cpu_kernels.library_path() != path  # other flags, another library
+
+
+def test_fresh_cache_builds_then_reuses(tmp_path):
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {"TOKENMILL_KERNEL_CACHE": str(tmp_path / "k"), "PYTHONPATH": root}
+    first = _load_in_subprocess(env, tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    built = list((tmp_path / "k").glob("tokenmill_cpu_*.so"))
+    assert len(built) == 1
+    mtime = built[0].stat().st_mtime_ns
+    again = _load_in_subprocess(env, tmp_path)
+    assert again.returncode == 0 and built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+
+
+def test_turned_off_and_missing_compiler_say_why(tmp_path):
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    off = _load_in_subprocess({"TOKENMILL_CPU_KERNELS": "0", "PYTHONPATH": root}, tmp_path)
+    assert off.returncode == 3 and "TOKENMILL_CPU_KERNELS=0" in off.stdout
+    nocc = _load_in_subprocess({"TOKENMILL_KERNEL_CACHE": str(tmp_path / "empty"), "CXX": "/nonexistent/c++",
+                                "PYTHONPATH": root}, tmp_path)
+    assert nocc.returncode == 3 and "no C++ compiler ('/nonexistent/c++' from $CXX)" in nocc.stdout
