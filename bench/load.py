@@ -82,6 +82,10 @@ def request_body(req: LoadRequest, cfg: LoadConfig) -> dict:
     return body
 
 
+# Error types the server streams when a deadline passed (server/ticket.py kinds).
+SERVER_TIMEOUT_ERRORS = ("queue_timeout:",)
+
+
 async def send_one(client: httpx.AsyncClient, req: LoadRequest, cfg: LoadConfig) -> RequestRecord:
     """Send one request and record what came back; never raises for HTTP or stream failures."""
     prompt_len = 0 if isinstance(req.prompt, str) else len(req.prompt)
@@ -119,7 +123,9 @@ async def _stream(client: httpx.AsyncClient, req: LoadRequest, cfg: LoadConfig, 
                 if upd.cached_tokens is not None:
                     rec.cached_tokens = upd.cached_tokens
                 if upd.error is not None:
-                    rec.status, rec.error = "error", upd.error
+                    # A server deadline (the request waited too long in its lane) is a timeout too.
+                    timed_out = upd.error.startswith(SERVER_TIMEOUT_ERRORS)
+                    rec.status, rec.error = ("timeout" if timed_out else "error"), upd.error
                 elif upd.finish_reason == "timeout":
                     rec.status, rec.error = "timeout", "server deadline"
                 finished = finished or upd.finished

@@ -120,3 +120,27 @@ def test_warmup_prompt_shares_no_prefix_with_the_first_timed_prompt():
     assert w.prompt[0] != 1 and sorted(w.prompt) == [1, 2, 3] and w.max_tokens == 4 and w.lane == "batch"
     assert warmup_request(LoadRequest((5, 6, 5), 2)).prompt[0] != 5
     assert not warmup_request(LoadRequest("hello", 8)).prompt.startswith("hello")
+
+
+@pytest.mark.parametrize("endpoint", ["generate", "completions"])
+@pytest.mark.parametrize("kind,status", [("queue_timeout", "timeout"), ("engine_error", "error")])
+def test_a_streamed_server_deadline_counts_as_a_timeout(endpoint, kind, status):
+    import asyncio
+
+    import httpx
+
+    from bench.load import send_one
+
+    err = json.dumps({"error": {"type": kind, "message": "waited 30.1s in the interactive lane"}})
+    body = f"event: error\ndata: {err}\n\n" if endpoint == "generate" else f"data: {err}\n\ndata: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body.encode(), headers={"content-type": "text/event-stream"})
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://test") as client:
+            return await send_one(client, LoadRequest(prompt=(1, 2, 3), max_tokens=4), LoadConfig(
+                base_url="http://test", endpoint=endpoint, concurrency=1))
+
+    rec = asyncio.run(go())
+    assert rec.status == status and kind in rec.error
