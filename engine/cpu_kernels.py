@@ -30,6 +30,7 @@ CSRC = Path(__file__).parent / "csrc"
 # source -> its own flags. The layer kernels reproduce PyTorch's roundings op by op, so the compiler
 # must not contract a * b + c into one fused multiply-add there; the attention products may.
 SOURCES = {"cpu_attention.cpp": (), "cpu_layers.cpp": ("-ffp-contract=off",)}
+HEADERS = ("widen.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-w")
 
 
@@ -50,6 +51,8 @@ def library_path() -> Path:
     h = hashlib.sha256()
     for name, flags in SOURCES.items():
         h.update((CSRC / name).read_bytes() + repr(flags).encode())
+    for header in HEADERS:
+        h.update((CSRC / header).read_bytes())
     h.update(f"{torch.__version__}|{FLAGS}|{platform.machine()}|{_cpu_signature()}".encode())
     return cache_dir() / f"tokenmill_cpu_{h.hexdigest()[:16]}.so"
 
@@ -63,7 +66,7 @@ def _compile(out: Path) -> None:
         raise RuntimeError(f"no C++ compiler ({wanted!r} from $CXX)" if wanted else "no C++ compiler (g++ or c++) on PATH")
     lib_dirs = cpp_extension.library_paths()
     common = [*FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
-    common += [f"-I{p}" for p in cpp_extension.include_paths()]
+    common += [f"-I{p}" for p in [CSRC, *cpp_extension.include_paths()]]
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         objects = []

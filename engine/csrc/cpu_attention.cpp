@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "widen.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -23,14 +25,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  // bf16 is the top half of a float32: widen by shifting (spelled out so loops vectorise).
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using tokenmill::to_float;
 
 struct Shapes {
   int64_t num_seqs, heads, dim, kv_heads, group, block_size, head_slots, width;

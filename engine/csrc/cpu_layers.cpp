@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "widen.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -14,13 +16,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using tokenmill::to_float;
 // Round a float to T (round to nearest even for bf16, as PyTorch does) and back.
 template <typename T>
 inline float round_to(float x) {
