@@ -33,15 +33,16 @@ class TorchMetadata(AttentionMetadata):
     decode_ctx: int  # padded context length of the decode batch (a multiple of block_size)
     decode_gather: torch.Tensor | None  # [num_decodes * decode_ctx / block_size] block ids, padded with 0
     decode_lens: torch.Tensor | None  # [num_decodes] long, context lengths (this step's token included)
-    decode_bias: torch.Tensor | None  # [num_decodes, 1, decode_ctx]: 0 attend, -inf padding (the first
-    # layer repeats it per KV head in q's dtype: [num_decodes * kv_heads, 1, decode_ctx])
     prefills: list[_Prefill]
-    # Built by the first layer, reused by the rest (every layer's cache has the same shape):
+    # Built by the reference's first decode layer, reused by the rest (every layer's cache has the
+    # same shape); backends that read the cache in place never build them:
     # decode_rows: [kv_heads * len(decode_gather)] rows of the cache viewed [kv_heads * num_blocks,
-    # block_size * d]; decode_k/decode_v: the gathered blocks, one workspace for all layers.
+    # block_size * d]; decode_k/decode_v: the gathered blocks, one workspace for all layers;
+    # decode_bias: [num_decodes * kv_heads, 1, decode_ctx] in q's dtype, 0 attend, -inf padding.
     decode_rows: torch.Tensor | None = None
     decode_k: torch.Tensor | None = None
     decode_v: torch.Tensor | None = None
+    decode_bias: torch.Tensor | None = None
 
 
 def _slots(block_table: list[int], block_size: int, n: int) -> torch.Tensor:
@@ -59,7 +60,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> TorchMetadata:
         nd, bs = layout.num_decodes, layout.block_size
-        decode_gather = decode_bias = decode_lens = None
+        decode_gather = decode_lens = None
         max_ctx = 0
         if nd:
             lens = torch.tensor(layout.context_lens[:nd])
@@ -69,10 +70,7 @@ class TorchAttentionBackend(AttentionBackend):
             for i in range(nd):
                 row = layout.block_tables[i][:max_blocks]
                 tables[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            pad = torch.arange(max_ctx)[None, :] >= lens[:, None]
-            bias = torch.zeros(nd, max_ctx).masked_fill_(pad, float("-inf"))
             decode_gather = tables.flatten().to(device)
-            decode_bias = bias[:, None, :].to(device)
             decode_lens = lens.to(device)
         prefills, q_start = [], nd
         for i in range(nd, len(layout.query_lens)):
@@ -88,7 +86,7 @@ class TorchAttentionBackend(AttentionBackend):
         slot_mapping = layout.slot_mapping.to(device)
         store_all = bool((layout.slot_mapping >= 0).all())
         return TorchMetadata(
-            slot_mapping, store_all, nd, bs, max_ctx, decode_gather, decode_lens, decode_bias, prefills
+            slot_mapping, store_all, nd, bs, max_ctx, decode_gather, decode_lens, prefills
         )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
@@ -145,7 +143,9 @@ def _decode_attention(q, k_cache, v_cache, meta: TorchMetadata, scale: float) ->
         # gathered tensors (on CPU a fresh multi-megabyte allocation can cost more than the copy).
         meta.decode_k = k_cache.new_empty(meta.decode_rows.shape[0], bs * d)
         meta.decode_v = v_cache.new_empty(meta.decode_rows.shape[0], bs * d)
-        meta.decode_bias = meta.decode_bias.to(q.dtype).repeat_interleave(kvh, dim=0)  # [nd * kvh, 1, ctx]
+        pad = torch.arange(ctx, device=q.device)[None, :] >= meta.decode_lens[:, None]  # [nd, ctx]
+        bias = torch.zeros(nd, 1, ctx, dtype=q.dtype, device=q.device).masked_fill_(pad[:, None], float("-inf"))
+        meta.decode_bias = bias.repeat_interleave(kvh, dim=0)  # [nd * kvh, 1, ctx]
     kk = torch.index_select(k_cache.view(-1, bs * d), 0, meta.decode_rows, out=meta.decode_k).view(-1, ctx, d)
     vv = torch.index_select(v_cache.view(-1, bs * d), 0, meta.decode_rows, out=meta.decode_v).view(-1, ctx, d)
     qq = q.reshape(nd * kvh, h // kvh, d)  # [nd * kvh, group, d] (a copy when q is a view into qkv)

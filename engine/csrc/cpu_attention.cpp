@@ -288,14 +288,14 @@ at::Tensor paged_decode_values(const at::Tensor& probs, const at::Tensor& v_cach
   // probs: float32 [num_seqs, heads, max_context]. Returns [num_seqs, heads, D] in the cache's dtype.
   TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.dim() == 3 && probs.is_contiguous() && probs.size(1) == heads,
               "paged decode: probs must be contiguous float32 [num_seqs, heads, context]");
-  auto q_like = at::empty({probs.size(0), heads, v_cache.size(2)}, v_cache.options());
-  const Shapes sh = check(q_like, v_cache, block_tables, context_lens, block_size);
+  auto out = at::empty({probs.size(0), heads, v_cache.size(2)}, v_cache.options());
+  const Shapes sh = check(out, v_cache, block_tables, context_lens, block_size);
   if (v_cache.scalar_type() == at::kFloat) {
-    values_impl<float>(probs, v_cache, block_tables, context_lens, q_like, sh);
+    values_impl<float>(probs, v_cache, block_tables, context_lens, out, sh);
   } else {
-    values_impl<c10::BFloat16>(probs, v_cache, block_tables, context_lens, q_like, sh);
+    values_impl<c10::BFloat16>(probs, v_cache, block_tables, context_lens, out, sh);
   }
-  return q_like;
+  return out;
 }
 
 }  // namespace

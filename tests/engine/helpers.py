@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
@@ -92,3 +95,16 @@ def assert_idle(engine: Engine) -> None:
 
 def mismatches(got: list[list[int]], want: list[list[int]]) -> list[int]:
     return [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+
+
+def require_cpu_kernels() -> None:
+    """Module-level guard of the CPU-kernel tests: the kernels must build under CI and wherever a C++
+    compiler is on PATH (a failure there fails the module); only a machine without one skips."""
+    from engine import cpu_kernels
+
+    reason = cpu_kernels.load()
+    if reason is None:
+        return
+    if os.environ.get("CI") or shutil.which("g++") or shutil.which("c++"):
+        raise RuntimeError(f"the CPU kernels must build here: {reason}")
+    pytest.skip(f"no C++ compiler: {reason}", allow_module_level=True)

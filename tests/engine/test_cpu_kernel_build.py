@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 from engine import cpu_kernels
 
+ROOT = str(Path(__file__).resolve().parents[2])
+
 
 def _load_in_subprocess(env_extra: dict, tmp_path) -> subprocess.CompletedProcess:
-    import os
-
-    env = {**os.environ, **env_extra}
+    env = {**os.environ, "PYTHONPATH": ROOT, **env_extra}
     code = "from engine import cpu_kernels; import sys; r = cpu_kernels.load(); print(r); sys.exit(0 if r is None else 3)"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path,
                           timeout=300)
@@ -26,10 +28,7 @@ def test_library_path_depends_on_sources_and_lives_in_the_cache(monkeypatch, tmp
 
 
 def test_fresh_cache_builds_then_reuses(tmp_path):
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {"TOKENMILL_KERNEL_CACHE": str(tmp_path / "k"), "PYTHONPATH": root}
+    env = {"TOKENMILL_KERNEL_CACHE": str(tmp_path / "k")}
     first = _load_in_subprocess(env, tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     built = list((tmp_path / "k").glob("tokenmill_cpu_*.so"))
@@ -40,11 +39,7 @@ def test_fresh_cache_builds_then_reuses(tmp_path):
 
 
 def test_turned_off_and_missing_compiler_say_why(tmp_path):
-    import os
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    off = _load_in_subprocess({"TOKENMILL_CPU_KERNELS": "0", "PYTHONPATH": root}, tmp_path)
+    off = _load_in_subprocess({"TOKENMILL_CPU_KERNELS": "0"}, tmp_path)
     assert off.returncode == 3 and "TOKENMILL_CPU_KERNELS=0" in off.stdout
-    nocc = _load_in_subprocess({"TOKENMILL_KERNEL_CACHE": str(tmp_path / "empty"), "CXX": "/nonexistent/c++",
-                                "PYTHONPATH": root}, tmp_path)
+    nocc = _load_in_subprocess({"TOKENMILL_KERNEL_CACHE": str(tmp_path / "empty"), "CXX": "/nonexistent/c++"}, tmp_path)
     assert nocc.returncode == 3 and "no C++ compiler ('/nonexistent/c++' from $CXX)" in nocc.stdout

@@ -4,9 +4,6 @@ the unrolled range, head sizes, slot -1, shuffled block tables, mixed decode + p
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
@@ -15,12 +12,9 @@ from engine.attention import TorchAttentionBackend, select_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
 
 from .attention_cases import random_step, reference, rel_err
-from .helpers import greedy, make_engine
+from .helpers import greedy, make_engine, require_cpu_kernels
 
-if cpu_kernels.load() is not None:
-    if os.environ.get("CI") or shutil.which("g++"):
-        raise RuntimeError(f"the CPU kernels must build here: {cpu_kernels.load()}")
-    pytest.skip(f"no C++ compiler: {cpu_kernels.load()}", allow_module_level=True)
+require_cpu_kernels()
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}  # ||out - ref|| / ||ref|| against float64
 

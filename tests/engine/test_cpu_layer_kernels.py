@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import cpu_kernels
 from engine.models.layers import RMSNorm, rotate
 
-if cpu_kernels.load() is not None:
-    pytest.skip(f"CPU kernels unavailable: {cpu_kernels.load()} (test_cpu_kernels.py fails for that)",
-                allow_module_level=True)
+from .helpers import require_cpu_kernels
+
+require_cpu_kernels()
 
 
 def _norms(hidden: int, dtype):
