@@ -122,6 +122,10 @@ async def _stream(client: httpx.AsyncClient, req: LoadRequest, cfg: LoadConfig, 
                     rec.prompt_tokens = upd.prompt_tokens
                 if upd.cached_tokens is not None:
                     rec.cached_tokens = upd.cached_tokens
+                if upd.queue_s is not None:
+                    rec.queue_s = upd.queue_s
+                if upd.preemptions is not None:
+                    rec.preemptions = upd.preemptions
                 if upd.error is not None:
                     # A server deadline (the request waited too long in its lane) is a timeout too.
                     timed_out = upd.error.startswith(SERVER_TIMEOUT_ERRORS)

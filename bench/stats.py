@@ -32,6 +32,8 @@ class RequestRecord:
     cached_tokens: int = 0  # prompt tokens served by the server's prefix cache (when it says)
     lane: str | None = None  # the priority it was sent with
     error: str = ""  # why it failed, for the report
+    queue_s: float | None = None  # the server's queue wait, when it says (/generate)
+    preemptions: int = 0  # times the server preempted it, when it says (/generate)
 
     @property
     def num_output_tokens(self) -> int:

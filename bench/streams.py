@@ -84,6 +84,8 @@ class StreamUpdate:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None  # prompt tokens the server's prefix cache served
     error: str | None = None  # the stream reported a failure
+    queue_s: float | None = None  # the server's queue wait (arrival to first schedule), /generate only
+    preemptions: int | None = None  # times the server's engine preempted the request, /generate only
 
 
 def parse_generate_event(event: SseEvent) -> StreamUpdate:
@@ -93,9 +95,11 @@ def parse_generate_event(event: SseEvent) -> StreamUpdate:
     if event.event == "done":
         body = json.loads(event.data)
         usage = body.get("usage") or {}
+        timing = body.get("timing") or {}
         return StreamUpdate(finished=True, finish_reason=body.get("finish_reason"),
                             output_tokens=usage.get("completion_tokens"), prompt_tokens=usage.get("prompt_tokens"),
-                            cached_tokens=usage.get("cached_tokens"))
+                            cached_tokens=usage.get("cached_tokens"), queue_s=timing.get("queue_s"),
+                            preemptions=timing.get("preemptions"))
     if event.event == "error":
         err = json.loads(event.data).get("error") or {}
         return StreamUpdate(finished=True, error=f"{err.get('type', 'error')}: {err.get('message', '')}")

@@ -1,9 +1,18 @@
-"""tokenmill's inference engine: continuous batching over a paged KV cache (no HTTP, no threads)."""
+"""tokenmill's inference engine: continuous batching over a paged KV cache (no HTTP, no threads).
 
+Importing `engine` (or `engine.api`) loads no torch: `Engine` is resolved on first use, so the server
+can use the boundary types without pulling in the model code.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from engine.api import EngineStats, FinishReason, InvalidParam, RequestOutput, SamplingParams, TokenLogprob
 from engine.config import EngineConfig
-from engine.engine import Engine, GenerationResult
-from engine.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.engine import Engine, GenerationResult
 
 __all__ = [
     "Engine",
@@ -11,7 +20,19 @@ __all__ = [
     "EngineStats",
     "FinishReason",
     "GenerationResult",
+    "InvalidParam",
     "RequestOutput",
     "SamplingParams",
     "TokenLogprob",
 ]
+
+_LAZY = {"Engine": "engine.engine", "GenerationResult": "engine.engine"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -39,9 +39,6 @@ class BlockManager:
         # LRU of free blocks: first = evicted first. Values unused.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
-        # Per request: how many of its blocks are registered in the prefix cache, and the last hash.
-        self._num_hashed: dict[str, int] = {}
-        self._last_hash: dict[str, int | None] = {}
         self.prefix_queries = 0  # prompt tokens looked up (cumulative)
         self.prefix_hits = 0  # prompt tokens found (cumulative)
 
@@ -90,8 +87,8 @@ class BlockManager:
             block.ref_count += 1
         request.block_ids = list(block_ids)
         request.num_computed_tokens = len(block_ids) * self.block_size
-        self._num_hashed[request.request_id] = len(block_ids)
-        self._last_hash[request.request_id] = self.blocks[block_ids[-1]].block_hash if block_ids else None
+        request.num_hashed_blocks = len(block_ids)
+        request.last_block_hash = self.blocks[block_ids[-1]].block_hash if block_ids else None
         if self.enable_prefix_caching:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += request.num_computed_tokens
@@ -100,10 +97,9 @@ class BlockManager:
         """Register every full block whose K/V are now computed, so later requests can share it."""
         if not self.enable_prefix_caching:
             return
-        rid = request.request_id
-        n_done = self._num_hashed.get(rid, 0)
+        n_done = request.num_hashed_blocks
         n_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        parent = self._last_hash.get(rid)
+        parent = request.last_block_hash
         for i in range(n_done, n_full):
             tokens = tuple(request.tokens(i * self.block_size, (i + 1) * self.block_size))
             h = chain_hash(parent, tokens)
@@ -112,8 +108,8 @@ class BlockManager:
                 block.block_hash, block.token_ids = h, tokens
                 self._cached[h] = block.block_id
             parent = h
-        self._num_hashed[rid] = max(n_done, n_full)
-        self._last_hash[rid] = parent
+        request.num_hashed_blocks = max(n_done, n_full)
+        request.last_block_hash = parent
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
@@ -138,8 +134,8 @@ class BlockManager:
                     self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
         request.block_ids = []
         request.num_computed_tokens = 0
-        self._num_hashed.pop(request.request_id, None)
-        self._last_hash.pop(request.request_id, None)
+        request.num_hashed_blocks = 0
+        request.last_block_hash = None
 
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)

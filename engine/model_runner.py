@@ -2,25 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.attention import AttentionBackend, BatchLayout
+from engine.core import ModelRunnerOutput
 from engine.cuda_graphs import DecodeGraphRunner
 from engine.models.layers import ForwardContext
 from engine.models.llama import LlamaForCausalLM
-from engine.outputs import TokenLogprob
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What was sampled this step, for the requests whose scheduled tokens ended their sequence."""
-
-    sampled: dict[str, int]  # request_id -> new token id
-    logprobs: dict[str, TokenLogprob]  # request_id -> logprob of that token (when asked for)
 
 
 class ModelRunner:

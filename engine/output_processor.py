@@ -1,16 +1,20 @@
-"""Turns sampled tokens into RequestOutputs: stop checks, detokenization, stop strings."""
+"""Turns a step's results into RequestOutputs: token appends, stop checks, detokenization, stop strings,
+and the outputs of requests that started, timed out or failed. Writes `Request.output_token_ids` and
+`Request.text` (no other module does)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from engine.api import Deadline, FinishReason, RequestOutput, TokenLogprob
 from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
-from engine.outputs import FinishReason, RequestOutput, TokenLogprob
 from engine.request import Request
 
 
 class RequestTextState:
-    """Per-request text state, kept across preemptions."""
+    """Per-request text state, kept across preemptions (on `Request.text`)."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...]) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopStringFilter(stops)
 
@@ -27,42 +31,50 @@ def token_finish_reason(req: Request, token: int, max_model_len: int) -> FinishR
     return None
 
 
-def make_output(
-    req: Request, state: RequestTextState, token: int, logprob: TokenLogprob | None, max_model_len: int
-) -> RequestOutput:
+def token_output(req: Request, token: int, logprob: TokenLogprob | None, max_model_len: int,
+                 started: bool) -> RequestOutput:  # fmt: skip
     """Append token to req and describe the step. Sets req.finish_reason when it finished."""
     req.output_token_ids.append(token)
     reason = token_finish_reason(req, token, max_model_len)
+    state: RequestTextState = req.text
     delta = state.detok.add([token], final=reason is not None)
     text, hit = state.stops.feed(delta, final=reason is not None)
     if hit:
         reason = FinishReason.STOP
     req.finish_reason = reason
+    return _output(req, [token], text, [logprob] if logprob is not None else None, reason, started=started)
+
+
+def started_output(req: Request) -> RequestOutput:
+    """A request scheduled for the first time whose prompt is not done yet (no token this step)."""
+    return _output(req, [], "", None, None, started=True)
+
+
+def timeout_output(req: Request, deadline: Deadline) -> RequestOutput:
+    """A request ended by a deadline (as with an abort, text held back for a stop string is dropped)."""
+    return _output(req, [], "", None, FinishReason.TIMEOUT, deadline=deadline)
+
+
+def error_output(req: Request, message: str) -> RequestOutput:
+    return _output(req, [], "", None, FinishReason.ERROR, error=message)
+
+
+def _output(req: Request, tokens: list[int], text: str, logprobs: list[TokenLogprob] | None,
+            reason: FinishReason | None, started: bool = False, deadline: Deadline | None = None,
+            error: str | None = None) -> RequestOutput:  # fmt: skip
     return RequestOutput(
         request_id=req.request_id,
-        new_token_ids=[token],
+        new_token_ids=tokens,
         text_delta=text,
-        logprobs=[logprob] if logprob is not None else None,
+        logprobs=logprobs,
         finished=reason is not None,
         finish_reason=reason,
         prompt_tokens=req.num_prompt_tokens,
         completion_tokens=req.num_output_tokens,
         cached_tokens=max(req.num_cached_tokens, 0),
+        error=error,
         kv_blocks=len(req.block_ids),
-    )
-
-
-def error_output(req: Request, message: str) -> RequestOutput:
-    return RequestOutput(
-        request_id=req.request_id,
-        new_token_ids=[],
-        text_delta="",
-        logprobs=None,
-        finished=True,
-        finish_reason=FinishReason.ERROR,
-        prompt_tokens=req.num_prompt_tokens,
-        completion_tokens=req.num_output_tokens,
-        cached_tokens=max(req.num_cached_tokens, 0),
-        error=message,
-        kv_blocks=len(req.block_ids),
+        started=started,
+        num_preemptions=req.num_preemptions,
+        deadline=deadline,
     )

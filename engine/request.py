@@ -1,11 +1,14 @@
-"""A request's mutable state inside the engine (owned by the scheduler)."""
+"""A request's mutable state inside the engine. Everything a request needs across steps lives here, each
+field with one writer (named in its comment), so no side table keyed by request id has to be cleaned
+when it ends."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
-from engine.outputs import FinishReason
+from engine.api import Deadlines, FinishReason
 from engine.sampling_params import SamplingParams
 
 
@@ -17,23 +20,40 @@ class RequestStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One generation request. Token state lives here; KV blocks live in the block manager."""
+    """One generation request. The block table is here; the blocks themselves live in the block manager."""
 
+    # -- given at creation, never changed --------------------------------------------------------------
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    priority: int  # lower runs first
-    arrival_time: float
+    priority: int  # lower runs first (engine/ordering.py)
+    arrival_time: float  # clock seconds the caller received it; orders requests and anchors deadlines
     eos_token_ids: frozenset[int]
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    # -- the scheduler's --------------------------------------------------------------------------------
     status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
+    waiting_since: float = 0.0  # clock seconds it (re)entered the waiting queue: arrival, or preemption
+    waited_s: float = 0.0  # seconds spent waiting before the current wait (it ages by the total)
+    started: bool = False  # scheduled at least once (its queue deadline no longer applies)
+    num_preemptions: int = 0
+    budget_deferred: bool = False  # left out of a step by more important work; counted once until it runs
     # Tokens whose K/V are in the cache. Reset to 0 on preemption (we recompute).
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache at the first schedule (reported as cached_tokens).
     num_cached_tokens: int = -1  # -1: not scheduled yet
-    block_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
+    # -- the block manager's ------------------------------------------------------------------------------
+    block_ids: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    last_block_hash: int | None = None  # chained hash of the last registered block
+    # -- the output processor's (token appends, text) ------------------------------------------------------
+    output_token_ids: list[int] = field(default_factory=list)
+    text: Any = None  # RequestTextState: detokenizer and stop-string filter, kept across preemptions
+    # -- the sampler's ------------------------------------------------------------------------------------
+    generator: Any = None  # torch.Generator drawn from for sampled tokens; None until first used
+
+    def __post_init__(self) -> None:
+        self.waiting_since = self.arrival_time
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -55,7 +75,3 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
-
-    def sort_key(self) -> tuple[int, float, str]:
-        """The one ordering of requests: priority, then arrival, then id."""
-        return (self.priority, self.arrival_time, self.request_id)

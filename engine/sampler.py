@@ -10,27 +10,22 @@ from __future__ import annotations
 
 import torch
 
-from engine.outputs import TokenLogprob
+from engine.api import TokenLogprob
 from engine.request import Request
 
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self._seeder = torch.Generator().manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self._seeder = torch.Generator().manual_seed(seed)  # seeds requests that give none
 
     def generator(self, req: Request) -> torch.Generator:
-        g = self._generators.get(req.request_id)
-        if g is None:
+        """req's own generator (created on first use, kept on the request across preemptions)."""
+        if req.generator is None:
             seed = req.params.seed
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seeder))
-            g = torch.Generator().manual_seed(seed % 2**64)
-            self._generators[req.request_id] = g
-        return g
-
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+            req.generator = torch.Generator().manual_seed(seed % 2**64)
+        return req.generator
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.errors import InvalidParam
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature 0 means greedy. Every invalid value raises ``ValueError`` naming the field.
+    temperature 0 means greedy. Every invalid value raises ``InvalidParam`` (a ValueError) naming the field.
     """
 
     max_tokens: int = 16
@@ -51,12 +53,12 @@ class SamplingParams:
             _check_int("seed", self.seed, lo=-(2**63), hi=2**64 - 1)
         _check_int("min_tokens", self.min_tokens, lo=0)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise InvalidParam("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError("ignore_eos must be a boolean")
+            raise InvalidParam("ignore_eos", "ignore_eos must be a boolean")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError("stop must contain non-empty strings")
+                raise InvalidParam("stop", "stop must contain non-empty strings")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, lo=0)
         if self.logprobs is not None:
@@ -69,18 +71,18 @@ class SamplingParams:
 
 def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise InvalidParam(name, f"{name} must be an integer, got {value!r}")
     if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
+        raise InvalidParam(name, f"{name} must be >= {lo}, got {value}")
     if hi is not None and value > hi:
-        raise ValueError(f"{name} must be <= {hi}, got {value}")
+        raise InvalidParam(name, f"{name} must be <= {hi}, got {value}")
 
 
 def _check_num(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise InvalidParam(name, f"{name} must be a number, got {value!r}")
     if value != value:  # NaN
-        raise ValueError(f"{name} must not be NaN")
+        raise InvalidParam(name, f"{name} must not be NaN")
     if (value <= lo if lo_open else value < lo) or value > hi:
         bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
-        raise ValueError(f"{name} must be in {bound}, got {value}")
+        raise InvalidParam(name, f"{name} must be in {bound}, got {value}")

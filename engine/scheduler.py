@@ -1,19 +1,26 @@
-"""Iteration-level scheduler: decides, each step, which tokens of which requests run.
+"""Iteration-level scheduler: decides, each step, which tokens of which requests run. Plain Python, no torch.
 
-Plain Python, no torch. Each step spends a token budget (max_num_batched_tokens) on running
-requests first (decodes and unfinished prompt chunks), then on waiting requests in
-(priority, arrival) order. When KV blocks run out, the least important, most recent running
-request is preempted (its blocks freed; it is recomputed later, keeping its place in line).
+Each step it (1) ends requests whose deadlines passed, then (2) walks running and waiting requests
+together in the one order of engine/ordering.py, spending the token budget (max_num_batched_tokens)
+as it goes: a running request gets its next chunk (a decode is one token); a waiting request starts
+if a seat (max_num_seqs) and KV blocks are free or can be taken from running requests it outranks.
+Preemption is by recompute: the victim's blocks are freed (their prefix stays findable in the prefix
+cache) and it waits again with its original arrival, so it keeps its place in line.
 """
 
 from __future__ import annotations
 
+import heapq
+import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.api import Deadline, FinishReason, PreemptionCause
 from engine.block_manager import BlockManager
-from engine.outputs import FinishReason
+from engine.ordering import PriorityPolicy
 from engine.request import Request, RequestStatus
-from engine.request_queue import RequestQueue
+from engine.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -26,9 +33,11 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """What the model runner runs this step."""
+    """What the model runner runs this step, and what the scheduler decided besides."""
 
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # model work, one entry per request
+    started: list[Request] = field(default_factory=list)  # scheduled for the first time in this step
+    expired: list[tuple[Request, Deadline]] = field(default_factory=list)  # ended by a deadline (freed)
 
     @property
     def num_tokens(self) -> int:
@@ -41,142 +50,72 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
+    max_num_seqs: int  # most requests running at once
+    max_num_batched_tokens: int  # token budget of one step
+    aging_s: float = 0.0  # seconds of waiting per priority level gained (engine/ordering.py); 0: off
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.config = config
         self.blocks = block_manager
-        self.waiting = RequestQueue()
+        self.policy = PriorityPolicy(config.aging_s)
+        self.clock = clock  # the callers' clock: arrival times and deadlines are read on it
+        self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.preemptions_by: Counter[tuple[int, PreemptionCause]] = Counter()  # (victim priority, cause)
+        self._deadlines = _DeadlineHeap()
 
     # ---- admission ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        request.waiting_since = request.arrival_time
         self.waiting.add(request)
+        self._deadlines.add(request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """End a request (any state): free its blocks at once and forget it."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
-            self.waiting.remove(request.request_id)
+            self.waiting.remove(request)
         self.blocks.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.requests.pop(request.request_id, None)
+        self._deadlines.compact(len(self.requests))
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        now = self.clock()
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        # Running requests, most important first; victims are taken from the end of this order.
-        self.running.sort(key=Request.sort_key)
-        scheduled_ids: set[str] = set()
-        for req in list(self.running):
-            if budget == 0:
-                break
-            if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
-                continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            ok, refund = self._allocate_or_preempt(req, n, out, scheduled_ids)
-            budget += refund
-            if not ok:
-                continue  # req itself was preempted
-            budget -= n
-            out.scheduled.append(self._scheduled(req, n))
-            scheduled_ids.add(req.request_id)
-        budget = self._schedule_waiting(out, budget, scheduled_ids)
+        for req, kind in self._deadlines.expired(now):
+            self.finish(req, FinishReason.TIMEOUT)
+            out.expired.append((req, kind))
+        _StepPlanner(self, now, out).plan()
         return out
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, scheduled_ids: set[str]) -> int:
-        while budget > 0 and len(self.waiting):
-            req = self.waiting.peek()
-            assert req is not None
-            if len(self.running) >= self.config.max_num_seqs:
-                refund = self._preempt_for(req, out, scheduled_ids)
-                if refund is None:
-                    break
-                budget += refund
-            cached = self.blocks.find_cached_prefix(req)
-            n = min(req.num_tokens - len(cached) * self.blocks.block_size, budget)
-            while not self._fits(req, cached, n):
-                refund = self._preempt_for(req, out, scheduled_ids)
-                if refund is None:
-                    return budget  # strict order: nobody behind req may jump it
-                budget += refund
-            self.waiting.pop()
-            self.blocks.acquire_cached_prefix(req, cached)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = req.num_computed_tokens
-            ok = self.blocks.allocate(req, n)
-            assert ok, "allocation checked above"
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            budget -= n
-            out.scheduled.append(self._scheduled(req, n))
-            scheduled_ids.add(req.request_id)
-        return budget
-
-    def _fits(self, req: Request, cached: list[int], n: int) -> bool:
-        """Whether req can take its cached prefix blocks plus blocks for n new tokens."""
-        bs = self.blocks.block_size
-        new_blocks = -(-(len(cached) * bs + n) // bs) - len(cached)
-        # Cached prefix blocks that sit in the free list stop being free once acquired.
-        cached_free = sum(1 for b in cached if self.blocks.blocks[b].ref_count == 0)
-        return new_blocks + cached_free <= self.blocks.num_free_blocks
-
-    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
-        return ScheduledRequest(req, start, n, sample=start + n == req.num_tokens)
-
-    def _allocate_or_preempt(
-        self, req: Request, n: int, out: SchedulerOutput, scheduled_ids: set[str]
-    ) -> tuple[bool, int]:
-        """Make room for n tokens of a running request, preempting the worst running requests
-        (possibly req itself). Returns (req got its blocks, budget refunded by victims)."""
-        refund = 0
-        while not self.blocks.allocate(req, n):
-            victim = self.running[-1]
-            refund += self._preempt(victim, out, scheduled_ids)
-            if victim is req:
-                return False, refund
-        return True, refund
-
-    def _preempt_for(self, req: Request, out: SchedulerOutput, scheduled_ids: set[str]) -> int | None:
-        """Preempt the worst running request if it is strictly less important than waiting req.
-        Returns the budget it gives back, or None when nobody may be preempted."""
-        if not self.running:
-            return None
-        victim = max(self.running, key=Request.sort_key)
-        if victim.priority <= req.priority:
-            return None
-        return self._preempt(victim, out, scheduled_ids)
-
-    def _preempt(self, victim: Request, out: SchedulerOutput, scheduled_ids: set[str]) -> int:
-        """Free a running request's blocks and put it back in line. Returns its tokens scheduled
-        this step (now unscheduled)."""
-        refund = 0
-        if victim.request_id in scheduled_ids:
-            refund = sum(s.num_tokens for s in out.scheduled if s.request is victim)
-            out.scheduled = [s for s in out.scheduled if s.request is not victim]
-            scheduled_ids.discard(victim.request_id)
+    def preempt(self, victim: Request, cause: PreemptionCause, now: float) -> None:
+        """Free a running request's blocks and queue it again (same arrival: same place in line)."""
         self.running.remove(victim)
         self.blocks.free(victim)
         victim.status = RequestStatus.WAITING
+        victim.waiting_since = now
+        self.count_preemption(victim, cause)
+        self.waiting.add(victim)
+
+    def count_preemption(self, victim: Request, cause: PreemptionCause) -> None:
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.add(victim)  # same sort key: it keeps its place in line
-        return refund
+        self.preemptions_by[(victim.priority, cause)] += 1
 
     # ---- after the model ran -------------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> None:
@@ -184,3 +123,168 @@ class Scheduler:
         for s in out.scheduled:
             s.request.num_computed_tokens = s.start + s.num_tokens
             self.blocks.register_computed_blocks(s.request)
+
+
+class _StepPlanner:
+    """One step's decisions (see the module docstring). Lives for one schedule() call."""
+
+    def __init__(self, sched: Scheduler, now: float, out: SchedulerOutput) -> None:
+        self.s = sched
+        self.policy = sched.policy
+        self.now = now
+        self.out = out
+        self.budget = sched.config.max_num_batched_tokens
+        self.preempted_now: set[str] = set()  # preempted in this step: not started again in it
+
+    def plan(self) -> None:
+        running = sorted(self.s.running, key=self._key)
+        i, waiting_blocked = 0, False
+        while self.budget > 0:
+            while i < len(running) and running[i].status != RequestStatus.RUNNING:
+                i += 1  # preempted earlier in this step
+            r = running[i] if i < len(running) else None
+            w = None if waiting_blocked else self.s.waiting.peek(self.now)
+            if r is None and w is None:
+                break
+            if w is not None and (r is None or self._key(w) < self._key(r)):
+                waiting_blocked = not self._start(w)  # strict order: nobody may jump a blocked head
+            else:
+                i += 1
+                self._continue(r)
+        self._count_budget_deferrals()
+
+    def _key(self, req: Request) -> tuple[int, float, str]:
+        return self.policy.key(req, self.now)
+
+    # -- running requests ---------------------------------------------------------------------------
+    def _continue(self, req: Request) -> None:
+        """Schedule req's next chunk, preempting the least important running requests (maybe req
+        itself) while KV blocks are short."""
+        n = min(req.num_tokens - req.num_computed_tokens, self.budget)
+        while not self.s.blocks.allocate(req, n):
+            victim = max(self.s.running, key=lambda r: self.policy.victim_key(r, self.now))
+            self._preempt(victim, PreemptionCause.KV)
+            if victim is req:
+                return
+        self._schedule(req, n)
+
+    # -- waiting requests ---------------------------------------------------------------------------
+    def _start(self, req: Request) -> bool:
+        """Start req (a seat, its cached prefix, blocks for its first chunk), taking them from running
+        requests it outranks when needed. False when it cannot start in this step."""
+        if req.request_id in self.preempted_now:
+            return False
+        if len(self.s.running) >= self.s.config.max_num_seqs and not self._preempt_for(req, PreemptionCause.SLOTS):
+            return False
+        cached = self.s.blocks.find_cached_prefix(req)
+        n = min(req.num_tokens - len(cached) * self.s.blocks.block_size, self.budget)
+        while not self._fits(req, cached, n):
+            if not self._preempt_for(req, PreemptionCause.KV):
+                return False
+        self.s.waiting.remove(req)
+        req.waited_s += max(0.0, self.now - req.waiting_since)
+        self.s.blocks.acquire_cached_prefix(req, cached)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = req.num_computed_tokens
+        if not self.s.blocks.allocate(req, n):
+            raise RuntimeError("block allocation failed after _fits said yes")
+        req.status = RequestStatus.RUNNING
+        self.s.running.append(req)
+        if not req.started:
+            req.started = True
+            self.out.started.append(req)
+        self._schedule(req, n)
+        return True
+
+    def _fits(self, req: Request, cached: list[int], n: int) -> bool:
+        """Whether req can take its cached prefix blocks plus blocks for n new tokens."""
+        bs = self.s.blocks.block_size
+        new_blocks = -(-(len(cached) * bs + n) // bs) - len(cached)
+        # Cached prefix blocks that sit in the free list stop being free once acquired.
+        cached_free = sum(1 for b in cached if self.s.blocks.blocks[b].ref_count == 0)
+        return new_blocks + cached_free <= self.s.blocks.num_free_blocks
+
+    def _preempt_for(self, req: Request, cause: PreemptionCause) -> bool:
+        """Preempt the least important running request if req outranks it."""
+        if not self.s.running:
+            return False
+        victim = max(self.s.running, key=lambda r: self.policy.victim_key(r, self.now))
+        if not self.policy.outranks(req, victim, self.now):
+            return False
+        self._preempt(victim, cause)
+        return True
+
+    # -- bookkeeping --------------------------------------------------------------------------------
+    def _schedule(self, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        self.out.scheduled.append(ScheduledRequest(req, start, n, sample=start + n == req.num_tokens))
+        self.budget -= n
+        req.budget_deferred = False
+
+    def _preempt(self, victim: Request, cause: PreemptionCause) -> None:
+        """Preempt victim; the tokens it was given in this step go back into the budget."""
+        kept = []
+        for s in self.out.scheduled:
+            if s.request is victim:
+                self.budget += s.num_tokens
+            else:
+                kept.append(s)
+        self.out.scheduled = kept
+        if any(r is victim for r in self.out.started):  # it never ran: it has not started after all
+            self.out.started = [r for r in self.out.started if r is not victim]
+            victim.started = False
+        self.s.preempt(victim, cause, self.now)
+        self.preempted_now.add(victim.request_id)
+
+    def _count_budget_deferrals(self) -> None:
+        """A running request left out of this step while a request that outranks it ran lost its turn
+        to priority: a budget preemption (counted once until it is scheduled again)."""
+        if not self.out.scheduled:
+            return
+        best = min(self.policy.effective_priority(s.request, self.now) for s in self.out.scheduled)
+        scheduled = {id(s.request) for s in self.out.scheduled}
+        for req in self.s.running:
+            if id(req) in scheduled or req.budget_deferred:
+                continue
+            if best < self.policy.effective_priority(req, self.now):
+                req.budget_deferred = True
+                self.s.count_preemption(req, PreemptionCause.BUDGET)
+
+
+class _DeadlineHeap:
+    """Every request's deadlines as absolute clock times, earliest first; finished requests' entries are
+    dropped lazily (when they surface, or in a compaction once they outnumber the live requests)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Deadline, Request]] = []
+        self._seq = 0  # tie-break, so Requests are never compared
+
+    def add(self, req: Request) -> None:
+        d = req.deadlines
+        for kind, seconds in ((Deadline.QUEUE, d.queue_s), (Deadline.FIRST_TOKEN, d.first_token_s),
+                              (Deadline.TOTAL, d.total_s)):  # fmt: skip
+            if seconds is not None:
+                self._seq += 1
+                heapq.heappush(self._heap, (req.arrival_time + seconds, self._seq, kind, req))
+
+    def expired(self, now: float) -> list[tuple[Request, Deadline]]:
+        """Requests whose deadline has passed and still applies, each once."""
+        out: list[tuple[Request, Deadline]] = []
+        while self._heap and self._heap[0][0] <= now:
+            _, _, kind, req = heapq.heappop(self._heap)
+            if req.status != RequestStatus.FINISHED and _applies(req, kind) and all(r is not req for r, _ in out):
+                out.append((req, kind))
+        return out
+
+    def compact(self, live: int) -> None:
+        if len(self._heap) > 2 * live + 64:
+            self._heap = [e for e in self._heap if e[3].status != RequestStatus.FINISHED]
+            heapq.heapify(self._heap)
+
+
+def _applies(req: Request, kind: Deadline) -> bool:
+    if kind is Deadline.QUEUE:
+        return not req.started
+    if kind is Deadline.FIRST_TOKEN:
+        return req.num_output_tokens == 0
+    return True

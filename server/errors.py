@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -72,15 +72,18 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, _on_unexpected)
 
 
-async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
-    return error_response(request.url.path, exc)
+# Handlers take `Exception` (what Starlette's signature promises) and narrow it: each is registered for
+# one exception class only.
+async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(request.url.path, cast(ApiError, exc))
 
 
-async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(request.url.path, validation_to_api_error(request.url.path, exc.errors()))
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    errors = cast(RequestValidationError, exc).errors()
+    return error_response(request.url.path, validation_to_api_error(request.url.path, errors))
 
 
-def validation_to_api_error(path: str, errors: list[Any]) -> ApiError:
+def validation_to_api_error(path: str, errors: Sequence[Any]) -> ApiError:
     """Pydantic errors -> one ApiError naming the first bad field and listing a few."""
     if any(e.get("type") == "json_invalid" for e in errors):
         detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
@@ -98,7 +101,8 @@ def validation_to_api_error(path: str, errors: list[Any]) -> ApiError:
     return ApiError(status, "invalid_request", "; ".join(parts), param=first_param)
 
 
-async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    exc = cast(StarletteHTTPException, exc)
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     err = ApiError(exc.status_code, kind, str(exc.detail), headers=exc.headers)
     return error_response(request.url.path, err)

@@ -11,10 +11,9 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.api import SamplingParams, TokenLogprob
+from server.admission import Lane
 from server.errors import ApiError
-from server.lanes import Lane
 from server.ticket import Collector, Event, Finished, ServerError, Started, Ticket, Tokens
 from server.worker import DuplicateRequestId, WorkerUnavailable
 
@@ -93,7 +92,7 @@ def admit(runtime: Runtime, req: GenerationRequest) -> RequestHandle:
 def start_error(error: ServerError) -> ApiError:
     """The HTTP answer for a request that failed before anything was sent."""
     headers = {"Retry-After": "1"} if error.status == 503 else None
-    return ApiError(error.status, error.kind, error.message, headers=headers)
+    return ApiError(error.status, error.kind, error.message, param=error.param, headers=headers)
 
 
 class RequestHandle:
@@ -127,7 +126,7 @@ class RequestHandle:
         return event
 
     async def wait_started(self, hold_s: float, request: Request | None = None) -> bool:
-        """True once the engine took the request; False if it is still queued after `hold_s`.
+        """True once the engine scheduled the request; False if it is still queued after `hold_s`.
         Raises ApiError when it failed first (queue timeout, invalid for the engine, shutdown) or the
         client left (the request is then aborted)."""
         loop = asyncio.get_running_loop()

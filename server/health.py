@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from server.lanes import Lane
+from server.admission import Lane
 from server.runtime import Runtime, Status
 
 

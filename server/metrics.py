@@ -35,8 +35,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.outputs import EngineStats
-from server.lanes import Lane
+from engine.api import EngineStats, PreemptionCause
+from server.admission import Lane
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -236,8 +236,8 @@ class _EngineCollector(Collector):
         snap = self._snapshot()
         st = snap.stats
         yield _gauge("tokenmill_num_requests_running", "Requests in the engine's running batch.", st.running)
-        yield _gauge("tokenmill_num_requests_waiting", "Requests in the engine's own waiting queue (preempted "
-                     "or not yet scheduled); the lanes are tokenmill_queue_depth.", st.waiting)  # fmt: skip
+        yield _gauge("tokenmill_num_requests_waiting", "Preempted requests waiting to resume (those never "
+                     "scheduled yet are tokenmill_queue_depth, by lane).", st.waiting_preempted)  # fmt: skip
         yield _gauge("tokenmill_kv_cache_usage_ratio", "Share of KV blocks held by requests (0-1).", st.kv_cache_usage)
         yield _gauge("tokenmill_kv_cache_usage_perc", "Same as tokenmill_kv_cache_usage_ratio (vLLM's name; 0-1).",
                      st.kv_cache_usage)  # fmt: skip
@@ -248,6 +248,7 @@ class _EngineCollector(Collector):
         yield _gauge("tokenmill_worker_alive", "1 while the engine worker thread runs.", int(snap.worker_alive))
         yield self._model_info()
         yield from _lane_gauges(snap.lanes)
+        yield _preemptions(st)
         yield from _memory_gauges(snap.memory)
         for name, doc, value in (
             ("tokenmill_prompt_tokens", "Prompt tokens computed by the engine (prefill work: prefix-cache hits "
@@ -276,6 +277,28 @@ def _lane_gauges(lanes: dict[Lane, tuple[int, int]]) -> Iterator[Metric]:
         tokens.add_metric([lane.label], queued_tokens)
     yield depth
     yield tokens
+
+
+def _preemptions(st: EngineStats) -> Metric:
+    """Cumulative preemptions by the victim's lane and the limit it lost its place at; every
+    (lane, cause) series exists from the start, at 0."""
+    family = CounterMetricFamily("tokenmill_preemptions", "Running requests that gave way to more important "
+                                 "ones, by the victim's lane and cause: slots (max_num_seqs), kv (KV blocks), "
+                                 "budget (the step's token budget).", labels=["lane", "cause"])  # fmt: skip
+    counts = {(lane.label, cause.value): 0 for lane in Lane for cause in PreemptionCause}
+    for (priority, cause), n in st.preemptions_by.items():
+        counts[(lane_label(priority), cause.value)] = n
+    for labels, n in sorted(counts.items()):
+        family.add_metric(list(labels), n)
+    return family
+
+
+def lane_label(priority: int) -> str:
+    """The lane name of an engine priority (a priority no lane maps to keeps its number)."""
+    try:
+        return Lane(priority).label
+    except ValueError:
+        return str(priority)
 
 
 def _memory_gauges(memory: DeviceMemory | None) -> Iterator[Metric]:

@@ -10,9 +10,9 @@ from typing import Annotated, Any, Literal, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
-from engine.sampling_params import SamplingParams
+from engine.api import InvalidParam, SamplingParams
+from server.admission import Lane
 from server.errors import ApiError, validation_to_api_error
-from server.lanes import Lane
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -61,11 +61,8 @@ class SamplingFields(BaseModel):
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         try:
             return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
-        except ValueError as exc:
-            message = str(exc)
-            field = message.split(" ", 1)[0].rstrip(":")
-            param = field if field in (*_SAMPLING_FIELDS, "max_tokens", "logprobs") else None
-            raise ApiError(400, "invalid_request", message, param=param) from None
+        except InvalidParam as exc:
+            raise ApiError(400, "invalid_request", exc.message, param=exc.field) from None
 
     def lane(self) -> Lane | None:
         if self.priority is None:

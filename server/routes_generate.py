@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.api import RequestOutput, TokenLogprob
 from server.errors import ApiError
 from server.gateway import Completed, GenerationRequest, RequestHandle, admit
 from server.protocol import GenerateRequest, parse_body

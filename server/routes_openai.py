@@ -16,8 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.background import BackgroundTask
 
-from engine.outputs import TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.api import SamplingParams, TokenLogprob
 from server.errors import ApiError
 from server.gateway import GenerationRequest, RequestHandle, admit
 from server.protocol import ChatRequest, CompletionRequest, OpenAIFields, parse_body

@@ -13,10 +13,10 @@ import time
 import uuid
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from engine.api import Deadline, EngineProtocol, SamplingParams
+from server.admission import Admission, Lane
 from server.errors import ApiError
 from server.gateway import RequestHandle
-from server.lanes import Lane, LaneQueue
 from server.metrics import ModelInfo, ServerMetrics, Snapshot, memory_probe
 from server.settings import ServerSettings
 from server.ticket import Collector, Finished, ServerError, Ticket
@@ -44,8 +44,8 @@ def demo_model_path() -> str:
     return str(ensure_model("tiny-llama"))
 
 
-def build_engine(settings: ServerSettings):
-    """Load the model named by the settings (blocking: call it in a thread)."""
+def build_engine(settings: ServerSettings) -> EngineProtocol:
+    """Load the model named by the settings (blocking: call it in a thread). Imports torch."""
     from engine import Engine
 
     return Engine(settings.engine_config(settings.model or demo_model_path()))
@@ -54,7 +54,7 @@ def build_engine(settings: ServerSettings):
 class Runtime:
     """The app's shared state. Methods run on the event loop unless they say otherwise."""
 
-    def __init__(self, settings: ServerSettings, engine: Any) -> None:
+    def __init__(self, settings: ServerSettings, engine: EngineProtocol) -> None:
         self.settings = settings
         self.loop = asyncio.get_running_loop()
         self.model_name = settings.served_model_name or engine.model_name
@@ -62,18 +62,14 @@ class Runtime:
         self.max_model_len: int = engine.max_model_len
         self.engine_desc = {"dtype": engine.dtype_name, "device": engine.device_name}
         self.codec = PromptCodec(engine.tokenizer)  # copied before the worker owns the engine
-        self.lanes = LaneQueue(settings.lane_bounds(), settings.aging_s)
+        self.admission = Admission(settings.lane_bounds())
         info = ModelInfo(self.model_name, self.engine_desc["dtype"], self.engine_desc["device"], _version(),
                          self.max_model_len)  # fmt: skip
         self.metrics = ServerMetrics(info, self._snapshot)
         self._memory = memory_probe(engine)
-        # An injected engine may have been built with other limits: never feed it past its own.
-        built = getattr(engine, "config", settings)
         self.worker = Worker(
             engine,
-            self.lanes,
-            max_num_seqs=min(settings.max_num_seqs, getattr(built, "max_num_seqs", settings.max_num_seqs)),
-            max_num_batched_tokens=getattr(built, "max_num_batched_tokens", settings.max_num_batched_tokens),
+            self.admission,
             on_finish=self._on_finish,
             on_step=self.metrics.observe_step,
             on_token_gap=self.metrics.observe_token_gap,
@@ -201,7 +197,7 @@ class Runtime:
         timing = ticket.timing()
         lengths = (len(ticket.prompt_token_ids), ticket.completion_tokens)
         self.metrics.observe_finished(ticket.lane, status, reason, lengths, timing)
-        line = {
+        line: dict[str, Any] = {
             "event": "request", "id": ticket.request_id, "lane": ticket.lane.label, "status": status, "reason": reason,
             "finish_reason": ticket.finish_reason, "prompt_tokens": len(ticket.prompt_token_ids),
             "completion_tokens": ticket.completion_tokens, "cached_tokens": ticket.cached_tokens,
@@ -223,9 +219,7 @@ def request_status(ticket: Ticket) -> tuple[str, str]:
         return _ERROR_STATUS.get(kind, ("error", kind if kind == "worker_died" else "engine_error"))
     reason = ticket.finish_reason or "stop"
     if reason == "timeout":
-        first = ticket.first_token_deadline()  # None once a token came
-        missed_first = first is not None and ticket.finished_at is not None and ticket.finished_at >= first
-        return "timeout", "first_token" if missed_first else "total"
+        return "timeout", "first_token" if ticket.deadline_hit is Deadline.FIRST_TOKEN else "total"
     if reason == "abort":
         return "cancelled", "client"
     if reason == "error":

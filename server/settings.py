@@ -25,7 +25,7 @@ from pydantic_settings import (
 )
 
 from engine.config import EngineConfig
-from server.lanes import Lane, LaneBounds
+from server.admission import Lane, LaneBounds
 
 ENV_PREFIX = "TOKENMILL_"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -86,7 +86,7 @@ class ServerSettings(BaseSettings):
     short_request_tokens: int = Field(
         512, ge=1, description="without `priority`, prompt + max_tokens at most this goes interactive"
     )
-    aging_s: float = Field(10.0, ge=0, description="each this many seconds queued lifts a request one lane (0: off)")
+    aging_s: float = Field(10.0, ge=0, description="each this many seconds of waiting lifts a request one lane (0: off)")
     interactive_max_queued_requests: int = Field(64, ge=1, description="interactive lane bound, requests")
     interactive_max_queued_tokens: int = Field(65536, ge=1, description="interactive lane bound, tokens")
     interactive_queue_timeout_s: PositiveSeconds = Field(30.0, description="longest interactive queue wait")
@@ -152,6 +152,7 @@ class ServerSettings(BaseSettings):
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            aging_s=self.aging_s,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
@@ -222,7 +223,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_flags(namespace: argparse.Namespace) -> ServerSettings:
     """Settings from parsed flags over env and the YAML file. Raises pydantic.ValidationError."""
-    given = {}
+    given: dict[str, Any] = {}
     for name, value in vars(namespace).items():
         if name in ServerSettings.model_fields:
             given[name] = None if isinstance(value, str) and value.lower() in ("none", "null") else value

@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from server.lanes import Lane
+from engine.api import Deadline, Deadlines, RequestOutput, SamplingParams
+from server.admission import Lane
 
 
 @dataclass(frozen=True)
@@ -18,11 +17,12 @@ class ServerError:
     kind: str  # queue_timeout, shutdown, invalid_request, engine_error, worker_died
     message: str
     status: int
+    param: str | None = None  # the request field at fault (invalid_request), from InvalidParam.field
 
 
 @dataclass(frozen=True)
 class Started:
-    """The request left its lane and was added to the engine."""
+    """The engine scheduled the request for the first time: it left its lane's queue."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,8 @@ class Ticket:
     timeout_s: float | None = None
     internal: bool = False  # warm-up: not counted in metrics or logs
     # -- written by the worker; read by the route once Finished arrived -----------------------------------
-    arrival: float = 0.0  # clock time the lane accepted it
-    started_at: float | None = None  # added to the engine
+    arrival: float = 0.0  # clock time it was admitted; the engine orders it and times its deadlines by it
+    started_at: float | None = None  # the engine first scheduled it
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished_at: float | None = None
@@ -76,30 +76,22 @@ class Ticket:
     completion_tokens: int = 0
     cached_tokens: int = 0
     kv_blocks_peak: int = 0  # most KV blocks the request held at once (from RequestOutput.kv_blocks)
+    preemptions: int = 0  # times the engine preempted it (RequestOutput.num_preemptions)
+    deadline_hit: Deadline | None = None  # which deadline ended it, when finish_reason is "timeout"
     output_token_ids: list[int] = field(default_factory=list)  # kept only when the server logs outputs
-    prefilling: bool = False  # added, no output yet: counted in the worker's pending prefill tokens
 
     @property
     def tokens(self) -> int:
         """The work it brings: prompt + max_tokens."""
         return len(self.prompt_token_ids) + self.params.max_tokens
 
-    def deadline(self) -> float | None:
-        """When it must have finished, as a clock time (None: never)."""
-        return self.arrival + self.timeout_s if self.timeout_s else None
-
-    def first_token_deadline(self) -> float | None:
-        if self.first_token_timeout_s is None or self.first_token_at is not None:
-            return None
-        return self.arrival + self.first_token_timeout_s
-
-    def queue_deadline(self) -> float | None:
-        """When it must have left its lane: the earliest of its three deadlines."""
-        times = [self.arrival + s for s in (self.queue_timeout_s, self.first_token_timeout_s, self.timeout_s) if s]
-        return min(times) if times else None
+    def deadlines(self) -> Deadlines:
+        """Its deadlines, in seconds after arrival, for the engine's scheduler."""
+        return Deadlines(self.queue_timeout_s, self.first_token_timeout_s, self.timeout_s)
 
     def timing(self) -> dict[str, float | None]:
         def since(t: float | None) -> float | None:
             return None if t is None else round(t - self.arrival, 6)
 
-        return {"queue_s": since(self.started_at), "ttft_s": since(self.first_token_at), "e2e_s": since(self.finished_at)}
+        return {"queue_s": since(self.started_at), "ttft_s": since(self.first_token_at),
+                "e2e_s": since(self.finished_at), "preemptions": self.preemptions}

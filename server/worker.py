@@ -1,9 +1,11 @@
 """The one background thread that owns the engine.
 
-It blocks only when idle (no queued and no running request). Otherwise, each iteration:
-take commands (aborts, stop), expire deadlines, feed the engine from the lanes as fast as it can start
-work, step once, and post every request's events to that request's own `Collector` on the event loop
-with `loop.call_soon_threadsafe`, one call per iteration; it never waits for a client.
+It blocks only when idle (nothing in the engine). Otherwise, each iteration: take commands (new
+requests, aborts, stop), step the engine once, and post every request's events to that request's own
+`Collector` on the event loop with `loop.call_soon_threadsafe`, one call per iteration; it never
+waits for a client. New requests go to the engine at once: its scheduler alone decides who runs next
+(lanes are its priority levels, with aging and deadlines); the worker keeps only the per-lane admission
+counts that 429s are decided on.
 
 Threads: `submit`, `abort`, `abort_all`, `stop` and the read-only properties are called from the
 event loop; everything else runs on the worker thread, the only thread that touches the engine.
@@ -20,8 +22,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.outputs import EngineStats, FinishReason, RequestOutput
-from server.lanes import Lane, LaneQueue, QueuedRequest
+from engine.api import EngineProtocol, EngineStats, FinishReason, InvalidParam, RequestOutput
+from server.admission import Admission, Lane
 from server.ticket import Collector, Event, Finished, ServerError, Started, Ticket, Tokens
 
 log = logging.getLogger("tokenmill.worker")
@@ -38,6 +40,11 @@ class Rejection:
 
 # -- commands from the event loop ---------------------------------------------------------------------
 @dataclass(frozen=True)
+class _Submit:
+    ticket: Ticket
+
+
+@dataclass(frozen=True)
 class _Abort:
     request_id: str
     error: ServerError | None
@@ -48,7 +55,6 @@ class _AbortAll:
     error: ServerError
 
 
-_WAKE = object()
 _STOP = object()
 
 
@@ -65,11 +71,9 @@ class Worker:
 
     def __init__(
         self,
-        engine,
-        lanes: LaneQueue,
+        engine: EngineProtocol,
+        admission: Admission,
         *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
         on_finish: Callable[[Ticket], None] = lambda ticket: None,
         on_step: Callable[[EngineStats], None] = lambda stats: None,
         on_token_gap: Callable[[Lane, float], None] = lambda lane, seconds: None,
@@ -77,18 +81,15 @@ class Worker:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
-        self._lanes = lanes
-        self._max_num_seqs = max_num_seqs
-        self._max_batched = max_num_batched_tokens
+        self._admission = admission
         self._on_finish = on_finish
         self._on_step = on_step  # after each step the engine ran, with its stats (metrics)
         self._on_token_gap = on_token_gap  # time between two tokens of a request (metrics)
         self._keep_outputs = keep_outputs
-        self._clock = clock
-        self._lock = threading.Lock()  # guards _lanes and _tickets, shared with the event loop
-        self._tickets: dict[str, Ticket] = {}  # every request queued or running
+        self._clock = clock  # the engine's clock too: arrival times cross over as they are
+        self._lock = threading.Lock()  # guards _admission and _tickets, shared with the event loop
+        self._tickets: dict[str, Ticket] = {}  # every request admitted and not finished
         self._in_engine: dict[str, Ticket] = {}  # worker thread only
-        self._pending_prefill = 0  # prompt tokens added to the engine that produced no output yet
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outbox: list[tuple[Collector, Event]] = []
         self._thread = threading.Thread(target=self._run, name="tokenmill-worker", daemon=True)
@@ -112,22 +113,21 @@ class Worker:
         return self._thread.is_alive()
 
     def submit(self, ticket: Ticket) -> Rejection | None:
-        """Queue `ticket` in its lane, or say why not. Raises DuplicateRequestId, WorkerUnavailable."""
+        """Admit `ticket` to its lane and hand it to the engine, or say why not.
+        Raises DuplicateRequestId, WorkerUnavailable."""
         if not self.alive:
             raise WorkerUnavailable("the engine worker is not running")
         now = self._clock()
         with self._lock:
             if ticket.request_id in self._tickets:
                 raise DuplicateRequestId(f"request_id {ticket.request_id!r} is already in flight")
-            if not self._lanes.fits(ticket.lane, ticket.tokens):
-                full = self._lanes.depth(ticket.lane) >= self._lanes.bounds(ticket.lane).max_requests
-                reason = "queue_requests" if full else "queue_tokens"
-                return Rejection(ticket.lane, self._lanes.retry_after(ticket.lane, now), reason)
+            if not self._admission.fits(ticket.lane, ticket.tokens):
+                reason = self._admission.full_reason(ticket.lane)
+                return Rejection(ticket.lane, self._admission.retry_after(ticket.lane, now), reason)
             ticket.arrival = now
-            item = QueuedRequest(ticket.request_id, ticket.lane, ticket.tokens, now, ticket.queue_deadline(), ticket)
-            self._lanes.push(item, now)
+            self._admission.admit(ticket.request_id, ticket.lane, ticket.tokens)
             self._tickets[ticket.request_id] = ticket
-        self._inbox.put(_WAKE)
+        self._inbox.put(_Submit(ticket))
         return None
 
     def abort(self, request_id: str, error: ServerError | None = None) -> None:
@@ -148,9 +148,9 @@ class Worker:
             return len(self._tickets)
 
     def lane_load(self) -> dict[Lane, tuple[int, int]]:
-        """Per lane: (queued requests, queued tokens)."""
+        """Per lane: (requests admitted and not started, their tokens)."""
         with self._lock:
-            return {lane: (self._lanes.depth(lane), self._lanes.queued_tokens(lane)) for lane in Lane}
+            return {lane: (self._admission.depth(lane), self._admission.queued_tokens(lane)) for lane in Lane}
 
     # -- worker thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -165,9 +165,6 @@ class Worker:
             self._flush()
 
     def _iterate(self) -> None:
-        now = self._clock()
-        self._expire(now)
-        self._feed(now)
         self.stats = before = self._engine.stats()  # fresh for /health during a long step
         if self._engine.has_unfinished():
             self._step()
@@ -177,14 +174,9 @@ class Worker:
         self._flush()
         self.heartbeat = self._clock()
 
-    def _busy(self) -> bool:
-        with self._lock:
-            queued = len(self._lanes)
-        return queued > 0 or self._engine.has_unfinished()
-
     def _take_commands(self) -> bool:
         """Apply all pending commands; block for one first when idle. False once told to stop."""
-        block = not self._busy()
+        block = not self._engine.has_unfinished()
         while True:
             try:
                 cmd = self._inbox.get(block=block)
@@ -196,64 +188,33 @@ class Worker:
             if cmd is _STOP:
                 self._fail_all(ServerError("shutdown", "the server is shutting down", 503))
                 return False
-            if isinstance(cmd, _Abort):
+            if isinstance(cmd, _Submit):
+                self._add(cmd.ticket)
+            elif isinstance(cmd, _Abort):
                 self._abort(cmd.request_id, cmd.error)
             elif isinstance(cmd, _AbortAll):
                 self._fail_all(cmd.error)
 
-    def _expire(self, now: float) -> None:
-        with self._lock:
-            expired = self._lanes.expire(now)
-        for item in expired:
-            ticket: Ticket = item.payload
-            waited = now - ticket.arrival
-            message = f"waited {waited:.1f}s in the {ticket.lane.label} lane without starting; try again later"
-            self._finish(ticket, "timeout", ServerError("queue_timeout", message, 503))
-        self._expire_running(now)
-
-    def _expire_running(self, now: float) -> None:
-        """Abort requests past their first-token or total deadline; their blocks are freed at once."""
-        for ticket in list(self._in_engine.values()):
-            deadlines = [d for d in (ticket.deadline(), ticket.first_token_deadline()) if d is not None]
-            if deadlines and now >= min(deadlines):
-                self._safe_abort(ticket.request_id)
-                self._finish(ticket, "timeout")
-
-    def _feed(self, now: float) -> None:
-        """Hand queued requests to the engine while it can start them this step, so the lanes, not the
-        engine's own queue, decide the order."""
-        stats = self._engine.stats()
-        free = self._max_num_seqs - stats.running - stats.waiting
-        while free > 0 and self._pending_prefill < self._max_batched:
-            with self._lock:
-                item = self._lanes.pop(now)
-            if item is None:
-                return
-            if self._add(item, now):
-                free -= 1
-
-    def _add(self, item: QueuedRequest, now: float) -> bool:
-        ticket: Ticket = item.payload
+    def _add(self, ticket: Ticket) -> None:
+        if ticket.finished_at is not None:
+            return  # failed (shutdown, abort-all) before the worker took it
         try:
             self._engine.add_request(
                 ticket.request_id,
                 prompt_token_ids=ticket.prompt_token_ids,
                 params=ticket.params,
-                priority=item.effective_lane(now, self._lanes.aging_s),
+                priority=int(ticket.lane),
+                arrival_time=ticket.arrival,
+                deadlines=ticket.deadlines(),
             )
-        except ValueError as exc:
-            self._finish(ticket, "error", ServerError("invalid_request", str(exc), 400))
-            return False
+        except InvalidParam as exc:
+            self._finish(ticket, "error", ServerError("invalid_request", exc.message, 400, exc.field))
+            return
         except Exception as exc:
             log.exception("engine.add_request failed for %s", ticket.request_id)
             self._finish(ticket, "error", ServerError("engine_error", f"{type(exc).__name__}: {exc}", 500))
-            return False
-        ticket.started_at = now
-        ticket.prefilling = True
-        self._pending_prefill += len(ticket.prompt_token_ids)
+            return
         self._in_engine[ticket.request_id] = ticket
-        self._post(ticket, Started())
-        return True
 
     def _step(self) -> None:
         try:
@@ -267,58 +228,66 @@ class Worker:
             outputs = []
         now = self._clock()
         self.last_step_at = now
-        self._expire_running(now)  # a token that came after its deadline is not delivered
         for out in outputs:
             self._route(out, now)
 
     def _route(self, out: RequestOutput, now: float) -> None:
         ticket = self._in_engine.get(out.request_id)
         if ticket is None:
-            return  # aborted or timed out after it was scheduled
-        self._clear_prefill(ticket)
+            return  # aborted after it was scheduled
+        if ticket.started_at is None and (out.started or out.new_token_ids):
+            self._mark_started(ticket, now)
         if out.new_token_ids:
             if ticket.first_token_at is None:
                 ticket.first_token_at = now
-            elif not ticket.internal:
+            elif not ticket.internal and ticket.last_token_at is not None:
                 self._on_token_gap(ticket.lane, now - ticket.last_token_at)
             ticket.last_token_at = now
         ticket.prompt_tokens = out.prompt_tokens
         ticket.completion_tokens = out.completion_tokens
         ticket.cached_tokens = max(ticket.cached_tokens, out.cached_tokens)
         ticket.kv_blocks_peak = max(ticket.kv_blocks_peak, out.kv_blocks)
+        ticket.preemptions = out.num_preemptions
         if self._keep_outputs:
             ticket.output_token_ids.extend(out.new_token_ids)
         if out.new_token_ids or out.text_delta:
             self._post(ticket, Tokens(out))
         if out.finished:
-            if out.finish_reason is FinishReason.ERROR:
-                error = ServerError("engine_error", out.error or "the engine step failed", 500)
-                self._finish(ticket, "error", error)
+            self._finish_output(ticket, out)
+
+    def _mark_started(self, ticket: Ticket, now: float) -> None:
+        ticket.started_at = now
+        with self._lock:
+            self._admission.started(ticket.request_id, now)
+        self._post(ticket, Started())
+
+    def _finish_output(self, ticket: Ticket, out: RequestOutput) -> None:
+        if out.finish_reason is FinishReason.ERROR:
+            self._finish(ticket, "error", ServerError("engine_error", out.error or "the engine step failed", 500))
+        elif out.finish_reason is FinishReason.TIMEOUT:
+            ticket.deadline_hit = out.deadline
+            if ticket.started_at is None:  # never left the queue: a clean 503 where nothing was sent
+                waited = self._clock() - ticket.arrival
+                message = f"waited {waited:.1f}s in the {ticket.lane.label} lane without starting; try again later"
+                self._finish(ticket, "timeout", ServerError("queue_timeout", message, 503))
             else:
-                self._finish(ticket, out.finish_reason.value if out.finish_reason else "stop")
+                self._finish(ticket, "timeout")
+        else:
+            self._finish(ticket, out.finish_reason.value if out.finish_reason else "stop")
 
     def _abort(self, request_id: str, error: ServerError | None) -> None:
-        with self._lock:
-            item = self._lanes.remove(request_id)
-        if item is not None:
-            self._finish(item.payload, "abort", error)
-            return
         ticket = self._in_engine.get(request_id)
         if ticket is not None:
-            self._engine.abort(request_id)
+            self._safe_abort(request_id)
             self._finish(ticket, "abort", error)
 
     def _fail_all(self, error: ServerError) -> None:
         with self._lock:
-            ids = list(self._tickets)
-        for request_id in ids:
-            with self._lock:
-                item = self._lanes.remove(request_id)
-                ticket = self._tickets.get(request_id)
-            if item is None and ticket is not None and request_id in self._in_engine:
-                self._safe_abort(request_id)
-            if ticket is not None:
-                self._finish(ticket, "abort", error)
+            tickets = list(self._tickets.values())
+        for ticket in tickets:
+            if ticket.request_id in self._in_engine:
+                self._safe_abort(ticket.request_id)
+            self._finish(ticket, "abort", error)
 
     def _safe_abort(self, request_id: str) -> None:
         try:
@@ -326,16 +295,11 @@ class Worker:
         except Exception:
             log.exception("engine.abort(%s) failed", request_id)
 
-    def _clear_prefill(self, ticket: Ticket) -> None:
-        if ticket.prefilling:
-            ticket.prefilling = False
-            self._pending_prefill -= len(ticket.prompt_token_ids)
-
     def _finish(self, ticket: Ticket, reason: str, error: ServerError | None = None) -> None:
-        self._clear_prefill(ticket)
         self._in_engine.pop(ticket.request_id, None)
         with self._lock:
             self._tickets.pop(ticket.request_id, None)
+            self._admission.ended(ticket.request_id)
         ticket.finished_at = self._clock()
         ticket.finish_reason = reason
         ticket.error = error
@@ -366,3 +330,4 @@ class Worker:
 def _deliver(batch: list[tuple[Collector, Event]]) -> None:
     for collector, event in batch:
         collector.queue.put_nowait(event)
+

@@ -39,3 +39,24 @@ def test_engine_imports_no_http_or_metrics_code():
 def test_server_imports_no_torch():
     assert list((ROOT / "server").rglob("*.py")), "server package not found"
     assert _violations("server", SERVER_FORBIDDEN) == []
+
+
+def test_importing_the_server_loads_no_torch():
+    """Checked in the running process, so an indirect import (server -> engine package -> torch) is
+    caught too, not only import lines in server/."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import server.app, server.cli, server.worker, engine, engine.api; "
+            "bad = sorted(m for m in ('torch', 'safetensors', 'transformers') if m in sys.modules); "
+            "print(','.join(bad)); sys.exit(1 if bad else 0)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"importing the server loaded {done.stdout.strip()} {done.stderr[-2000:]}"
+
+
+def test_engine_api_is_torch_free():
+    import subprocess
+    import sys
+
+    code = "import sys, engine.api, engine.core, engine.scheduler; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120).returncode == 0

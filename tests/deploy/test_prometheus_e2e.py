@@ -117,8 +117,9 @@ def stack(tmp_path_factory):
     prometheus_bin = find_tool("prometheus")
     from engine.testing.make_model import ensure_model
 
-    engine = ControlledEngine(build_real_engine(str(ensure_model("tiny-llama"))), step_delay_s=0.01)
-    settings = make_settings(max_num_seqs=4, interactive_max_queued_requests=3, short_request_tokens=64)
+    # Four seats: the shared-prefix requests cannot all start in one step, so later ones hit the cache.
+    engine = ControlledEngine(build_real_engine(str(ensure_model("tiny-llama")), max_num_seqs=4), step_delay_s=0.01)
+    settings = make_settings(interactive_max_queued_requests=3, short_request_tokens=64)
     with run_server(settings, engine) as srv:
         prom = Prometheus(prometheus_bin, srv.url.removeprefix("http://"), tmp_path_factory.mktemp("prometheus"))
         try:

@@ -10,8 +10,8 @@ import sys
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.outputs import EngineStats
-from server.lanes import Lane
+from engine.api import EngineStats
+from server.admission import Lane
 from server.metrics import DeviceMemory, ModelInfo, ServerMetrics, Snapshot
 
 from .conftest import DASHBOARD, DEPLOY, PROM, REPO, RULE_FILES, load_yaml, rules, run

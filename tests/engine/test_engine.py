@@ -34,6 +34,30 @@ def test_seeded_sampling_is_independent_of_the_batch(engine):
     assert_idle(engine)
 
 
+def test_priority_preempted_requests_finish_with_their_unpreempted_tokens(tiny):
+    """Greedy and seeded batch requests are preempted (one seat) by an interactive one mid-output and
+    resumed by recompute: same tokens as when they run alone."""
+    seeded = SamplingParams(max_tokens=20, temperature=0.8, top_k=40, seed=7, ignore_eos=True)
+    plain = greedy(20, ignore_eos=True)
+    alone = make_engine(tiny)
+    want = {name: alone.generate([_prompt(30, start)], p)[0].token_ids
+            for name, start, p in (("seeded", 60, seeded), ("greedy", 90, plain))}  # fmt: skip
+    engine = make_engine(tiny, max_num_seqs=1)
+    got: dict[str, list[int]] = {"seeded": [], "greedy": []}
+    for name, start, p in (("seeded", 60, seeded), ("greedy", 90, plain)):
+        engine.add_request(name, prompt_token_ids=_prompt(30, start), params=p, priority=2)
+        for _ in range(6):  # part of its output, then the interactive request takes the seat
+            for out in engine.step():
+                got[out.request_id].extend(out.new_token_ids)
+        engine.add_request(f"vip-{name}", prompt_token_ids=_prompt(8, 300), params=greedy(5), priority=0)
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert engine.stats().preemptions == 2
+    assert got["seeded"] == want["seeded"] and got["greedy"] == want["greedy"]
+    assert_idle(engine)
+
+
 def test_top_k_one_and_min_p_one_equal_greedy(engine):
     want = engine.generate([_prompt(30)], greedy(16, ignore_eos=True))[0].token_ids
     for p in (SamplingParams(max_tokens=16, temperature=1.0, top_k=1, ignore_eos=True),

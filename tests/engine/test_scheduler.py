@@ -1,4 +1,4 @@
-from engine.outputs import FinishReason
+from engine.api import FinishReason
 from engine.request import RequestStatus
 
 from .factories import fake_step, make_request, make_scheduler

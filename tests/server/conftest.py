@@ -25,3 +25,14 @@ def real_engine(tiny_model_path: str):
 def offline_engine(tiny_model_path: str):
     """A second engine, used only by the test thread, for reference outputs."""
     return build_real_engine(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def engine_with(tiny_model_path: str):
+    """Build a real engine with other limits (max_num_seqs, aging_s, ...): the scheduler is the
+    engine's, so a test that needs one seat or fast aging needs its own engine (about 0.1 s)."""
+
+    def build(**config):
+        return build_real_engine(tiny_model_path, **config)
+
+    return build

@@ -1,19 +1,22 @@
-"""A small stand-in for `engine.Engine` with the same public API, for server tests that need control
-the real engine does not give (slow or gated steps, a step that raises). Imports no torch.
-
-Tokens are bytes shifted by 3 (ids 0-2 are <|endoftext|>, <|im_start|>, <|im_end|>); request k-th
-output token is a lowercase letter chosen from the prompt, so outputs are deterministic.
+"""A torch-free engine for server tests: the real `EngineCore` (scheduler, block manager, deadlines,
+outputs) over a made-up model. `FakeRunner` "samples" a token from the request's tokens, so outputs
+are deterministic; tests replace `runner.execute` to inject faults, hold `step_gate` to freeze the
+engine, or set `step_delay_s` to slow it down.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
+from engine.api import RequestOutput
+from engine.block_manager import BlockManager
+from engine.core import EngineCore, ModelRunnerOutput
+from engine.scheduler import SchedulerConfig, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.api import EngineProtocol
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_ID = 2
@@ -64,129 +67,55 @@ def _content(message: dict) -> str:
     return content or ""
 
 
+def fake_token(prompt: list[int], num_output: int) -> int:
+    """The token a fake request samples next: a lowercase letter, never EOS."""
+    return OFFSET + ord("a") + (sum(prompt) + 7 * num_output) % 26
+
+
 class FakeRunner:
-    """`execute` is what tests monkeypatch to inject a fault; it returns nothing useful."""
+    """Samples `fake_token` for every scheduled entry that ends its known tokens."""
 
-    def execute(self, batch: list[str]) -> int:
-        return len(batch)
-
-
-@dataclass
-class _Req:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    priority: int
-    arrival: float
-    output: list[int] = field(default_factory=list)
-    text: str = ""
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        sampled = {s.request.request_id: fake_token(s.request.prompt_token_ids, s.request.num_output_tokens)
+                   for s in sched.scheduled if s.sample}  # fmt: skip
+        return ModelRunnerOutput(sampled, {})
 
 
-class FakeEngine:
-    """Same methods and attributes as engine.Engine; one token per running request per step."""
+class FakeEngine(EngineCore):
+    """EngineCore over FakeRunner and FakeTokenizer, checked to be called from one thread only."""
 
-    def __init__(
-        self,
-        max_model_len: int = 512,
-        max_num_seqs: int = 8,
-        block_size: int = 4,
-        num_blocks: int = 1024,
-        step_delay_s: float = 0.0,
-    ) -> None:
-        self.tokenizer = FakeTokenizer()
-        self.model_name = "fake-model"
-        self.max_model_len = max_model_len
-        self.dtype_name = "float32"
-        self.device_name = "cpu"
-        self.runner = FakeRunner()
+    def __init__(self, max_model_len: int = 512, max_num_seqs: int = 8, block_size: int = 4,
+                 num_blocks: int = 1024, step_delay_s: float = 0.0, aging_s: float = 0.0) -> None:  # fmt: skip
+        super().__init__(
+            model_name="fake-model",
+            tokenizer=FakeTokenizer(),
+            runner=FakeRunner(),
+            block_manager=BlockManager(num_blocks, block_size),
+            scheduler_config=SchedulerConfig(max_num_seqs, 2048, aging_s),
+            max_model_len=max_model_len,
+            vocab_size=VOCAB,
+            eos_token_ids=frozenset({EOS_ID}),
+        )
         self.step_delay_s = step_delay_s
         self.step_gate = threading.Event()  # cleared: step() waits (tests hold the engine mid-step)
         self.step_gate.set()
-        self._max_num_seqs = max_num_seqs
-        self._block_size = block_size
-        self._num_blocks = num_blocks
-        self._waiting: list[_Req] = []
-        self._running: list[_Req] = []
-        self._ids: set[str] = set()
-        self._steps = 0
-        self._generated = 0
-        self._last_step_s = 0.0
         self._owner: int | None = None  # the one thread allowed to call step/add/abort
 
-    # -- the API ------------------------------------------------------------------------------
-    def encode(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt)
-
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None = None,
-        prompt_token_ids: list[int] | None = None,
-        params: SamplingParams | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
-    ) -> int:
+    def add_request(self, *args, **kwargs) -> int:
         self._check_thread()
-        params = params or SamplingParams()
-        if request_id in self._ids:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        ids = list(prompt_token_ids) if prompt_token_ids is not None else self.encode(prompt or "")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if any(not 0 <= t < VOCAB for t in ids):
-            raise ValueError(f"prompt_token_ids must be in [0, {VOCAB})")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt + max_tokens exceeds max_model_len ({self.max_model_len})")
-        self._ids.add(request_id)
-        self._waiting.append(_Req(request_id, ids, params, priority, arrival_time or time.monotonic()))
-        return len(ids)
+        return super().add_request(*args, **kwargs)
 
     def abort(self, request_id: str) -> bool:
         self._check_thread()
-        for queue in (self._waiting, self._running):
-            for req in queue:
-                if req.request_id == request_id:
-                    queue.remove(req)
-                    self._ids.discard(request_id)
-                    return True
-        return False
-
-    def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return super().abort(request_id)
 
     def step(self) -> list[RequestOutput]:
         self._check_thread()
         self.step_gate.wait()
-        start = time.monotonic()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        self._schedule()
-        batch = list(self._running)
-        try:
-            self.runner.execute([r.request_id for r in batch])
-        except Exception as exc:  # the real engine's contract: fail the step's requests, keep serving
-            return [self._fail(req, exc) for req in batch]
-        outputs = [self._advance(req) for req in batch]
-        self._steps += 1
-        self._last_step_s = time.monotonic() - start
-        return outputs
+        return super().step()
 
-    def stats(self) -> EngineStats:
-        used = sum(self._blocks(r) for r in self._running)
-        return EngineStats(
-            running=len(self._running),
-            waiting=len(self._waiting),
-            kv_blocks_used=used,
-            kv_blocks_total=self._num_blocks,
-            generation_tokens=self._generated,
-            last_step_time_s=self._last_step_s,
-            steps=self._steps,
-        )
-
-    # -- internals ----------------------------------------------------------------------------
     def _check_thread(self) -> None:
         # The real engine is not thread-safe: catch a server that calls it from two threads.
         me = threading.get_ident()
@@ -199,62 +128,8 @@ class FakeEngine:
         """Let another thread own the engine (a test reusing it after its server stopped)."""
         self._owner = None
 
-    def _blocks(self, req: _Req) -> int:
-        return math.ceil((len(req.prompt) + len(req.output)) / self._block_size)
 
-    def _schedule(self) -> None:
-        self._waiting.sort(key=lambda r: (r.priority, r.arrival))
-        while self._waiting and len(self._running) < self._max_num_seqs:
-            self._running.append(self._waiting.pop(0))
+if TYPE_CHECKING:  # mypy (tests/test_types.py): the fake satisfies the server's contract
 
-    def _token(self, req: _Req) -> int:
-        return OFFSET + ord("a") + (sum(req.prompt) + 7 * len(req.output)) % 26
-
-    def _advance(self, req: _Req) -> RequestOutput:
-        token = self._token(req)
-        req.output.append(token)
-        self._generated += 1
-        delta = self.tokenizer.decode([token])
-        req.text += delta
-        params = req.params
-        reason = None
-        if len(req.output) >= params.min_tokens and token in params.stop_token_ids:
-            reason = FinishReason.STOP
-        elif any(s in req.text for s in params.stop):
-            reason, delta = FinishReason.STOP, ""
-        elif len(req.output) >= params.max_tokens:
-            reason = FinishReason.LENGTH
-        logprobs = None
-        if params.logprobs is not None:
-            top = [(token, -0.5), (token + 1, -1.5)][: params.logprobs]
-            logprobs = [TokenLogprob(token_id=token, logprob=-0.5, top=top)]
-        if reason is not None:
-            self._running.remove(req)
-            self._ids.discard(req.request_id)
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=[token],
-            text_delta=delta,
-            logprobs=logprobs,
-            finished=reason is not None,
-            finish_reason=reason,
-            prompt_tokens=len(req.prompt),
-            completion_tokens=len(req.output),
-            cached_tokens=0,
-        )
-
-    def _fail(self, req: _Req, exc: Exception) -> RequestOutput:
-        self._running.remove(req)
-        self._ids.discard(req.request_id)
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=[],
-            text_delta="",
-            logprobs=None,
-            finished=True,
-            finish_reason=FinishReason.ERROR,
-            prompt_tokens=len(req.prompt),
-            completion_tokens=len(req.output),
-            cached_tokens=0,
-            error=f"{type(exc).__name__}: {exc}",
-        )
+    def _fake_is_an_engine(engine: FakeEngine) -> EngineProtocol:
+        return engine

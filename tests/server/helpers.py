@@ -43,9 +43,13 @@ class ControlledEngine:
         self.gate = threading.Event()
         self.gate.set()
         self.waiting_at_gate = threading.Event()
+        self._close_after: int | None = None  # steps until the gate closes by itself
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    def close_gate_after(self, steps: int) -> None:
+        self._close_after = steps
 
     def step(self):
         if not self.gate.is_set():
@@ -54,7 +58,23 @@ class ControlledEngine:
             self.waiting_at_gate.clear()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        return self._inner.step()
+        outputs = self._inner.step()
+        if self._close_after is not None:
+            self._close_after -= 1
+            if self._close_after <= 0:
+                self._close_after = None
+                self.gate.clear()
+        return outputs
+
+
+def park_filler(srv: RunningServer, engine: ControlledEngine, bg: Background, body: dict[str, Any]):
+    """Send `body` (more than one output token) to an idle server, let its first step run, then hold the
+    worker before the next one: the filler has started, and whatever is sent afterwards stays admitted
+    but unscheduled (counted in its lane) until `engine.gate.set()`. Returns the filler's future."""
+    engine.close_gate_after(1)
+    filler = bg.post("filler", f"{srv.url}/generate", body)
+    wait_until(engine.waiting_at_gate.is_set, what="worker held at the gate")
+    return filler
 
 
 class RunningServer:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from httpx_sse import aconnect_sse, connect_sse
 
-from .helpers import Background, ControlledEngine, make_settings, run_server, wait_until
+from .helpers import Background, ControlledEngine, make_settings, park_filler, run_server, wait_until
 
 PROMPT = "while True:"
 LONG = {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
@@ -53,25 +53,39 @@ def test_total_timeout_aborts_and_frees_kv(slow):
         assert counter(srv.url, "standard", "timeout", "total") == 2
 
 
-def test_first_token_timeout(real_engine):
-    slow_prefill = ControlledEngine(real_engine, step_delay_s=0.5)  # the first token comes after 0.5 s
+def test_first_token_timeout(engine_with):
+    # 16-token prefill chunks, 0.1 s a step: a 100-token prompt starts in the first step and would
+    # give its first token after 7 steps, long past its 0.25 s first-token deadline.
+    slow_prefill = ControlledEngine(engine_with(max_num_batched_tokens=16), step_delay_s=0.1)
     with run_server(make_settings(warmup=False), slow_prefill) as srv:
-        status, events = sse_events(srv.url, {**LONG, "max_tokens": 5, "first_token_timeout_s": 0.2})
+        prompt = {"prompt_token_ids": [5 + i for i in range(100)], "ignore_eos": True}
+        status, events = sse_events(srv.url, {**prompt, "max_tokens": 5, "first_token_timeout_s": 0.25})
         assert status == 200
         assert [k for k, _ in events] == ["done"]
         assert events[-1][1]["finish_reason"] == "timeout" and events[-1][1]["usage"]["completion_tokens"] == 0
+        assert counter(srv.url, "interactive", "timeout", "first_token") == 1
         # Generous first-token deadline: the same request completes.
-        status, events = sse_events(srv.url, {**LONG, "max_tokens": 2, "first_token_timeout_s": 30})
+        status, events = sse_events(srv.url, {**prompt, "max_tokens": 2, "first_token_timeout_s": 30})
         assert events[-1][1]["finish_reason"] == "length"
         srv.wait_idle()
 
 
-def test_queue_timeout_is_503_before_streaming_and_an_error_event_after(real_engine):
-    slow = ControlledEngine(real_engine, step_delay_s=0.05)
-    settings = make_settings(max_num_seqs=1, interactive_queue_timeout_s=0.4, sse_ping_s=0.15, warmup=False)
+def test_a_deadline_that_passes_before_the_request_starts_is_a_queue_timeout(real_engine):
+    slow = ControlledEngine(real_engine, step_delay_s=0.5)  # the first schedule comes after 0.5 s
+    with run_server(make_settings(warmup=False), slow) as srv:
+        status, events = sse_events(srv.url, {**LONG, "max_tokens": 5, "first_token_timeout_s": 0.2})
+        assert status == 503 and events[0][1]["error"]["type"] == "queue_timeout"
+        assert counter(srv.url, "interactive", "timeout", "queue") == 1
+        srv.wait_idle()
+
+
+def test_queue_timeout_is_503_before_streaming_and_an_error_event_after(engine_with):
+    slow = ControlledEngine(engine_with(max_num_seqs=1), step_delay_s=0.05)
+    settings = make_settings(interactive_queue_timeout_s=0.4, sse_ping_s=0.15, warmup=False)
     with run_server(settings, slow) as srv, Background() as bg:
-        # Holds the only engine slot for 3 s (its own deadline ends it).
-        blocker = bg.post("blocker", f"{srv.url}/generate", {**LONG, "stream": False, "priority": "batch",
+        # Holds the only engine seat for 3 s (its own deadline ends it); of the same lane, so it is
+        # not preempted.
+        blocker = bg.post("blocker", f"{srv.url}/generate", {**LONG, "stream": False, "priority": "interactive",
                                                              "timeout_s": 3.0})
         wait_until(lambda: srv.health()["running"] == 1, what="blocker running")
         short = {"prompt": PROMPT, "max_tokens": 2, "priority": "interactive"}
@@ -89,7 +103,7 @@ def test_queue_timeout_is_503_before_streaming_and_an_error_event_after(real_eng
 
 
 def test_hundred_clients_disconnecting_mid_stream_leave_nothing_behind(real_engine):
-    settings = make_settings(max_num_seqs=64, interactive_max_queued_requests=128)
+    settings = make_settings(interactive_max_queued_requests=128)
     with run_server(settings, real_engine) as srv:
 
         async def client_that_leaves(client: httpx.AsyncClient, i: int) -> int:
@@ -128,12 +142,10 @@ def test_non_streaming_client_that_leaves_is_aborted(slow):
 
 def test_long_queue_wait_streams_keepalive_pings_then_tokens(real_engine):
     held = ControlledEngine(real_engine)
-    settings = make_settings(max_num_seqs=1, sse_ping_s=0.2, warmup=False)
+    settings = make_settings(sse_ping_s=0.2, warmup=False)
     try:
         with run_server(settings, held) as srv, Background() as bg:
-            held.gate.clear()
-            filler = bg.post("filler", f"{srv.url}/generate", {"prompt": PROMPT, "max_tokens": 2, "stream": False})
-            wait_until(held.waiting_at_gate.is_set, what="worker held")
+            filler = park_filler(srv, held, bg, {"prompt": PROMPT, "max_tokens": 2, "stream": False})
             lines = []
             body = {"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True}
             with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=30) as r:
@@ -152,12 +164,10 @@ def test_long_queue_wait_streams_keepalive_pings_then_tokens(real_engine):
 
 def test_streaming_client_leaving_while_queued_is_aborted(real_engine):
     held = ControlledEngine(real_engine)
-    settings = make_settings(max_num_seqs=1, sse_ping_s=30, warmup=False)  # headers held up to 30 s
+    settings = make_settings(sse_ping_s=30, warmup=False)  # headers held up to 30 s
     try:
         with run_server(settings, held) as srv, Background() as bg:
-            held.gate.clear()
-            filler = bg.post("filler", f"{srv.url}/generate", {"prompt": PROMPT, "max_tokens": 2, "stream": False})
-            wait_until(held.waiting_at_gate.is_set, what="worker held")
+            filler = park_filler(srv, held, bg, {"prompt": PROMPT, "max_tokens": 2, "stream": False})
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(f"{srv.url}/generate", json={"prompt": PROMPT, "max_tokens": 5}, timeout=0.5)
             # Noticed within a poll interval, long before the 30 s hold ends.

@@ -12,14 +12,14 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.outputs import EngineStats
+from engine.api import Deadline, EngineStats
 from engine.sampling_params import SamplingParams
-from server.lanes import Lane
+from server.admission import Lane
 from server.metrics import REASONS, STATUSES, DeviceMemory, ModelInfo, ServerMetrics, Snapshot, memory_probe
 from server.runtime import request_status
 from server.ticket import Collector, ServerError, Ticket
 
-from .helpers import Background, ControlledEngine, make_settings, run_server, wait_until
+from .helpers import Background, ControlledEngine, make_settings, park_filler, run_server, wait_until
 
 PROMPT = "def fibonacci(n):"
 
@@ -168,8 +168,8 @@ def test_engine_counters_never_go_down_and_match_the_engine(srv, real_engine):
         assert second.get(name) >= first.get(name), name
 
 
-def test_timeouts_and_client_aborts_are_counted_and_timed(real_engine):
-    slow = ControlledEngine(real_engine, step_delay_s=0.02)
+def test_timeouts_and_client_aborts_are_counted_and_timed(engine_with):
+    slow = ControlledEngine(engine_with(max_num_batched_tokens=16), step_delay_s=0.02)
     with run_server(make_settings(), slow) as srv:
         before = Scrape(srv.url)
         long = {"max_tokens": 900, "ignore_eos": True}
@@ -177,8 +177,10 @@ def test_timeouts_and_client_aborts_are_counted_and_timed(real_engine):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{srv.url}/generate", json={"prompt": PROMPT, "stream": False, **long}, timeout=0.4)
         srv.wait_idle(timeout=10)
-        slow.step_delay_s = 0.4  # the first token comes after 0.4 s
-        assert generate(srv.url, max_tokens=4, first_token_timeout_s=0.1).json()["finish_reason"] == "timeout"
+        slow.step_delay_s = 0.1  # a 100-token prompt starts at once and is prefilled in 7 steps of 16 tokens
+        prompt = {"prompt": None, "prompt_token_ids": [5 + i for i in range(100)]}
+        r = generate(srv.url, **prompt, max_tokens=4, first_token_timeout_s=0.25)
+        assert r.json()["finish_reason"] == "timeout"
         srv.wait_idle(timeout=10)
         after = Scrape(srv.url)
     d = lambda name, **labels: delta(before, after, name, **labels)  # noqa: E731
@@ -196,15 +198,13 @@ def test_timeouts_and_client_aborts_are_counted_and_timed(real_engine):
 def test_429s_by_bound_and_queue_timeouts_observe_their_wait(real_engine, caplog):
     caplog.set_level(logging.INFO, logger="tokenmill.requests")
     held = ControlledEngine(real_engine)
-    settings = make_settings(max_num_seqs=1, interactive_max_queued_requests=2, interactive_max_queued_tokens=40,
+    settings = make_settings(interactive_max_queued_requests=2, interactive_max_queued_tokens=40,
                              interactive_queue_timeout_s=0.3, warmup=False)  # fmt: skip
     small = {"prompt": PROMPT, "max_tokens": 4, "ignore_eos": True, "stream": False, "priority": "interactive"}
     try:
         with run_server(settings, held) as srv, Background() as bg:
             before = Scrape(srv.url)
-            held.gate.clear()
-            filler = bg.post("filler", f"{srv.url}/generate", {**small, "priority": "batch", "request_id": "filler"})
-            wait_until(held.waiting_at_gate.is_set, what="worker held")
+            filler = park_filler(srv, held, bg, {**small, "priority": "batch", "request_id": "filler"})
             queued = [bg.post("q1", f"{srv.url}/generate", small)]
             wait_until(lambda: srv.health()["waiting"]["interactive"] == 1, what="one queued")
             too_big = httpx.post(f"{srv.url}/generate", json={**small, "max_tokens": 60}, timeout=10)
@@ -320,10 +320,8 @@ def _ticket(**fields) -> Ticket:
         ({"finish_reason": "abort"}, ("cancelled", "client")),
         ({"finish_reason": "abort", "error": ServerError("shutdown", "bye", 503)}, ("cancelled", "shutdown")),
         ({"finish_reason": "timeout", "error": ServerError("queue_timeout", "late", 503)}, ("timeout", "queue")),
-        ({"finish_reason": "timeout", "first_token_timeout_s": 1.0, "finished_at": 11.2}, ("timeout", "first_token")),
-        ({"finish_reason": "timeout", "first_token_timeout_s": 1.0, "first_token_at": 10.5, "finished_at": 11.2},
-         ("timeout", "total")),
-        ({"finish_reason": "timeout", "timeout_s": 1.0, "finished_at": 11.0}, ("timeout", "total")),
+        ({"finish_reason": "timeout", "deadline_hit": Deadline.FIRST_TOKEN}, ("timeout", "first_token")),
+        ({"finish_reason": "timeout", "deadline_hit": Deadline.TOTAL}, ("timeout", "total")),
         ({"finish_reason": "error", "error": ServerError("engine_error", "boom", 500)}, ("error", "engine_error")),
         ({"finish_reason": "abort", "error": ServerError("worker_died", "dead", 503)}, ("error", "worker_died")),
         ({"finish_reason": "error", "error": ServerError("invalid_request", "bad", 400)},

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from .helpers import Background, ControlledEngine, make_settings, run_server, wait_until
+from .helpers import Background, ControlledEngine, make_settings, park_filler, run_server, wait_until
 
 PROMPT = "class Foo:"
 
@@ -37,11 +37,8 @@ def engine(real_engine):
 
 
 def hold_worker(srv, engine: ControlledEngine, bg: Background) -> object:
-    """Close the gate and park one request in the engine, so everything sent next stays queued."""
-    engine.gate.clear()
-    filler = bg.post("filler", f"{srv.url}/generate", body("batch", request_id="filler"))
-    wait_until(engine.waiting_at_gate.is_set, what="worker held at the gate")
-    return filler
+    """Park one running request in the engine and hold the worker, so everything sent next stays queued."""
+    return park_filler(srv, engine, bg, body("batch", request_id="filler"))
 
 
 def lane_depth(srv, lane: str) -> int:
@@ -57,7 +54,7 @@ def queue_one(srv, bg: Background, lane: str, request_id: str):
 
 
 def test_flood_over_the_lane_bound_gets_429_while_admitted_requests_complete(real_engine, engine):
-    settings = make_settings(max_num_seqs=2, interactive_max_queued_requests=3)
+    settings = make_settings(interactive_max_queued_requests=3)
     with run_server(settings, engine) as srv, Background() as bg:
         filler = hold_worker(srv, engine, bg)
         flood = [bg.post(f"r{i}", f"{srv.url}/generate", body("interactive")) for i in range(9)]
@@ -87,10 +84,10 @@ def test_flood_over_the_lane_bound_gets_429_while_admitted_requests_complete(rea
         srv.wait_idle()
 
 
-def test_interactive_finishes_before_batch_submitted_earlier(real_engine, engine, caplog):
+def test_interactive_finishes_before_batch_submitted_earlier(engine_with, caplog):
     caplog.set_level(logging.INFO, logger="tokenmill.requests")
-    settings = make_settings(max_num_seqs=1, aging_s=0)
-    with run_server(settings, engine) as srv, Background() as bg:
+    engine = ControlledEngine(engine_with(max_num_seqs=1, aging_s=0))
+    with run_server(make_settings(), engine) as srv, Background() as bg:
         filler = hold_worker(srv, engine, bg)
         batch = [queue_one(srv, bg, "batch", f"batch{i}") for i in range(3)]  # one by one: a known order
         inter = [queue_one(srv, bg, "interactive", f"inter{i}") for i in range(2)]
@@ -100,24 +97,18 @@ def test_interactive_finishes_before_batch_submitted_earlier(real_engine, engine
         assert finish_order(caplog) == ["inter0", "inter1", "batch0", "batch1", "batch2"]
 
 
-def test_aging_lets_a_waiting_batch_request_through(real_engine, engine, caplog):
+def test_aging_lets_a_waiting_batch_request_through(engine_with, caplog):
     caplog.set_level(logging.INFO, logger="tokenmill.requests")
     aging_s = 0.25
-    settings = make_settings(max_num_seqs=1, aging_s=aging_s)
-    with run_server(settings, engine) as srv, Background() as bg:
+    engine = ControlledEngine(engine_with(max_num_seqs=1, aging_s=aging_s))
+    with run_server(make_settings(), engine) as srv, Background() as bg:
         filler = hold_worker(srv, engine, bg)
         old_batch = queue_one(srv, bg, "batch", "batch")
         # Let it age two lanes (batch -> interactive); the wait sets up the scenario, it asserts nothing.
-        wait_until(lambda: _aged(srv, 2 * aging_s + 0.05), timeout=10, what="aging")
+        time.sleep(2 * aging_s + 0.05)
         inter = [queue_one(srv, bg, "interactive", f"inter{i}") for i in range(2)]
         engine.gate.set()
         for f in [filler, old_batch, *inter]:
             assert f.result(timeout=60).status_code == 200
+        # The aged batch request runs first and, running at the interactive level, is not preempted.
         assert finish_order(caplog) == ["batch", "inter0", "inter1"]
-
-
-def _aged(srv, seconds: float) -> bool:
-    """True once every queued request has waited at least `seconds` (read from the lanes)."""
-    with srv.runtime.worker._lock:
-        items = list(srv.runtime.lanes)
-    return bool(items) and all(time.monotonic() - item.arrival >= seconds for item in items)

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from engine.config import EngineConfig
 from server import cli
-from server.lanes import Lane
+from server.admission import Lane
 from server.settings import ServerSettings, parse_settings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

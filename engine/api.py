@@ -1,0 +1,188 @@
+"""The engine's boundary, torch-free: what a caller (the HTTP server, a benchmark, a test's fake) sends
+in, what comes back, the stats it may read, the one error type, and `EngineProtocol`, the methods the
+server may call. `import engine.api` loads no torch; the real `Engine` and the tests' fake engine both
+satisfy `EngineProtocol` (checked by mypy in CI).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.errors import InvalidParam
+from engine.sampling_params import SamplingParams
+
+__all__ = [
+    "Deadline",
+    "Deadlines",
+    "EngineProtocol",
+    "EngineStats",
+    "FinishReason",
+    "InvalidParam",
+    "PreemptionCause",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+]
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # aborted by the caller
+    ERROR = "error"  # the step that ran this request failed
+    TIMEOUT = "timeout"  # one of its deadlines passed (RequestOutput.deadline says which)
+
+
+class Deadline(str, enum.Enum):
+    """Which of a request's deadlines ended it."""
+
+    QUEUE = "queue"  # never scheduled within Deadlines.queue_s of arrival
+    FIRST_TOKEN = "first_token"  # no token within Deadlines.first_token_s of arrival
+    TOTAL = "total"  # not finished within Deadlines.total_s of arrival
+
+
+class PreemptionCause(str, enum.Enum):
+    """The limit at which a more important request took a running request's place."""
+
+    SLOTS = "slots"  # max_num_seqs: a waiting request took the victim's seat (blocks freed, recompute)
+    KV = "kv"  # KV blocks ran out (blocks freed, recompute)
+    BUDGET = "budget"  # the step's token budget went to more important work (the victim keeps its blocks)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """A request's deadlines in seconds after its arrival time; None: no limit. The scheduler checks
+    them every step, against the arrival time the caller gave (the client's, not the hand-off's)."""
+
+    queue_s: float | None = None  # to be scheduled for the first time
+    first_token_s: float | None = None  # to produce its first token
+    total_s: float | None = None  # to finish
+
+    def __post_init__(self) -> None:
+        for name in ("queue_s", "first_token_s", "total_s"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not value > 0 or value != value):  # fmt: skip
+                raise InvalidParam(name, f"{name} must be a positive number of seconds, got {value!r}")
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one sampled token, and the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    # (token_id, logprob) pairs, best first; empty when top-N was not asked for.
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What one request did in one engine step (a delta, not the whole output). A step returns one for
+    every request that started, sampled a token or finished in it."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
+    text_delta: str  # newly decodable text; stop strings are never included
+    logprobs: list[TokenLogprob] | None  # one per new token, when asked for
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int  # total so far
+    cached_tokens: int  # prompt tokens served from the prefix cache (first schedule)
+    error: str | None = None  # message when finish_reason is ERROR
+    kv_blocks: int = 0  # KV blocks the request held in this step (shared prefix blocks included)
+    started: bool = False  # this step scheduled the request for the first time (it left the queue)
+    num_preemptions: int = 0  # times it was preempted so far (every cause)
+    deadline: Deadline | None = None  # which deadline passed, when finish_reason is TIMEOUT
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine, read after a step. Plain numbers: no Prometheus here."""
+
+    running: int = 0
+    waiting: int = 0  # every request not running: never scheduled, or preempted
+    waiting_preempted: int = 0  # of those, the preempted ones (they ran before)
+    kv_blocks_used: int = 0  # blocks held by requests (cached free blocks are not counted)
+    kv_blocks_total: int = 0
+    block_size: int = 0  # tokens per KV block
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_cache_hits: int = 0  # cumulative prompt tokens found in the cache
+    preemptions: int = 0  # cumulative, every cause
+    # cumulative, by (the victim's own priority, cause)
+    preemptions_by: dict[tuple[int, PreemptionCause], int] = field(default_factory=dict)
+    prompt_tokens: int = 0  # cumulative prompt tokens computed (prefill work)
+    generation_tokens: int = 0  # cumulative sampled tokens
+    last_step_tokens: int = 0  # tokens in the last step's batch
+    last_step_prefill_tokens: int = 0
+    last_step_decode_tokens: int = 0
+    last_step_time_s: float = 0.0  # wall time of the last step
+    steps: int = 0  # cumulative
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class EngineProtocol(Protocol):
+    """What the server may call on an engine. Not thread-safe: one thread (the server's worker) owns
+    the engine and makes every call but the read-only attributes, which are fixed after construction."""
+
+    @property
+    def model_name(self) -> str:
+        """The model folder's (or file's) name."""
+        ...
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output, in tokens."""
+        ...
+
+    @property
+    def dtype_name(self) -> str:
+        """"bfloat16", "float32", ..."""
+        ...
+
+    @property
+    def device_name(self) -> str:
+        """"cpu", "cuda:0", ..."""
+        ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """A transformers tokenizer; the server copies it before the worker starts."""
+        ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        deadlines: Deadlines | None = None,
+    ) -> int:
+        """Queue a request; returns its prompt length. Raises InvalidParam naming the field.
+        `priority`: lower runs first; `arrival_time`: time.monotonic() seconds (default: now)."""
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now and free its KV blocks; False when it is unknown or already finished."""
+        ...
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, update once. Never raises for a failed forward pass: that step's requests
+        come back finished with FinishReason.ERROR."""
+        ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def device_memory(self) -> dict[str, int] | None:
+        """Device memory in bytes (`used_bytes`, `total_bytes`, ...) on CUDA; None on the CPU."""
+        ...

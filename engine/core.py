@@ -1,0 +1,275 @@
+"""The engine without its model: requests, scheduling, outputs and stats, in plain Python (no torch).
+
+`EngineCore` runs one step as schedule, run, update. What runs the model is a `ModelRunner` (anything
+with `execute(SchedulerOutput) -> ModelRunnerOutput`): `engine.engine.Engine` gives it the real one
+(torch), the server's tests a fake that makes up tokens, so both run this same code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.api import Deadlines, EngineStats, FinishReason, InvalidParam, RequestOutput, TokenLogprob
+from engine.block_manager import BlockManager
+from engine.output_processor import (
+    RequestTextState,
+    error_output,
+    started_output,
+    timeout_output,
+    token_output,
+)
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.tokenization import chat_prompt_ids, encode_prompt
+
+log = logging.getLogger("tokenmill.engine")
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What was sampled this step, for the requests whose scheduled tokens ended their sequence."""
+
+    sampled: dict[str, int]  # request_id -> new token id
+    logprobs: dict[str, TokenLogprob]  # request_id -> logprob of that token (when asked for)
+
+
+class ModelRunner(Protocol):
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the scheduled tokens through the model and sample for the entries with `sample`."""
+        ...
+
+
+@dataclass
+class GenerationResult:
+    """One finished request of Engine.generate()."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    cached_tokens: int = 0
+
+
+class EngineCore:
+    """Single-threaded and synchronous; see engine/api.py EngineProtocol for the contract."""
+
+    def __init__(
+        self,
+        *,
+        model_name: str,
+        tokenizer: Any,
+        runner: ModelRunner,
+        block_manager: BlockManager,
+        scheduler_config: SchedulerConfig,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.scheduler = Scheduler(scheduler_config, block_manager, clock)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._stats = EngineStats(kv_blocks_total=block_manager.num_blocks, block_size=block_manager.block_size)
+
+    # ---- names the server reads (the real engine overrides the device ones) --------------------------
+    dtype_name = "float32"
+    device_name = "cpu"
+
+    def encode(self, prompt: str) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, messages)
+
+    def device_memory(self) -> dict[str, int] | None:
+        return None
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        deadlines: Deadlines | None = None,
+    ) -> int:
+        """Queue a request. Returns its prompt length in tokens. Raises InvalidParam naming the field."""
+        params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidParam("request_id", "request_id must be a non-empty string")
+        if request_id in self.scheduler.requests:
+            raise InvalidParam("request_id", f"request_id {request_id!r} is already in use")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidParam("priority", f"priority must be an integer, got {priority!r}")
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        self._check_fits(len(ids), params.max_tokens)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            params=params,
+            priority=priority,
+            arrival_time=self.scheduler.clock() if arrival_time is None else arrival_time,
+            eos_token_ids=self.eos_token_ids,
+            deadlines=deadlines or Deadlines(),
+        )
+        req.text = RequestTextState(self.tokenizer, params.stop)
+        self.scheduler.add(req)
+        return len(ids)
+
+    def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise InvalidParam("prompt", "give exactly one of prompt or prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidParam("prompt", "prompt must be a string")
+            ids = self.encode(prompt)
+            if not ids:
+                raise InvalidParam("prompt", "prompt must not be empty")
+            return ids
+        ids = list(prompt_token_ids or [])
+        if not ids:
+            raise InvalidParam("prompt_token_ids", "prompt_token_ids must not be empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidParam("prompt_token_ids", f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")
+        return ids
+
+    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
+        field_name = "prompt" if num_prompt >= self.max_model_len else "max_tokens"
+        if num_prompt + max_tokens > self.max_model_len:
+            raise InvalidParam(field_name, f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the "
+                               f"context length max_model_len ({self.max_model_len})")  # fmt: skip
+        bs, capacity = self.block_size, self.block_manager.num_blocks
+        if -(-(num_prompt + max_tokens) // bs) > capacity:
+            raise InvalidParam(field_name, f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the "
+                               f"KV cache ({capacity * bs} tokens)")  # fmt: skip
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now and free its KV blocks. False when it is unknown or already finished."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one iteration ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run, update. Returns this step's outputs: one per request that started, sampled,
+        timed out or failed in it."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        outputs = [timeout_output(req, kind) for req, kind in sched.expired]
+        if sched.is_empty:
+            return outputs
+        try:
+            result = self.runner.execute(sched)
+        except Exception as exc:  # a failed step fails only its own requests
+            return outputs + self._fail_step(sched, exc)
+        outputs += self._update(sched, result)
+        self._record_step(sched, time.perf_counter() - t0)
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        self.scheduler.advance(sched)
+        started = {id(r) for r in sched.started}
+        outputs = []
+        for s in sched.scheduled:
+            req = s.request
+            token = result.sampled.get(req.request_id)
+            if token is None:  # a prompt chunk that did not reach the end of the prompt
+                if id(req) in started:
+                    outputs.append(started_output(req))
+                continue
+            out = token_output(req, token, result.logprobs.get(req.request_id), self.max_model_len,
+                               started=id(req) in started)  # fmt: skip
+            if out.finished:
+                self.scheduler.finish(req, out.finish_reason or FinishReason.STOP)
+            outputs.append(out)
+        return outputs
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        log.exception("engine step failed; failing its %d requests", len(sched.scheduled))
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        outputs = []
+        for s in sched.scheduled:
+            outputs.append(error_output(s.request, message))
+            self.scheduler.finish(s.request, FinishReason.ERROR)
+        return outputs
+
+    def _record_step(self, sched: SchedulerOutput, elapsed: float) -> None:
+        st = self._stats
+        decode = sum(1 for s in sched.scheduled if s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens)
+        st.steps += 1
+        st.last_step_tokens = sched.num_tokens
+        st.last_step_decode_tokens = decode
+        st.last_step_prefill_tokens = sched.num_tokens - decode
+        st.prompt_tokens += sched.num_tokens - decode
+        st.generation_tokens += sum(1 for s in sched.scheduled if s.sample)
+        st.last_step_time_s = elapsed
+
+    def stats(self) -> EngineStats:
+        """A fresh snapshot (the caller may keep it; nothing in it changes afterwards)."""
+        st = self._stats
+        sched = self.scheduler
+        return EngineStats(**{
+            **vars(st),
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "waiting_preempted": sched.waiting.num_resumed,
+            "kv_blocks_used": self.block_manager.num_used_blocks,
+            "prefix_cache_queries": self.block_manager.prefix_queries,
+            "prefix_cache_hits": self.block_manager.prefix_hits,
+            "preemptions": sched.num_preemptions,
+            "preemptions_by": dict(sched.preemptions_by),
+        })  # fmt: skip
+
+    def check_integrity(self) -> None:
+        """Block-manager invariants against the live requests (tests; debug)."""
+        self.block_manager.check_integrity(self.scheduler.requests.values())
+
+    # ---- offline convenience ------------------------------------------------------------------
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Run prompts to completion (all submitted at once); results in prompt order.
+        Needs an idle engine: it steps until everything is done and would swallow other outputs."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine; use add_request/step alongside other work")
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        results: dict[str, GenerationResult] = {}
+        order = []
+        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+            rid = f"gen-{id(results)}-{i}"
+            kwargs: dict[str, Any] = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+            self.add_request(rid, params=p, **kwargs)
+            ids = self.scheduler.requests[rid].prompt_token_ids
+            results[rid] = GenerationResult(rid, list(ids), [], "", None)
+            order.append(rid)
+        while self.has_unfinished():
+            for out in self.step():
+                r = results[out.request_id]
+                r.token_ids.extend(out.new_token_ids)
+                r.text += out.text_delta
+                r.logprobs.extend(out.logprobs or [])
+                r.cached_tokens = out.cached_tokens
+                if out.finished:
+                    r.finish_reason = out.finish_reason
+        return [results[rid] for rid in order]
