@@ -13,14 +13,17 @@ is the client's (given by the caller), and a preempted request keeps it: it keep
 - The step's token budget is spent in key order over running and waiting requests together, so a long
   low-priority prefill is chunked behind more important work instead of holding the step.
 - A waiting request may take a running request's place (its seat, its KV blocks) only when it
-  `outranks` it: a strictly better effective priority. Equal effective priorities never preempt each
-  other. The victim is the least important running request; ties go to the one with the least
-  computed work, then the latest arrival (`victim_key`, largest first).
+  `outranks` it: a strictly better effective priority, and another priority of its own. Equal
+  effective priorities never preempt each other, and neither do requests of one priority (lane):
+  inside a lane the oldest waiting request simply gets the next free seat, so taking a running
+  request's seat would only trade one wait for another and pay a recompute. The victim is the least
+  important running request; ties go to the one with the least computed work, then the latest
+  arrival (`victim_key`, largest first).
 
-**Churn.** Each preemption needs a strictly more important request, and levels only ever improve
-(while waiting) and stop at 0. A preempted request can take its place back from its preemptor only
-after waiting until it is strictly better than the level that one runs at, so a pair of requests
-trades places at most `levels apart` times, at least `aging_s` apart; with aging off, never.
+**Churn.** Each preemption needs a strictly more important request of another lane, and levels only
+ever improve (while waiting) and stop at 0. A preempted request can take its place back from its
+preemptor only after waiting until it is strictly better than the level that one runs at, so a pair of
+requests trades places at most `levels apart` times, at least `aging_s` apart; with aging off, never.
 """
 
 from __future__ import annotations
@@ -57,5 +60,5 @@ class PriorityPolicy:
         return (self.effective_priority(req, now), -req.num_computed_tokens, req.arrival_time)
 
     def outranks(self, a: Request, b: Request, now: float) -> bool:
-        """Whether a may take b's place: a strictly better effective priority."""
-        return self.effective_priority(a, now) < self.effective_priority(b, now)
+        """Whether a may take b's place: a strictly better effective priority, and not b's own priority."""
+        return a.priority != b.priority and self.effective_priority(a, now) < self.effective_priority(b, now)

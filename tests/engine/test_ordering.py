@@ -3,7 +3,8 @@
 - key = (effective priority, arrival time, request id), smallest runs first;
 - effective priority = priority, one level better per aging_s of waiting in all (before the first run
   and after each preemption), never past level 0; it holds while the request runs;
-- a request may take another's place only with a strictly better effective priority;
+- a request may take another's place only with a strictly better effective priority, and never one of
+  its own priority (inside a lane the oldest waiting request gets the next free seat);
 - the victim is the least important running request, then the least computed work, then the latest
   arrival;
 - the waiting queue always yields the request with the smallest key.
@@ -62,6 +63,18 @@ def test_outranks_is_strict():
     assert p.outranks(inter, batch, now=30.0) and not p.outranks(batch, inter, now=30.0)
     aged = waiting("aged", 2, 0.0)  # at t=20 it counts as interactive: equal, neither outranks
     assert not p.outranks(inter, aged, now=30.0) and not p.outranks(aged, inter, now=30.0)
+
+
+def test_a_lane_never_preempts_itself_however_long_it_waited():
+    p = PriorityPolicy(aging_s=10.0)
+    running = waiting("running-batch", 2, 0.0)
+    running.status = RequestStatus.RUNNING
+    starved = waiting("starved-batch", 2, 1.0)  # waited 99 s: level 0, but the same lane
+    assert p.effective_priority(starved, 100.0) == 0
+    assert not p.outranks(starved, running, now=100.0)
+    std = waiting("running-std", 1, 0.0)
+    std.status = RequestStatus.RUNNING
+    assert p.outranks(starved, std, now=100.0)  # another lane: aging lets it through
 
 
 def test_victim_is_least_important_then_least_work_then_latest():
