@@ -25,7 +25,7 @@ REQUIRED = [
     "Running batch size",
     "KV cache usage",
     "Prefix cache hit rate",
-    "Preemptions/s",
+    "Preemptions/s by lane and cause",
     "Step time by phase p50 / p99",
     "Device memory",
     "Seconds since last step",

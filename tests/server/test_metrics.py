@@ -31,6 +31,7 @@ FAMILIES = {
     "tokenmill_prompt_tokens": "counter",
     "tokenmill_generation_tokens": "counter",
     "tokenmill_num_preemptions": "counter",
+    "tokenmill_preemptions": "counter",
     "tokenmill_prefix_cache_queries": "counter",
     "tokenmill_prefix_cache_hits": "counter",
     "tokenmill_engine_steps": "counter",
