@@ -21,7 +21,7 @@ from engine.models.packed_linear import packing_supported
 from engine.output_processor import RequestTextState, error_output, make_output
 from engine.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprob
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import NONFINITE_LOGITS, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.tokenization import chat_prompt_ids, encode_prompt
@@ -205,7 +205,10 @@ class Engine:
             req = s.request
             token = result.sampled.get(req.request_id)
             if token is None:
-                continue  # a prompt chunk that did not reach the end of the prompt
+                if req.request_id in result.failed:  # NaN/inf logits: fail this request, not the step
+                    outputs.append(error_output(req, NONFINITE_LOGITS))
+                    self._finish(req, FinishReason.ERROR)
+                continue  # else a prompt chunk that did not reach the end of the prompt
             out = make_output(req, self._text[req.request_id], token, result.logprobs.get(req.request_id),
                               self.max_model_len)
             if out.finished:
