@@ -74,7 +74,7 @@ def rss_mb() -> float:
 
 def live_outputs() -> int:
     gc.collect()
-    return sum(1 for o in gc.get_objects() if isinstance(o, RequestOutput))
+    return sum(1 for o in gc.get_objects() if type(o) is RequestOutput)
 
 
 class NormalReader(threading.Thread):
