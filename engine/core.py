@@ -29,6 +29,8 @@ from engine.tokenization import chat_prompt_ids, encode_prompt
 
 log = logging.getLogger("tokenmill.engine")
 
+NONFINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this request; no token was sampled"
+
 
 @dataclass
 class ModelRunnerOutput:
@@ -36,6 +38,7 @@ class ModelRunnerOutput:
 
     sampled: dict[str, int]  # request_id -> new token id
     logprobs: dict[str, TokenLogprob]  # request_id -> logprob of that token (when asked for)
+    failed: list[str] = field(default_factory=list)  # request_ids whose logits were not finite: no token
 
 
 class ModelRunner(Protocol):
@@ -190,10 +193,15 @@ class EngineCore:
     def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         self.scheduler.advance(sched)
         started = {id(r) for r in sched.started}
+        failed = set(result.failed)
         outputs = []
         for s in sched.scheduled:
             req = s.request
             token = result.sampled.get(req.request_id)
+            if token is None and req.request_id in failed:  # NaN/inf logits: fail this request, not the step
+                outputs.append(error_output(req, NONFINITE_LOGITS, started=id(req) in started))
+                self.scheduler.finish(req, FinishReason.ERROR)
+                continue
             if token is None:  # a prompt chunk that did not reach the end of the prompt
                 if id(req) in started:
                     outputs.append(started_output(req))
@@ -208,9 +216,10 @@ class EngineCore:
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         log.exception("engine step failed; failing its %d requests", len(sched.scheduled))
         message = f"engine step failed: {type(exc).__name__}: {exc}"
+        started = {id(r) for r in sched.started}
         outputs = []
         for s in sched.scheduled:
-            outputs.append(error_output(s.request, message))
+            outputs.append(error_output(s.request, message, started=id(s.request) in started))
             self.scheduler.finish(s.request, FinishReason.ERROR)
         return outputs
 

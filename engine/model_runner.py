@@ -42,9 +42,10 @@ class ModelRunner:
             return ModelRunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])
         tokens, lps = self.sampler.sample(logits, reqs)
-        sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True)}
+        sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True) if t is not None}
+        failed = [r.request_id for r, t in zip(reqs, tokens, strict=True) if t is None]
         logprobs = {r.request_id: lp for r, lp in zip(reqs, lps, strict=True) if lp is not None}
-        return ModelRunnerOutput(sampled, logprobs)
+        return ModelRunnerOutput(sampled, logprobs, failed)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """The model over one packed step (host tensors in): a decode graph's replay when one fits."""

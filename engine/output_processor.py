@@ -55,8 +55,9 @@ def timeout_output(req: Request, deadline: Deadline) -> RequestOutput:
     return _output(req, [], "", None, FinishReason.TIMEOUT, deadline=deadline)
 
 
-def error_output(req: Request, message: str) -> RequestOutput:
-    return _output(req, [], "", None, FinishReason.ERROR, error=message)
+def error_output(req: Request, message: str, started: bool = False) -> RequestOutput:
+    """A request that failed (`started`: in the step that first scheduled it)."""
+    return _output(req, [], "", None, FinishReason.ERROR, started=started, error=message)
 
 
 def _output(req: Request, tokens: list[int], text: str, logprobs: list[TokenLogprob] | None,

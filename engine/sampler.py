@@ -4,6 +4,8 @@ Greedy rows take the argmax. Sampled rows are scaled by temperature, filtered by
 min-p, then drawn with the exponential-race trick (argmax of p / E, E ~ Exp(1)) using each
 request's own generator, so a seeded request draws the same tokens whatever else is in the batch.
 Logprobs are those of the model's raw distribution (before penalties and temperature).
+A row whose chosen score is not finite (NaN or inf logits) yields no token (None): the engine fails
+that request alone instead of emitting whatever index argmax picks from NaNs.
 """
 
 from __future__ import annotations
@@ -28,29 +30,34 @@ class Sampler:
         return req.generator
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [N, vocab] (model dtype), one row per request in reqs. Returns tokens and logprobs."""
+    def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        """logits: [N, vocab] (model dtype), one row per request in reqs. Returns tokens (None where the
+        row was not finite) and logprobs."""
         if all(r.params.greedy and r.params.logprobs is None and not _needs_processing(r) for r in reqs):
             # Plain greedy batch. The upcast is exact and pays for itself: on CPU, argmax over bf16
             # runs about 4x slower than the copy plus a float32 argmax (bench-135m, 32 x 49152).
-            return logits.float().argmax(dim=-1).tolist(), [None] * len(reqs)
+            scores = logits.float()
+            best = scores.argmax(dim=-1)
+            return _finite_or_none(best, scores.gather(1, best[:, None])[:, 0]), [None] * len(reqs)
         logits = logits.float()
         want_lp = [r.params.logprobs is not None for r in reqs]
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = self._apply_penalties(logits, reqs)
         tokens = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+        chosen = torch.empty(len(reqs), device=logits.device)  # score of each chosen token: finite if sound
         greedy = [i for i, r in enumerate(reqs) if r.params.greedy]
         if greedy:
             idx = torch.tensor(greedy, device=logits.device)
             tokens[idx] = logits[idx].argmax(dim=-1)
+            chosen[idx] = logits[idx].gather(1, tokens[idx][:, None])[:, 0]
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if rand:
             idx = torch.tensor(rand, device=logits.device)
-            tokens[idx] = self._sample_random(logits[idx], [reqs[i] for i in rand])
-        token_list = tokens.tolist()  # the step's one device-to-host copy of sampled ids
+            tokens[idx], chosen[idx] = self._sample_random(logits[idx], [reqs[i] for i in rand])
+        token_list = _finite_or_none(tokens, chosen)
         lps: list[TokenLogprob | None] = [None] * len(reqs)
         for i, r in enumerate(reqs):
-            if want_lp[i]:
+            if want_lp[i] and token_list[i] is not None:
                 lps[i] = _logprob(raw_lp[i], token_list[i], r.params.logprobs)
         return token_list, lps
 
@@ -63,14 +70,23 @@ class Sampler:
             _penalise_row(logits[i], reqs[i])
         return logits
 
-    def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drawn tokens [n] and their probabilities [n] (NaN where the row was not finite)."""
         dev = logits.device
         temp = torch.tensor([r.params.temperature for r in reqs], device=dev)
         probs = torch.softmax(logits / temp[:, None], dim=-1)  # [n, vocab]
         probs = _filter(probs, reqs)
         # One noise row per request from its own generator (CPU), so batches don't change draws.
         noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=self.generator(r)) for r in reqs])
-        return (probs / noise.to(dev)).argmax(dim=-1)
+        drawn = (probs / noise.to(dev)).argmax(dim=-1)
+        p = probs.gather(1, drawn[:, None])[:, 0]
+        return drawn, torch.where(p > 0, p, float("nan"))
+
+
+def _finite_or_none(tokens: torch.Tensor, chosen: torch.Tensor) -> list[int | None]:
+    """Token ids, None where the chosen score is NaN or inf. One device-to-host copy per step."""
+    marked = torch.where(torch.isfinite(chosen), tokens, -1).tolist()
+    return [t if t >= 0 else None for t in marked]
 
 
 def _needs_processing(r: Request) -> bool:

@@ -6,12 +6,19 @@ from dataclasses import dataclass, field
 
 from engine.errors import InvalidParam
 
+# Temperatures below this sample greedily: dividing logits by a smaller one overflows float32 (1e-45
+# turns every logit into inf and the softmax into NaN), and above it the distribution is one-hot anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Repetition penalties are bounded away from 0 and inf: a logit divided by 1e-300 is inf.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature 0 means greedy. Every invalid value raises ``InvalidParam`` (a ValueError) naming the field.
+    temperature 0 (or below GREEDY_TEMPERATURE_EPS) means greedy. Every invalid value raises
+    ``InvalidParam`` (a ValueError) naming the field.
     """
 
     max_tokens: int = 16
@@ -46,7 +53,7 @@ class SamplingParams:
         _check_num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_int("top_k", self.top_k, lo=0)
         _check_num("min_p", self.min_p, lo=0.0, hi=1.0)
-        _check_num("repetition_penalty", self.repetition_penalty, lo=0.0, hi=100.0, lo_open=True)
+        _check_num("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         _check_num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         if self.seed is not None:
@@ -66,7 +73,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
 
 def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:

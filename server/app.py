@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from server import routes_generate, routes_openai, routes_ops
 from server.auth import ApiKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
+from server.connection_metrics import ConnectionCollector
 from server.errors import install_error_handlers
 from server.runtime import Runtime, build_engine
 from server.settings import ServerSettings
@@ -28,6 +29,9 @@ def create_app(settings: ServerSettings, engine: Any = None) -> FastAPI:
         loaded = engine if engine is not None else await asyncio.to_thread(build_engine, settings)
         runtime = Runtime(settings, loaded)
         app.state.runtime = runtime
+        guard = getattr(app.state, "connection_guard", None)  # set by GuardedServer
+        if guard is not None:
+            runtime.metrics.registry.register(ConnectionCollector(guard))
         runtime.start()
         try:
             yield

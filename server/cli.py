@@ -1,8 +1,9 @@
 """`tokenmill` command line: `tokenmill serve [flags]` (also `python -m server`), `tokenmill bench ...`.
 
-`serve` runs uvicorn with a drain on the first SIGTERM/SIGINT: readiness turns 503 (`draining`), new
-requests get 503, in-flight ones finish within drain_timeout_s, the rest end with an error; exit 0.
-A second signal exits at once.
+`serve` raises the open-files limit, then runs uvicorn through the connection guard with a drain on
+the first SIGTERM/SIGINT: readiness turns 503 (`draining`), new requests get 503, in-flight ones
+finish within drain_timeout_s, the rest end with an error; exit 0, stalled clients or not. A second
+signal exits at once.
 """
 
 from __future__ import annotations
@@ -12,14 +13,19 @@ import asyncio
 import importlib
 import importlib.util
 import logging
+import os
+import resource
 import sys
+import threading
 from collections.abc import Sequence
 from types import FrameType
 
 import uvicorn
 from pydantic import ValidationError
 
-from server.settings import add_flags, settings_from_flags
+from server.connections import FD_RESERVE, ConnectionGuard, raise_open_files_limit
+from server.http_server import GuardedServer, guarded_config
+from server.settings import ServerSettings, add_flags, settings_from_flags
 
 SUBCOMMANDS = ("serve", "bench")
 log = logging.getLogger("tokenmill.server")
@@ -63,36 +69,77 @@ def serve(args: argparse.Namespace) -> int:
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         print(f"tokenmill serve: invalid settings: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_prompts)
+    guard = connection_guard(settings)
     from server.app import create_app
 
     app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            lifespan="on", access_log=False, log_config=None)
-    server = DrainingServer(config, app)
+    config = guarded_config(app, guard, settings.keep_alive_timeout_s, host=settings.host, port=settings.port,
+                            log_level=settings.log_level)  # fmt: skip
+    server = DrainingServer(config, app, guard, settings.drain_timeout_s)
     server.run()
+    if server.drained:
+        # Skip the interpreter's teardown (about a second with torch loaded, and it joins idle tokenizer
+        # threads): the drain deadline is the process's, not only the server's.
+        logging.shutdown()
+        os._exit(0)
     return 0 if server.started else 1
 
 
-def configure_logging(level: str) -> None:
-    """Plain lines for the server; bare JSON lines (one per request) for `tokenmill.requests`."""
+def connection_guard(settings: ServerSettings) -> ConnectionGuard:
+    """The guard for this process: its cap follows the (raised) open-files limit unless configured."""
+    open_files = open_files_limit()
+    limits = settings.connection_limits(open_files)
+    if limits.max_connections > open_files - FD_RESERVE:
+        log.warning("max_connections %d leaves fewer than %d of the %d open files for the process: accept() "
+                    "may fail at the limit", limits.max_connections, FD_RESERVE, open_files)  # fmt: skip
+    log.info("connections: at most %d; timeouts: headers %gs, body %gs, keep-alive %gs, write %gs",
+             limits.max_connections, limits.header_timeout_s, limits.body_timeout_s, limits.keep_alive_timeout_s,
+             limits.write_timeout_s)  # fmt: skip
+    return ConnectionGuard(limits)
+
+
+def open_files_limit() -> int:
+    """Raise the soft open-files limit toward the hard one and log both; returns the soft limit."""
+    before, after, hard = raise_open_files_limit()
+    shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    if after > before:
+        log.info("open-files limit raised from %d to %d (hard limit %s)", before, after, shown)
+    else:
+        log.info("open-files limit %d (hard limit %s)", after, shown)
+    return after
+
+
+def configure_logging(level: str, log_prompts: bool = False) -> None:
+    """Plain lines for the server; bare JSON lines (one per request) for `tokenmill.requests`.
+    sse-starlette logs every streamed chunk at debug: that logger stays at info unless --log-prompts."""
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     requests = logging.getLogger("tokenmill.requests")
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     requests.addHandler(handler)
     requests.propagate = False
+    if not log_prompts:
+        logging.getLogger("sse_starlette").setLevel(max(logging.INFO, logging.getLevelName(level.upper())))
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose first SIGTERM/SIGINT drains the app before exiting, and exits 0
-    (it does not re-raise the signal as plain uvicorn does)."""
+class DrainingServer(GuardedServer):
+    """The server of `tokenmill serve`: its first SIGTERM/SIGINT drains the app, then exits 0 (plain
+    uvicorn re-raises the signal). The drain deadline is absolute: at drain_timeout_s the requests
+    left are aborted (streams get an `error` event where the socket still takes it), FLUSH_S later the
+    connections left are closed, and a watchdog ends the process at drain_timeout_s + WATCHDOG_S
+    whatever still runs."""
 
-    def __init__(self, config: uvicorn.Config, app) -> None:
-        super().__init__(config)
+    FLUSH_S = 0.5  # after the drain deadline: time for the error events to go out
+    WATCHDOG_S = 1.8  # after the drain deadline: the process exits 0 even if shutdown hangs
+
+    def __init__(self, config: uvicorn.Config, app, guard: ConnectionGuard, drain_timeout_s: float) -> None:
+        super().__init__(config, app, guard)
         self._app = app
+        self._drain_timeout_s = drain_timeout_s
         self._drain_requested = False
         self._drain_task: asyncio.Task | None = None
+        self.drained = False  # the drain ran: the process may exit without the interpreter's teardown
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         runtime = getattr(self._app.state, "runtime", None)
@@ -102,6 +149,9 @@ class DrainingServer(uvicorn.Server):
             return
         self._drain_requested = True
         log.info("signal %d: draining", sig)
+        watchdog = threading.Timer(self._drain_timeout_s + self.WATCHDOG_S, _exit_now)
+        watchdog.daemon = True
+        watchdog.start()
         runtime.loop.call_soon_threadsafe(self._start_drain, runtime)
 
     def _start_drain(self, runtime) -> None:
@@ -109,6 +159,18 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain_then_exit(self, runtime) -> None:
         try:
-            await runtime.drain()
+            await asyncio.wait_for(runtime.drain(), self._drain_timeout_s + self.FLUSH_S)
+        except asyncio.TimeoutError:
+            log.warning("drain deadline: closing %d responses still open", runtime.open_responses)
         finally:
+            # Close what is left before uvicorn (and sse-starlette's own exit watch) see should_exit:
+            # a stream then ends on its disconnect instead of being cancelled mid-send.
+            self.guard.drop_all("shutdown")
+            self.drained = True
             self.should_exit = True
+
+
+def _exit_now() -> None:
+    log.error("shutdown did not finish within drain_timeout_s + %.1fs: exiting now", DrainingServer.WATCHDOG_S)
+    logging.shutdown()
+    os._exit(0)

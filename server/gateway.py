@@ -184,10 +184,11 @@ class RequestHandle:
         """close() for Starlette background tasks (a sync one would run on a thread pool)."""
         self.close()
 
-    def close(self) -> None:
+    def close(self, error: ServerError | None = None) -> None:
+        """`error`: why it is aborted if it has not finished (None: the client went away)."""
         if self._closed:
             return
         self._closed = True
         self.runtime.open_responses -= 1
         if self.finished is None:
-            self.runtime.worker.abort(self.request_id)
+            self.runtime.worker.abort(self.request_id, error)

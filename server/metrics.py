@@ -46,7 +46,7 @@ REASONS = {
     "ok": ("stop", "length"),  # the engine's finish reason
     "rejected": ("queue_requests", "queue_tokens", "invalid_request"),  # 429 (lane full), engine said 400
     "timeout": ("queue", "first_token", "total"),  # which deadline passed
-    "cancelled": ("client", "shutdown"),  # client went away; server shut down (drain timeout)
+    "cancelled": ("client", "shutdown", "slow_client"),  # client went away; shut down; stopped reading
     "error": ("engine_error", "worker_died"),
 }
 PHASES = ("prefill", "decode", "mixed")  # label `phase` of the step histogram

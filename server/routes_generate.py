@@ -9,15 +9,16 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.background import BackgroundTask
+from sse_starlette import ServerSentEvent
 
 from engine.api import RequestOutput, TokenLogprob
 from server.errors import ApiError
-from server.gateway import Completed, GenerationRequest, RequestHandle, admit
+from server.gateway import Completed, GenerationRequest, admit
 from server.protocol import GenerateRequest, parse_body
 from server.runtime import Runtime
+from server.stream_guard import StreamGuard
 from server.ticket import Finished, Ticket, Tokens
+from server.tokens import check_prompt_bytes
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -29,8 +30,8 @@ async def generate(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
     rt.check_accepting()
     body = await parse_body(request, GenerateRequest)
-    ids = await _prompt_ids(rt, body)
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+    ids = await _prompt_ids(rt, body, max_tokens)
     params = body.sampling_params(max_tokens, body.logprobs)
     request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
     handle = admit(rt, GenerationRequest(request_id, ids, params, body.lane(), body.timeout_s,
@@ -44,23 +45,23 @@ async def generate(request: Request) -> Response:
     except BaseException:
         handle.close()
         raise
-    return EventSourceResponse(
-        _stream(handle, want_logprobs), ping=rt.settings.sse_ping_s, background=BackgroundTask(handle.aclose)
-    )
+    guard = StreamGuard.for_request(request, handle, rt.settings.stream_max_pending_tokens)
+    return guard.response(_stream(guard, want_logprobs), rt.settings.sse_ping_s)
 
 
-async def _prompt_ids(rt: Runtime, body: GenerateRequest) -> list[int]:
+async def _prompt_ids(rt: Runtime, body: GenerateRequest, max_tokens: int) -> list[int]:
     if (body.prompt is None) == (body.prompt_token_ids is None):
         raise ApiError(400, "invalid_request", "give exactly one of prompt or prompt_token_ids", param="prompt")
     if body.prompt is not None:
+        check_prompt_bytes(rt.codec, [body.prompt], max(max_tokens, 1), rt.max_model_len, "prompt")
         return await rt.codec.encode(body.prompt)
     return list(body.prompt_token_ids or [])
 
 
-async def _stream(handle: RequestHandle, want_logprobs: bool) -> AsyncIterator[ServerSentEvent]:
-    index = 0
+async def _stream(guard: StreamGuard, want_logprobs: bool) -> AsyncIterator[ServerSentEvent]:
+    handle, index = guard.handle, 0
     try:
-        async for event in handle.events():
+        async for event in guard.events():
             if isinstance(event, Tokens):
                 for data in _token_events(handle.request_id, index, event.output, want_logprobs):
                     yield ServerSentEvent(event="token", data=_json(data))
@@ -72,7 +73,7 @@ async def _stream(handle: RequestHandle, want_logprobs: bool) -> AsyncIterator[S
                 else:
                     yield ServerSentEvent(event="done", data=_json(_done(handle.ticket, event)))
     finally:
-        handle.close()
+        guard.close()
 
 
 def _token_events(request_id: str, index: int, out: RequestOutput, want_logprobs: bool) -> list[dict[str, Any]]:

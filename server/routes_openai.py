@@ -13,15 +13,17 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse, ServerSentEvent
-from starlette.background import BackgroundTask
+from sse_starlette import ServerSentEvent
 
 from engine.api import SamplingParams, TokenLogprob
+from engine.tokenization import message_texts
 from server.errors import ApiError
-from server.gateway import GenerationRequest, RequestHandle, admit
+from server.gateway import GenerationRequest, admit
 from server.protocol import ChatRequest, CompletionRequest, OpenAIFields, parse_body
 from server.runtime import Runtime
+from server.stream_guard import StreamGuard
 from server.ticket import Finished, Ticket, Tokens
+from server.tokens import check_prompt_bytes
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -46,9 +48,9 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "invalid_request", "echo is not supported", param="echo")
     if body.suffix:
         raise ApiError(400, "invalid_request", "suffix is not supported", param="suffix")
-    ids = await _completion_prompt(rt, body.prompt)
     max_tokens = next((m for m in (body.max_tokens, body.max_completion_tokens) if m is not None),
                       COMPLETION_DEFAULT_MAX_TOKENS)
+    ids = await _completion_prompt(rt, body.prompt, max_tokens)
     params = body.sampling_params(max_tokens, body.logprobs)
     shape = _CompletionShape(rt, f"cmpl-{uuid.uuid4().hex}")
     return await _run(rt, request, body, ids, params, shape)
@@ -64,15 +66,18 @@ async def chat_completions(request: Request) -> Response:
         raise ApiError(400, "invalid_request", "tools are not supported", param="tools")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise ApiError(400, "invalid_request", "only text response_format is supported", param="response_format")
+    messages = body.template_messages()
+    asked = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), None)
+    check_prompt_bytes(rt.codec, message_texts(messages), max(asked or 1, 1), rt.max_model_len, "messages")
     try:
-        ids = await rt.codec.chat(body.template_messages())
+        ids = await rt.codec.chat(messages)
     except ApiError:
         raise
     except Exception as exc:
         raise ApiError(400, "invalid_request", f"chat template failed: {exc}", param="messages") from None
-    # Without a limit, a chat reply may fill the context (OpenAI's behaviour).
-    max_tokens = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None),
-                      max(1, rt.max_model_len - len(ids)))
+    # Without a limit, a chat reply may fill the context (OpenAI's behaviour): the model's, or the KV
+    # cache's when that is smaller (rt.max_model_len is the smaller of the two).
+    max_tokens = asked if asked is not None else max(1, rt.max_model_len - len(ids))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = body.sampling_params(max_tokens, logprobs)
     shape = _ChatShape(rt, f"chatcmpl-{uuid.uuid4().hex}")
@@ -86,12 +91,13 @@ def _check_common(rt: Runtime, body: OpenAIFields) -> None:
     body.check_unsupported()
 
 
-async def _completion_prompt(rt: Runtime, prompt: str | list[Any]) -> list[int]:
+async def _completion_prompt(rt: Runtime, prompt: str | list[Any], max_tokens: int) -> list[int]:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise ApiError(400, "invalid_request", "only one prompt per request is supported", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
+        check_prompt_bytes(rt.codec, [prompt], max(max_tokens, 1), rt.max_model_len, "prompt")
         return await rt.codec.encode(prompt)
     return list(prompt)
 
@@ -108,18 +114,19 @@ async def _run(rt: Runtime, request: Request, body: OpenAIFields, ids: list[int]
     except BaseException:
         handle.close()
         raise
-    stream = _stream(handle, shape, want_logprobs, body.include_usage)
-    return EventSourceResponse(stream, ping=rt.settings.sse_ping_s, background=BackgroundTask(handle.aclose))
+    guard = StreamGuard.for_request(request, handle, rt.settings.stream_max_pending_tokens)
+    return guard.response(_stream(guard, shape, want_logprobs, body.include_usage), rt.settings.sse_ping_s)
 
 
-async def _stream(handle: RequestHandle, shape: _Shape, want_logprobs: bool,
+async def _stream(guard: StreamGuard, shape: _Shape, want_logprobs: bool,
                   include_usage: bool) -> AsyncIterator[ServerSentEvent]:
     extra = {"usage": None} if include_usage else {}
+    handle = guard.handle
     try:
         first = shape.first_chunk()
         if first is not None:
             yield _event({**shape.chunk([first]), **extra})
-        async for event in handle.events():
+        async for event in guard.events():
             if isinstance(event, Tokens):
                 out = event.output
                 lps = out.logprobs if want_logprobs else None
@@ -133,7 +140,7 @@ async def _stream(handle: RequestHandle, shape: _Shape, want_logprobs: bool,
                     yield _event({**shape.chunk([]), "usage": shape.usage(handle.ticket)})
         yield ServerSentEvent(data="[DONE]")
     finally:
-        handle.close()
+        guard.close()
 
 
 def _event(data: dict[str, Any]) -> ServerSentEvent:

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.api import Deadline, EngineProtocol, SamplingParams
 from server.admission import Admission, Lane
+from server.capacity import usable_context
 from server.errors import ApiError
 from server.gateway import RequestHandle
 from server.metrics import ModelInfo, ServerMetrics, Snapshot, memory_probe
@@ -59,7 +60,7 @@ class Runtime:
         self.loop = asyncio.get_running_loop()
         self.model_name = settings.served_model_name or engine.model_name
         self.model_aliases = {self.model_name, engine.model_name} | ({settings.model} if settings.model else set())
-        self.max_model_len: int = engine.max_model_len
+        self.max_model_len: int = usable_context(engine)  # the KV cache's size when that is smaller
         self.engine_desc = {"dtype": engine.dtype_name, "device": engine.device_name}
         self.codec = PromptCodec(engine.tokenizer)  # copied before the worker owns the engine
         self.admission = Admission(settings.lane_bounds())
@@ -230,6 +231,7 @@ def request_status(ticket: Ticket) -> tuple[str, str]:
 _ERROR_STATUS = {
     "queue_timeout": ("timeout", "queue"),
     "shutdown": ("cancelled", "shutdown"),
+    "slow_client": ("cancelled", "slow_client"),  # stopped reading its stream (server/stream_guard.py)
     "invalid_request": ("rejected", "invalid_request"),
 }
 

@@ -26,6 +26,7 @@ from pydantic_settings import (
 
 from engine.config import EngineConfig
 from server.admission import Lane, LaneBounds
+from server.connections import ConnectionLimits, default_max_connections
 
 ENV_PREFIX = "TOKENMILL_"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -79,6 +80,21 @@ class ServerSettings(BaseSettings):
         default_factory=list, description="more accepted keys, comma-separated (TOKENMILL_API_KEYS)"
     )
     max_body_bytes: int = Field(1 << 20, ge=1, description="largest request body; larger gets 413")
+    header_timeout_s: float = Field(10.0, gt=0, description="a request's headers must arrive within this "
+                                    "from its first byte; else 408 and the connection is closed")
+    body_timeout_s: float = Field(30.0, gt=0, description="a request's declared body must arrive within this "
+                                  "after its headers; else 408 and the connection is closed")
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="a connection with no request in progress "
+                                        "(new or between requests) is closed after this")
+    write_timeout_s: float = Field(30.0, gt=0, description="a client that accepts no bytes of its response for "
+                                   "this long is disconnected (a stream's request is aborted)")
+    max_connections: int | None = Field(None, ge=1, description="open connections at most; at the cap the oldest "
+                                        "idle one makes room, else 503; default: the open-files limit minus 96")
+    socket_send_buffer_bytes: int | None = Field(None, ge=1, description="SO_SNDBUF of client sockets: bounds "
+                                                 "the kernel memory a client that stops reading holds; none: the "
+                                                 "kernel's autotuning (up to net.ipv4.tcp_wmem)")
+    stream_max_pending_tokens: int = Field(1024, ge=1, description="tokens a stream may have generated but not "
+                                           "sent; more disconnects the client and aborts its request")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_prompts: bool = Field(False, description="include prompts and outputs in request log lines")
 
@@ -125,8 +141,23 @@ class ServerSettings(BaseSettings):
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return [key.strip() for key in value.split(",") if key.strip()]
+        if isinstance(value, str):  # "k1,k2,": stray commas are ignored, but a value with no key is refused
+            keys = [key.strip() for key in value.split(",") if key.strip()]
+            return keys or [value]
+        return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_key(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_api_key(value)
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_keys(cls, value: list[str]) -> list[str]:
+        for key in value:
+            _check_api_key(key)
         return value
 
     @classmethod
@@ -179,10 +210,30 @@ class ServerSettings(BaseSettings):
             total_s=getattr(self, f"{lane.label}_timeout_s"),
         )
 
+    def connection_limits(self, open_files: int) -> ConnectionLimits:
+        """The connection layer's limits; `open_files`: the process's soft RLIMIT_NOFILE."""
+        return ConnectionLimits(
+            header_timeout_s=self.header_timeout_s,
+            body_timeout_s=self.body_timeout_s,
+            keep_alive_timeout_s=self.keep_alive_timeout_s,
+            write_timeout_s=self.write_timeout_s,
+            max_connections=self.max_connections or default_max_connections(open_files),
+            send_buffer_bytes=self.socket_send_buffer_bytes,
+        )
+
     def accepted_api_keys(self) -> tuple[str, ...]:
         """Every key that opens the API; empty means no authentication."""
         keys = ([self.api_key] if self.api_key else []) + list(self.api_keys)
         return tuple(dict.fromkeys(keys))
+
+
+def _check_api_key(key: str) -> None:
+    """An empty key would let `Authorization: Bearer ` through, or (unset by mistake) turn auth off
+    silently: refuse to start instead."""
+    if not isinstance(key, str) or not key.strip():
+        raise ValueError("API keys must not be empty (unset the setting to run without authentication)")
+    if key != key.strip() or any(c.isspace() for c in key):
+        raise ValueError("API keys must not contain whitespace")
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):

@@ -193,3 +193,33 @@ def test_bfloat16_engine_runs(tiny):
     assert [len(r.token_ids) for r in res] == [8, 8]
     assert engine.dtype_name == "bfloat16"
     assert_idle(engine)
+
+
+def test_nonfinite_logits_fail_only_that_request(engine):
+    """A NaN logits row (a broken model output for one sequence) fails that request with a clear
+    error; the rest of the batch gets its tokens, and nothing is leaked."""
+    want = engine.generate([_prompt(12, 90)], greedy(6, ignore_eos=True))[0].token_ids
+    real = engine.sampler.sample
+
+    def poison(logits, reqs):
+        logits = logits.clone()
+        for i, r in enumerate(reqs):
+            if r.request_id == "poisoned":
+                logits[i] = float("nan")
+        return real(logits, reqs)
+
+    engine.sampler.sample = poison
+    try:
+        engine.add_request("poisoned", prompt_token_ids=_prompt(10), params=greedy(6, ignore_eos=True))
+        engine.add_request("healthy", prompt_token_ids=_prompt(12, 90), params=greedy(6, ignore_eos=True))
+        outs: dict[str, list] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs.setdefault(out.request_id, []).append(out)
+    finally:
+        engine.sampler.sample = real
+    bad = outs["poisoned"]
+    assert len(bad) == 1 and bad[0].finish_reason is FinishReason.ERROR and bad[0].new_token_ids == []
+    assert "non-finite logits" in bad[0].error
+    assert [t for o in outs["healthy"] for t in o.new_token_ids] == want
+    assert_idle(engine)

@@ -102,3 +102,51 @@ def test_ignore_eos_with_min_tokens_does_not_mask_eos():
     logits = torch.tensor([[5.0, 0.0, 4.0]])
     r = _req(temperature=0.0, min_tokens=2, max_tokens=4, ignore_eos=True)
     assert Sampler().sample(logits, [r])[0] == [0]
+
+
+# -- numerics at the edges -------------------------------------------------------------------------
+def test_tiny_temperatures_are_greedy_and_penalties_are_bounded():
+    from engine.sampling_params import GREEDY_TEMPERATURE_EPS
+
+    for t in (0.0, 1e-45, 1e-300, GREEDY_TEMPERATURE_EPS / 2):
+        assert SamplingParams(temperature=t).greedy
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE_EPS).greedy
+    for value in (0.0, 1e-300, 1e300, float("inf")):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=value)
+    for field in ("presence_penalty", "frequency_penalty"):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: 1e300})
+        assert getattr(SamplingParams(**{field: 1e-300}), field) == 1e-300  # tiny but finite: no effect
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=1e308)
+
+
+def test_a_tiny_temperature_samples_the_argmax_not_nan():
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
+    r = _req(temperature=1e-45, seed=3)
+    assert Sampler().sample(logits, [r])[0] == [1]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_nonfinite_row_gives_no_token_and_leaves_the_others(bad):
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 5.0, 0.0]])
+    logits[1] = bad
+    if bad != bad:
+        logits[1, 1] = 0.0  # NaNs beside a finite value break the row as much as an all-NaN one
+    # Plain greedy batch, a greedy row with logprobs, and sampled rows take different paths: all checked.
+    for kw in (dict(temperature=0.0), dict(temperature=0.0, logprobs=2), dict(temperature=1.0, seed=1),
+               dict(temperature=0.7, top_p=0.5, seed=2)):
+        reqs = [_req(f"r{i}", **kw) for i in range(3)]
+        tokens, lps = Sampler().sample(logits, reqs)
+        assert tokens[1] is None and lps[1] is None, (kw, tokens)
+        assert tokens[0] is not None and tokens[2] is not None, (kw, tokens)
+        if kw["temperature"] == 0.0:
+            assert tokens[0] == 1 and tokens[2] == 2
+
+
+def test_a_nan_from_the_penalties_gives_no_token():
+    # A row whose only finite logit is banned by min_tokens is all -inf after processing.
+    logits = torch.tensor([[float("-inf"), 1.0]])
+    r = _req(temperature=1.0, min_tokens=1, stop_token_ids=[1], seed=0)
+    assert Sampler().sample(logits, [r])[0] == [None]

@@ -1,9 +1,11 @@
-"""Server test helpers: an engine wrapper tests can slow down or hold, a real uvicorn server on a
-loopback port in a thread of this process, polling with a deadline."""
+"""Server test helpers: an engine wrapper tests can slow down or hold, a real uvicorn server (with the
+connection guard, as `tokenmill serve` runs it) on a loopback port in a thread of this process,
+polling with a deadline."""
 
 from __future__ import annotations
 
 import contextlib
+import resource
 import socket
 import threading
 import time
@@ -12,9 +14,10 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from server.app import create_app
+from server.connections import ConnectionGuard
+from server.http_server import GuardedServer, guarded_config
 from server.settings import ServerSettings
 
 HOST = "127.0.0.1"
@@ -80,12 +83,14 @@ def park_filler(srv: RunningServer, engine: ControlledEngine, bg: Background, bo
 class RunningServer:
     """A uvicorn server in a thread; `url` is its base URL, `app` the FastAPI app."""
 
-    def __init__(self, app, sock: socket.socket) -> None:
+    def __init__(self, app, sock: socket.socket, settings: ServerSettings) -> None:
         self.app = app
         self.port = sock.getsockname()[1]
         self.url = f"http://{HOST}:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False, log_config=None)
-        self.server = uvicorn.Server(config)
+        # The connection guard as `tokenmill serve` runs it; the cap from the settings (or this process's limit).
+        self.guard = ConnectionGuard(settings.connection_limits(resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+        config = guarded_config(app, self.guard, settings.keep_alive_timeout_s, log_level="warning")
+        self.server = GuardedServer(config, app, self.guard)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
 
     @property
@@ -112,7 +117,7 @@ def run_server(settings: ServerSettings, engine: Any, wait_ready: bool = True) -
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((HOST, 0))
-    srv = RunningServer(create_app(settings, engine=engine), sock)
+    srv = RunningServer(create_app(settings, engine=engine), sock, settings)
     srv.thread.start()
     try:
         wait_until(lambda: srv.server.started or not srv.thread.is_alive(), 30, what="uvicorn startup")

@@ -59,6 +59,9 @@ FAMILIES = {
     "tokenmill_worker_alive": "gauge",
     "tokenmill_model_info": "gauge",
     "process_resident_memory_bytes": "gauge",
+    "tokenmill_http_connections": "gauge",
+    "tokenmill_http_connections_closed": "counter",
+    "tokenmill_http_accept_errors": "counter",
 }
 
 

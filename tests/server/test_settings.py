@@ -119,3 +119,38 @@ def test_bench_subcommand_dispatches(monkeypatch):
 def test_invalid_settings_exit_2(capsys):
     assert cli.main(["serve", "--max-num-seqs", "-1"]) == 2
     assert "max_num_seqs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source", ["flag", "env", "env_list", "yaml_list", "whitespace"])
+def test_an_empty_api_key_refuses_to_start(source, tmp_path, monkeypatch, capsys):
+    """An empty key would let `Authorization: Bearer ` in, or switch auth off unnoticed: exit 2."""
+    monkeypatch.delenv("TOKENMILL_API_KEY", raising=False)
+    argv = ["serve"]
+    if source == "flag":
+        argv += ["--api-key", ""]
+    elif source == "env":
+        monkeypatch.setenv("TOKENMILL_API_KEY", "")
+    elif source == "env_list":
+        monkeypatch.setenv("TOKENMILL_API_KEYS", " , ")
+    elif source == "yaml_list":
+        cfg = tmp_path / "s.yaml"
+        cfg.write_text('api_keys: ["", "k2"]\n')
+        argv += ["--config", str(cfg)]
+    else:
+        argv += ["--api-key", "k1 k2"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "invalid settings" in err and "API keys must not" in err
+
+
+def test_connection_limits_from_settings():
+    s = parse_settings(["--header-timeout-s", "3", "--body-timeout-s", "4", "--keep-alive-timeout-s", "5",
+                        "--write-timeout-s", "6", "--socket-send-buffer-bytes", "65536"])
+    limits = s.connection_limits(open_files=1024)
+    assert (limits.header_timeout_s, limits.body_timeout_s, limits.keep_alive_timeout_s, limits.write_timeout_s,
+            limits.send_buffer_bytes) == (3, 4, 5, 6, 65536)  # fmt: skip
+    assert limits.max_connections == 1024 - 96  # default: what the open-files limit leaves
+    assert parse_settings(["--max-connections", "10"]).connection_limits(1024).max_connections == 10
+    for flag in ("--header-timeout-s", "--write-timeout-s", "--max-connections", "--stream-max-pending-tokens"):
+        with pytest.raises(ValidationError):
+            parse_settings([flag, "0"])

@@ -1,6 +1,7 @@
 """SIGTERM on the real process (`python -m server`) while streams run: readiness turns 503 (draining),
 new requests get 503, streams that can finish within drain_timeout_s finish, the rest end with an
-error event, and the process exits 0."""
+error event, and the process exits 0 (within drain_timeout_s + 2 s, even with clients that stopped
+reading)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -97,3 +99,51 @@ def _status(url: str) -> int | None:
         return httpx.get(url, timeout=2).status_code
     except httpx.HTTPError:
         return None
+
+
+def test_sigterm_with_stalled_readers_exits_zero_within_the_drain_deadline(tiny_model_path):
+    """Clients that stopped reading (and one that reads) must not hold the process: at drain_timeout_s
+    the requests left are aborted, the reading client gets its `error` event, the stalled connections
+    are reset, and the process exits 0 within drain_timeout_s + 2 s."""
+    drain_s = 2.0
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_") or k == "TOKENMILL_MODEL_CACHE"}
+    # A long write timeout: only the drain deadline can end these connections. A small SO_SNDBUF so
+    # the kernel does not take whole outputs (loopback would) and the stalls are real.
+    cmd = [sys.executable, "-m", "server", "--model", tiny_model_path, "--port", str(port), "--device", "cpu",
+           "--kv-cache-memory", "64MiB", "--drain-timeout-s", str(drain_s), "--write-timeout-s", "600",
+           "--socket-send-buffer-bytes", "16384", "--stream-max-pending-tokens", "100000", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stalled: list[socket.socket] = []
+    try:
+        wait_until(lambda: _status(f"{url}/health") == 200 or proc.poll() is not None, 120, 0.1, "server ready")
+        assert proc.poll() is None, proc.stdout.read()
+        data = json.dumps({"prompt": "def main():", "max_tokens": 1000, "ignore_eos": True, "logprobs": 20}).encode()
+        for _ in range(10):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
+            stalled.append(sock)
+        stalled += [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]  # idle ones too
+        reading = StreamReader(f"{url}/generate", {"prompt": "def main():", "max_tokens": 2000, "ignore_eos": True})
+        reading.start()
+        assert reading.first_token.wait(60)
+        time.sleep(1.0)  # the stalled streams fill their buffers within ~100 tokens
+
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=drain_s + 10)
+        elapsed = time.monotonic() - start
+        assert code == 0
+        assert elapsed <= drain_s + 2.0, elapsed
+        reading.join(10)
+        kind, err = reading.events[-1]
+        assert kind == "error" and err["error"]["type"] == "shutdown", reading.events[-1]
+    finally:
+        for sock in stalled:
+            sock.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
