@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -17,6 +16,7 @@ from engine.cuda_graphs import DecodeGraphRunner, graph_buckets, graphs_enabled
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner, ModelRunnerOutput
+from engine.model_source import open_model_source
 from engine.models.packed_linear import packing_supported
 from engine.output_processor import RequestTextState, error_output, make_output
 from engine.outputs import EngineStats, FinishReason, RequestOutput, TokenLogprob
@@ -44,22 +44,18 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
-        path = Path(config.model)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model: {config.model!r} is not a Hugging Face model folder (no config.json)")
+        source = open_model_source(config.model)  # a HF folder or a GGUF file; every check before loading
         self.config = config
-        self.model_name = path.name
-        self.hf_config = AutoConfig.from_pretrained(str(path))
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.model_name = source.name
+        self.hf_config = source.hf_config
+        self.tokenizer = source.tokenizer
         self.device = setup.resolve_device(config.device)
         self.dtype = setup.resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = setup.resolve_max_model_len(config, self.hf_config)
         self.block_size = setup.resolve_block_size(config.block_size, self.device)
         self.vocab_size = int(self.hf_config.vocab_size)
-        self.eos_token_ids = setup.eos_token_ids(path, self.hf_config, self.tokenizer)
-        model = load_model(path, self.hf_config, self.dtype, self.device, self.max_model_len, config.show_progress)
+        self.eos_token_ids = source.eos_token_ids
+        model = load_model(source, self.dtype, self.device, self.max_model_len, config.show_progress)
         self.packed_weights = config.pack_weights and packing_supported(self.device, self.dtype)
         if self.packed_weights:
             model.pack_weights(batch_hint=config.max_num_seqs)

@@ -1,0 +1,46 @@
+"""A GGUF file's tensors as a WeightSource: Hugging Face names, HF layout (Q/K rows unpermuted),
+values dequantized one tensor at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from engine.gguf.config import Architecture
+from engine.gguf.dequant import to_torch
+from engine.gguf.errors import GGUFError
+from engine.gguf.reader import GGUFFile
+from engine.gguf.tensors import hf_name, permuted_heads, unpermute
+
+
+class GGUFWeights:
+    """Iterates (HF name, tensor); float tensors view the memory map, quantized ones are float32 copies."""
+
+    def __init__(self, gf: GGUFFile, arch: Architecture, num_heads: int, num_kv_heads: int) -> None:
+        self.gf = gf  # the opened file
+        self.arch = arch  # says whether Q/K rows were permuted
+        self.num_heads = num_heads  # query heads (q_proj's permutation groups)
+        self.num_kv_heads = num_kv_heads  # key/value heads (k_proj's)
+        self.names = {t.name: _mapped(gf, t.name) for t in gf.tensors}  # checked at once: fail before loading
+        self._by_name = {t.name: t for t in gf.tensors}
+
+    def __len__(self) -> int:
+        return len(self.gf.tensors)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for t in self.gf.tensors:
+            yield self.names[t.name], self.tensor(t.name)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor by its llama.cpp name, in HF layout."""
+        value = to_torch(self._by_name[name])
+        heads = permuted_heads(name, self.num_heads, self.num_kv_heads) if self.arch.permuted_qk else None
+        return unpermute(value, heads) if heads else value
+
+
+def _mapped(gf: GGUFFile, name: str) -> str:
+    hf = hf_name(name)
+    if hf is None:
+        raise GGUFError(gf.path, f"tensor {name!r} has no place in a {gf.architecture} model")
+    return hf
