@@ -1,7 +1,7 @@
 """Command line of the benchmarks: `python -m bench <subcommand> ...`, also `tokenmill bench ...`.
 
 Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
-and sets `func(args) -> int`. Today: `offline`, `load` (HTTP load test), `sweep`.
+and sets `func(args) -> int`. Today: `offline`, `floor`, `load` (HTTP load test), `sweep`, `startup`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from bench import floor, load, offline, sweep
+from bench import floor, load, offline, startup, sweep
 
 
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     floor.add_parser(subparsers)
     load.add_parser(subparsers)
     sweep.add_parser(subparsers)
+    startup.add_parser(subparsers)
     return parser
 
 

@@ -49,9 +49,30 @@ def load_model(
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far, in bytes."""
+    """This process's peak resident set size so far, in bytes. Linux: VmHWM, the peak of this program
+    (ru_maxrss would carry over the peak of the process that exec'd it); elsewhere ru_maxrss."""
+    hwm = _proc_status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB, macOS bytes
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes, others KiB
+
+
+def rss_bytes() -> int | None:
+    """The current resident set size in bytes (Linux; None elsewhere)."""
+    rss = _proc_status_kib("VmRSS")
+    return None if rss is None else rss * 1024
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _load_one(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Tensor) -> str | None:

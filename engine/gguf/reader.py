@@ -8,12 +8,14 @@ copied anywhere.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from gguf import GGUFReader, GGUFValueType, ReaderTensor
 
 from engine.gguf.dequant import SUPPORTED_TYPES
@@ -35,6 +37,7 @@ class GGUFFile:
     metadata: dict[str, Any]  # every non-array metadata field by key (ints, floats, bools, strings)
     array_lengths: dict[str, int]  # every array field by key -> its length (e.g. tokenizer.ggml.tokens)
     tensors: tuple[ReaderTensor, ...]  # in file order; .data views the memory map
+    data: np.memmap  # the whole file, mapped copy-on-write (never written)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -45,6 +48,16 @@ class GGUFFile:
 
     def tensor_names(self) -> set[str]:
         return {t.name for t in self.tensors}
+
+    def release(self, t: ReaderTensor) -> None:
+        """Drop `t`'s file pages from this process's memory once it was copied (they only count against
+        RSS then). Safe: the map is never written, so a later read re-reads them from the file."""
+        mapped = getattr(self.data, "_mmap", None)  # numpy's mmap object (no public accessor)
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if mapped is None or advice is None or not hasattr(mapped, "madvise"):
+            return
+        start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+        mapped.madvise(advice, start, t.data_offset + t.n_bytes - start)
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
@@ -63,7 +76,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     tensors = tuple(reader.tensors)
     for t in tensors:
         _check_tensor(path, size, t)
-    return GGUFFile(path, size, arch, metadata, arrays, tensors)
+    return GGUFFile(path, size, arch, metadata, arrays, tensors, reader.data)
 
 
 def _check_header(path: Path) -> int:

@@ -31,6 +31,7 @@ class GGUFWeights:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for t in self.gf.tensors:
             yield self.names[t.name], self.tensor(t.name)
+            self.gf.release(t)  # the consumer is done with it (WeightSource: valid until the next item)
 
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor by its llama.cpp name, in HF layout."""

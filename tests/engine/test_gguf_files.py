@@ -169,6 +169,9 @@ def test_tokenizer_and_chat_template_from_metadata(build_model, gguf_dir):
     assert ours.convert_tokens_to_ids("<|im_end|>") == 2
     assert ours.encode("<|im_start|>user", add_special_tokens=False)[0] == 1  # special tokens stay whole
     assert eos_token_ids(gf, ours) == frozenset({2})
+    auto = AutoTokenizer.from_pretrained(str(gf.path.parent), gguf_file=gf.path.name)  # transformers' pick
+    assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    assert ours.chat_template == auto.chat_template and ours.eos_token == auto.eos_token
 
 
 def test_model_paths_resolve(build_model, gguf_dir, tmp_path):
