@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -23,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.machine import cpu_sample, other_cores
+from bench.machine import cpu_sample, other_cores, wait_quiet
 
 _PROBE = """
 import json, sys, time
@@ -48,13 +50,38 @@ print(json.dumps({"import_s": t1 - t0, "open_s": t2 - t1, "load_s": t3 - t2, "rs
 
 def probe_load(model: str, dtype: str) -> dict:
     """One load in a fresh interpreter; the probe's JSON plus the other processes' busy cores."""
-    before = cpu_sample()
+    before, children = cpu_sample(), _children_cpu_s()
     out = subprocess.run([sys.executable, "-c", _PROBE, model, dtype], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         raise SystemExit(f"load probe of {model} failed:\n{out.stderr[-2000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    result["other_cores"] = other_cores(before, cpu_sample())
+    result["other_cores"] = _others(before, cpu_sample(), _children_cpu_s() - children)
     return result
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # children that ended and were waited for
+    return usage.ru_utime + usage.ru_stime
+
+
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds of a running process (Linux /proc; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _others(before, after, probe_cpu_s: float) -> float | None:
+    """Cores other processes kept busy: other_cores() counts the probe process as "other", so its
+    own CPU time comes off."""
+    total = other_cores(before, after)
+    if total is None or after.total <= before.total:
+        return total
+    ticks = probe_cpu_s * os.sysconf("SC_CLK_TCK")
+    return max(0.0, total - ticks / (after.total - before.total) * (os.cpu_count() or 1))
 
 
 def probe_server(args: list[str], timeout: float = 300) -> dict:
@@ -72,7 +99,8 @@ def probe_server(args: list[str], timeout: float = 300) -> dict:
                 raise SystemExit(f"server exited {proc.returncode}:\n{proc.stderr.read()[-2000:]}")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    return {"health_s": time.perf_counter() - t0, "other_cores": other_cores(before, cpu_sample())}
+                    elapsed = time.perf_counter() - t0
+                    return {"health_s": elapsed, "other_cores": _others(before, cpu_sample(), _process_cpu_s(proc.pid))}
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
@@ -121,10 +149,10 @@ def run(args: argparse.Namespace) -> int:
     print(args.command_line)
     out: dict = {"command": args.command_line, "dtype": args.dtype, "load": [], "server": None}
     for model in models:
-        runs = [probe_load(model, args.dtype) for _ in range(args.repeats)]
+        runs = [_quiet(args, probe_load, model, args.dtype) for _ in range(args.repeats)]
         out["load"].append(report_load(model, runs))
     if args.server:
-        runs = [probe_server(args.server_arg) for _ in range(args.repeats)]
+        runs = [_quiet(args, probe_server, args.server_arg) for _ in range(args.repeats)]
         out["server"] = {"args": args.server_arg, "health_s": _median(runs, "health_s"), "runs": runs}
         each = ", ".join(f"{r['health_s']:.1f}" for r in runs)
         print(f"server {' '.join(args.server_arg) or '(default model)'}: launch -> /health 200 "
@@ -132,6 +160,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     return 0
+
+
+def _quiet(args: argparse.Namespace, probe, *probe_args) -> dict:
+    """One probe, after waiting up to --quiet-wait seconds for other processes to go quiet."""
+    if args.quiet_wait:
+        wait_quiet(args.quiet_wait)
+    return probe(*probe_args)
 
 
 def add_parser(subparsers) -> None:
@@ -145,5 +180,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-server", dest="server", action="store_false", help="skip the server start-up timing")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                    help="extra `python -m server` argument (repeatable; default: none, the default model)")
+    p.add_argument("--quiet-wait", type=float, default=0.0, metavar="SECONDS",
+                   help="before each run, wait up to this long for other processes to go quiet (default: 0)")
     p.add_argument("--json", type=Path, default=None)
     p.set_defaults(func=run)

@@ -42,7 +42,7 @@ def srv(model_file):
         yield s
 
 
-def _chat(srv, content: str, **extra) -> dict:
+def _chat(srv, content: str | list, **extra) -> dict:
     body = {"model": NAME, "messages": [{"role": "user", "content": content}], "temperature": 0,
             "max_tokens": 64, **extra}  # fmt: skip
     r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=120)
@@ -59,6 +59,14 @@ def test_chat_knows_paris_and_stops_on_im_end(srv):
     assert tokens[-1] == "<|im_end|>" and "<|im_end|>" not in choice["message"]["content"]
     assert body["usage"]["completion_tokens"] == len(tokens) < 64
     assert httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"] == NAME
+
+
+def test_text_content_parts_work_with_a_string_only_template(srv):
+    """SmolLM2's template concatenates `message['content']` as a string: text parts are joined first."""
+    parts = [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]
+    as_parts = _chat(srv, parts)
+    assert as_parts["choices"][0]["message"]["content"] == _chat(srv, QUESTION)["choices"][0]["message"]["content"]
+    assert as_parts["usage"]["prompt_tokens"] == _chat(srv, QUESTION)["usage"]["prompt_tokens"]
 
 
 def test_generate_streams_real_text(srv):
