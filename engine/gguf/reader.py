@@ -27,7 +27,7 @@ _UNKNOWN_TYPE = re.compile(r"(\d+)\)? is not a valid GGMLQuantizationType")  # n
 _BAD_VERSION = re.compile(r"version (\d+)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # eq=False: no field-by-field comparison of memory maps
 class GGUFFile:
     """An opened, validated GGUF file."""
 
@@ -41,10 +41,6 @@ class GGUFFile:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
-
-    def arch_key(self, suffix: str, default: Any = None) -> Any:
-        """`{architecture}.{suffix}`, e.g. arch_key("block_count")."""
-        return self.metadata.get(f"{self.architecture}.{suffix}", default)
 
     def tensor_names(self) -> set[str]:
         return {t.name for t in self.tensors}
@@ -135,7 +131,7 @@ def _fields(reader: GGUFReader) -> tuple[dict[str, Any], dict[str, int]]:
     arrays: dict[str, int] = {}
     for key, field in reader.fields.items():
         if field.types and field.types[0] == GGUFValueType.ARRAY:
-            arrays[key] = len(field.data)  # read element by element only when needed (the tokenizer)
+            arrays[key] = len(field.data)  # the values stay unread: transformers reads the vocabulary itself
         else:
             metadata[key] = field.contents()
     return metadata, arrays

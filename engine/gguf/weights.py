@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+from gguf import ReaderTensor
 
 from engine.gguf.config import Architecture
 from engine.gguf.dequant import to_torch
@@ -35,9 +36,16 @@ class GGUFWeights:
 
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor by its llama.cpp name, in HF layout."""
-        value = to_torch(self._by_name[name])
-        heads = permuted_heads(name, self.num_heads, self.num_kv_heads) if self.arch.permuted_qk else None
+        t, heads = self.stored(name)
+        value = to_torch(t)
         return unpermute(value, heads) if heads else value
+
+    def stored(self, name: str) -> tuple[ReaderTensor, int | None]:
+        """The tensor as the file stores it, and the heads its rows must be unpermuted with (None: they
+        are not permuted). The INT8 seam: `dequant.q8_0_blocks(t)` then `unpermute(values, heads)` and
+        `unpermute(scales, heads)` give a Q8_0 matrix's int8 rows and scales in HF layout, no float copy."""
+        heads = permuted_heads(name, self.num_heads, self.num_kv_heads) if self.arch.permuted_qk else None
+        return self._by_name[name], heads
 
 
 def _mapped(gf: GGUFFile, name: str) -> str:

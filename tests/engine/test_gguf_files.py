@@ -109,6 +109,19 @@ def test_q8_0_blocks_give_the_dequantized_values(tmp_path):
     assert np.array_equal(rebuilt, dequant.to_torch(gf.tensors[0]).numpy())
 
 
+def test_int8_seam_gives_q8_0_rows_in_hf_layout(build_model, gguf_dir):
+    """GGUFWeights.stored + q8_0_blocks + unpermute: int8 rows and scales of a permuted Q8_0 matrix that
+    multiply out to exactly the weight the engine loads."""
+    src = open_model_source(gguf_path(build_model, gguf_dir, "tiny-llama", "Q8_0"))
+    t, heads = src.weights.stored("blk.0.attn_q.weight")
+    assert heads == 4  # tiny-llama's query heads: llama.cpp permuted these rows
+    values, scales = dequant.q8_0_blocks(t)
+    values, scales = unpermute(values, heads), unpermute(scales, heads)
+    rebuilt = scales.astype(np.float32).repeat(32, axis=1) * values.astype(np.float32)
+    assert np.array_equal(rebuilt, src.weights.tensor("blk.0.attn_q.weight").numpy())
+    assert src.weights.stored("blk.0.ffn_up.weight")[1] is None
+
+
 def test_q4_k_test_quantizer_is_close():
     """make_gguf's Q4_K encoder (the K-quant test files rely on it) roundtrips within one step."""
     x = np.random.default_rng(3).normal(0, 0.1, (8, 512)).astype(np.float32)
