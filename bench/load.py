@@ -28,7 +28,7 @@ import httpx
 from bench.machine import cpu_sample, other_cores
 from bench.stats import RequestRecord, Slo, summarize
 from bench.streams import SseDecoder, parse_generate_event, parse_openai_event
-from bench.workloads import resolve_model
+from bench.workloads import DEFAULT_MODEL, resolve_model
 
 ENDPOINTS = {"generate": "/generate", "completions": "/v1/completions"}
 LANES = ("interactive", "standard", "batch")
@@ -315,8 +315,9 @@ def add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (default: %(default)s)")
     p.add_argument("--endpoint", choices=tuple(ENDPOINTS), default="generate",
                    help="generate: /generate SSE; completions: /v1/completions streaming (default: generate)")
-    p.add_argument("--model", default="bench-135m",
-                   help="tokenizer for synthetic prompts: a model folder or a make_model preset (default: %(default)s)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="tokenizer for synthetic prompts: a model folder, smollm2-135m-instruct or a make_model preset "
+                        "(default: %(default)s)")
     p.add_argument("--served-model-name", default=None, help="OpenAI `model` field (default: from /v1/models)")
     p.add_argument("--dataset", type=Path, default=None, help="JSONL prompts instead of synthetic ones")
     p.add_argument("--prompt-len", type=int, default=128, help="synthetic prompt tokens (default: 128)")

@@ -30,6 +30,7 @@ import torch
 import engine
 from bench.machine import cpu_sample, machine_info, other_cores, wait_quiet
 from bench.workloads import (
+    DEFAULT_MODEL,
     BenchRequest,
     Workload,
     fixed_workload,
@@ -317,8 +318,8 @@ def add_parser(subparsers) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("workload", choices=("fixed", "mixed"))
-    p.add_argument("--model", default="bench-135m",
-                   help="model folder, or a make_model preset name built on demand (default: bench-135m)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"model folder, {DEFAULT_MODEL} or a make_model preset (default: %(default)s)")
     p.add_argument("-n", "--num-requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128, help="fixed: prompt tokens per request")
     p.add_argument("--output-len", type=int, default=128, help="fixed: output tokens per request")

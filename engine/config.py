@@ -11,9 +11,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine.attention.sele
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs besides the model folder's own config.json."""
+    """Everything the engine needs besides the model's own config (config.json or GGUF metadata)."""
 
-    model: str  # path to a Hugging Face model folder
+    model: str  # a Hugging Face folder, a .gguf file, or a folder holding one .gguf (engine/model_source.py)
     dtype: str = "auto"  # auto: the checkpoint's torch_dtype on CUDA, float32 on CPU unless bf16 checkpoint
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int | None = None  # tokens per KV block; None: 32 on CPU (cheaper gathers), 16 on CUDA

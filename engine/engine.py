@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import torch
 
@@ -18,6 +17,7 @@ from engine.cuda_graphs import DecodeGraphRunner, graph_buckets, graphs_enabled
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
+from engine.model_source import open_model_source
 from engine.models.packed_linear import packing_supported
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerConfig
@@ -29,19 +29,14 @@ log = logging.getLogger("tokenmill.engine")
 
 class Engine(EngineCore):
     def __init__(self, config: EngineConfig, clock=time.monotonic) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
-        path = Path(config.model)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model: {config.model!r} is not a Hugging Face model folder (no config.json)")
+        source = open_model_source(config.model)  # a HF folder or a GGUF file; every check before loading
         self.config = config
-        self.hf_config = AutoConfig.from_pretrained(str(path))
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        self.hf_config = source.hf_config
         self.device = setup.resolve_device(config.device)
         self.dtype = setup.resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = setup.resolve_max_model_len(config, self.hf_config)
         self.block_size = setup.resolve_block_size(config.block_size, self.device)
-        model = load_model(path, self.hf_config, self.dtype, self.device, self.max_model_len, config.show_progress)
+        model = load_model(source, self.dtype, self.device, self.max_model_len, config.show_progress)
         self.packed_weights = config.pack_weights and packing_supported(self.device, self.dtype)
         if self.packed_weights:
             model.pack_weights(batch_hint=config.max_num_seqs)
@@ -63,14 +58,14 @@ class Engine(EngineCore):
         self.kv_cache_bytes = num_blocks * spec.bytes_per_block
         graphs = self._capture_graphs(model, backend, kv, buckets) if use_graphs else None
         super().__init__(
-            model_name=path.name,
-            tokenizer=tokenizer,
+            model_name=source.name,
+            tokenizer=source.tokenizer,
             runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs),
             block_manager=BlockManager(num_blocks, self.block_size, config.enable_prefix_caching),
             scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.aging_s),
             max_model_len=self.max_model_len,
             vocab_size=int(self.hf_config.vocab_size),
-            eos_token_ids=setup.eos_token_ids(path, self.hf_config, tokenizer),
+            eos_token_ids=source.eos_token_ids,
             clock=clock,
         )
         log.info(

@@ -15,6 +15,7 @@ from server import routes_generate, routes_openai, routes_ops
 from server.auth import ApiKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
 from server.connection_metrics import ConnectionCollector
+from server.default_model import with_default_model
 from server.errors import install_error_handlers
 from server.runtime import Runtime, build_engine
 from server.settings import ServerSettings
@@ -22,7 +23,10 @@ from server.settings import ServerSettings
 
 def create_app(settings: ServerSettings, engine: Any = None) -> FastAPI:
     """The server app. `engine`: an already-built engine (tests inject one); None loads
-    `settings.model` (or the demo model) during startup. The app owns the engine from then on."""
+    `settings.model` (else the default model, else the demo model) during startup. The app owns the
+    engine from then on."""
+    if engine is None:
+        settings = with_default_model(settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

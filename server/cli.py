@@ -1,4 +1,9 @@
-"""`tokenmill` command line: `tokenmill serve [flags]` (also `python -m server`), `tokenmill bench ...`.
+"""`tokenmill` command line: `tokenmill serve [flags]` (also `python -m server`), `tokenmill bench ...`,
+`tokenmill convert FILE.gguf OUT_DIR` (a GGUF file to a Hugging Face folder).
+
+`serve` loads the model before it binds the port: a model that cannot be loaded (a bad path, a bad
+GGUF file, an unsupported architecture) ends it with one line on stderr naming the file and the
+problem, and exit code 2, as invalid settings do.
 
 `serve` raises the open-files limit, then runs uvicorn through the connection guard with a drain on
 the first SIGTERM/SIGINT: readiness turns 503 (`draining`), new requests get 503, in-flight ones
@@ -27,7 +32,7 @@ from server.connections import FD_RESERVE, ConnectionGuard, raise_open_files_lim
 from server.http_server import GuardedServer, guarded_config
 from server.settings import ServerSettings, add_flags, settings_from_flags
 
-SUBCOMMANDS = ("serve", "bench")
+SUBCOMMANDS = ("serve", "bench", "convert")
 log = logging.getLogger("tokenmill.server")
 
 
@@ -37,6 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = ["serve", *args]  # `tokenmill --model X` means `tokenmill serve --model X`
     if args[0] == "bench":
         return _bench(args[1:])
+    if args[0] == "convert":
+        return _convert(args[1:])
     parsed = build_parser().parse_args(args)
     return parsed.func(parsed)
 
@@ -51,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(serve_parser)
     serve_parser.set_defaults(func=serve)
     sub.add_parser("bench", help="benchmark a server (bench.cli), arguments passed through", add_help=False)
+    sub.add_parser("convert", help="write a GGUF file as a Hugging Face folder (engine.gguf.convert)",
+                   add_help=False)
     return parser
 
 
@@ -63,6 +72,11 @@ def _bench(argv: list[str]) -> int:
     return int(result or 0)
 
 
+def _convert(argv: list[str]) -> int:
+    """`tokenmill convert ...` -> engine.gguf.convert.main(argv) (loads torch, so imported only here)."""
+    return int(importlib.import_module("engine.gguf.convert").main(argv) or 0)
+
+
 def serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_flags(args)
@@ -72,8 +86,16 @@ def serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_prompts)
     guard = connection_guard(settings)
     from server.app import create_app
+    from server.default_model import with_default_model
+    from server.runtime import build_engine
 
-    app = create_app(settings)
+    settings = with_default_model(settings)
+    try:
+        engine = build_engine(settings)
+    except (ValueError, OSError) as exc:  # GGUFError is a ValueError: "FILE: problem"
+        print(f"tokenmill serve: cannot load the model: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(settings, engine=engine)
     config = guarded_config(app, guard, settings.keep_alive_timeout_s, host=settings.host, port=settings.port,
                             log_level=settings.log_level)  # fmt: skip
     server = DrainingServer(config, app, guard, settings.drain_timeout_s)

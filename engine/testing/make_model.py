@@ -181,6 +181,17 @@ PRESETS: dict[str, Preset] = {
         seed=4,
         extra_config=(("sliding_window", None),),
     ),
+    # Every matrix row a multiple of 256 values, so K-quant GGUF files (engine/testing/make_gguf.py)
+    # quantize all of them; tied, so the file has no output.weight.
+    "tiny-llama-k": Preset(
+        "LlamaForCausalLM",
+        **{**_TINY, "hidden_size": 256, "intermediate_size": 512, "initializer_range": 0.08},
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        seed=6,
+    ),
     # SmolLM2-135M's shape and init std: a realistic CPU benchmark model.
     "bench-135m": Preset(
         "LlamaForCausalLM",

@@ -1,0 +1,89 @@
+"""llama.cpp tensor names -> Hugging Face names, and undoing the Q/K row permutation.
+
+llama.cpp's converter (convert_hf_to_gguf.py, `LlamaModel.permute`) reorders the rows of q_proj and
+k_proj in llama-family files so that its rotary kernel can rotate adjacent pairs (GPT-J style), where
+Hugging Face's Llama rotates the two halves of each head (NeoX style). Within each head of `dim` rows
+it interleaves the first and second half: HF row order [0, 1, ..., dim/2 - 1 | dim/2, ..., dim - 1]
+becomes [0, dim/2, 1, dim/2 + 1, ...]. Qwen2/Qwen3 files are written unpermuted (llama.cpp runs them
+with NeoX rotary).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face parameter name of a llama.cpp tensor, or None when it has no equivalent."""
+    if gguf_name in _GLOBAL:
+        return _GLOBAL[gguf_name]
+    m = _BLOCK_NAME.match(gguf_name)
+    if m is None or m.group(2) not in _BLOCK:
+        return None
+    layer, kind, param = m.groups()
+    return f"model.layers.{layer}.{_BLOCK[kind]}.{param}"
+
+
+def gguf_name(hf: str) -> str:
+    """The llama.cpp name of a Hugging Face parameter (the converse of hf_name; test files use it)."""
+    for g, h in _GLOBAL.items():
+        if h == hf:
+            return g
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf)
+    if m:
+        for g, h in _BLOCK.items():
+            if h == m.group(2):
+                return f"blk.{m.group(1)}.{g}.{m.group(3)}"
+    raise ValueError(f"no llama.cpp name for {hf!r}")
+
+
+def permuted_heads(gguf: str, num_heads: int, num_kv_heads: int) -> int | None:
+    """Heads of a tensor llama.cpp permuted (q or k, weight or bias), else None."""
+    m = _BLOCK_NAME.match(gguf)
+    if m and m.group(2) == "attn_q":
+        return num_heads
+    if m and m.group(2) == "attn_k":
+        return num_kv_heads
+    return None
+
+
+def unpermute(rows: torch.Tensor | np.ndarray, heads: int):
+    """Undo llama.cpp's permutation of the leading (output) axis; any trailing shape, any dtype (float
+    values, or raw quantized rows: a block never spans two rows)."""
+    n = rows.shape[0]
+    if n % (2 * heads):
+        raise ValueError(f"{n} rows do not split into {heads} heads of an even size")
+    half = n // heads // 2
+    split = rows.reshape(heads, half, 2, *rows.shape[1:])  # stored: (head, pair, which half)
+    return split.swapaxes(1, 2).reshape(rows.shape)  # -> (head, which half, pair)
+
+
+def permute(rows: torch.Tensor | np.ndarray, heads: int):
+    """llama.cpp's permutation (what its converter writes); unpermute(permute(x)) == x."""
+    n = rows.shape[0]
+    half = n // heads // 2
+    split = rows.reshape(heads, 2, half, *rows.shape[1:])
+    return split.swapaxes(1, 2).reshape(rows.shape)

@@ -1,0 +1,79 @@
+"""What a model path is: the one place that decides. The engine and the loader take a ModelSource
+and never look at files themselves.
+
+A path is either a Hugging Face folder (config.json + safetensors, engine/hf_folder.py) or a GGUF file,
+given directly or as a folder holding exactly one `.gguf` (engine/gguf/source.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+
+class WeightSource(Protocol):
+    """A model's tensors under Hugging Face names and in HF layout ([out, in] matrices, unpermuted),
+    produced one at a time so the checkpoint is never held whole in memory. Iterable more than once."""
+
+    def __len__(self) -> int:
+        """How many tensors iteration yields (the progress bar's total)."""
+        ...
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) pairs; a tensor may view the file and may be any float dtype: the loader
+        casts it into its parameter. Valid until the next item is taken."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Everything the engine reads from a model path."""
+
+    name: str  # default served name: the folder's name, or the .gguf file's stem
+    path: Path  # the Hugging Face folder or the .gguf file
+    format: str  # "safetensors" or "gguf"
+    hf_config: Any  # transformers PretrainedConfig (config.json, or built from GGUF metadata)
+    tokenizer: Any  # transformers fast tokenizer, with the chat template when the model has one
+    eos_token_ids: frozenset[int]  # token ids that end a generation
+    weights: WeightSource  # the tensors, not yet in the serving dtype
+
+
+def open_model_source(path: str | os.PathLike) -> ModelSource:
+    """Open a model path: a .gguf file, a folder with config.json + safetensors, or a folder holding
+    one .gguf. Raises ValueError (GGUFError for GGUF problems) naming the path and the problem;
+    nothing is allocated for the model before every check has passed."""
+    p = Path(path)
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ValueError(f"model: {str(path)!r} is a file but not a .gguf file; give a .gguf file or "
+                             "a Hugging Face folder (config.json + safetensors)")  # fmt: skip
+        return _gguf(p)
+    if not p.is_dir():
+        raise ValueError(f"model: {str(path)!r} does not exist")
+    gguf = _single_gguf(p)
+    if (p / "config.json").is_file() and (gguf is None or any(p.glob("*.safetensors"))):
+        from engine.hf_folder import open_hf_folder
+
+        return open_hf_folder(p)
+    if gguf is not None:
+        return _gguf(gguf, name=p.name)
+    raise ValueError(f"model: {str(path)!r} is not a model folder (no config.json, no .gguf file)")
+
+
+def _single_gguf(folder: Path) -> Path | None:
+    found = sorted(folder.glob("*.gguf"))
+    if len(found) > 1:
+        names = ", ".join(f.name for f in found)
+        raise ValueError(f"model: {str(folder)!r} holds {len(found)} .gguf files ({names}); give the file")
+    return found[0] if found else None
+
+
+def _gguf(path: Path, name: str | None = None) -> ModelSource:
+    from engine.gguf.source import open_gguf_source
+
+    return open_gguf_source(path, name=name)

@@ -1,0 +1,160 @@
+"""Write GGUF files from Hugging Face model folders (the seeded make_model presets) the way llama.cpp's
+converter lays them out, with `gguf.GGUFWriter`: metadata under `{arch}.*`, a byte-level BPE
+tokenizer under `tokenizer.ggml.*`, Q/K rows permuted for llama-family models, 2-D weights in the
+requested type (1-D norms and biases stay F32, as llama.cpp keeps them).
+
+    python -m engine.testing.make_gguf FOLDER OUT.gguf --type Q4_1
+
+A matrix whose rows do not split into blocks of the requested type falls back to Q8_0 (32-value
+blocks), then F16, as llama.cpp's quantizer does. Q4_K is quantized here (the gguf package only
+dequantizes K-quants): plain min/max per 32-value sub-block, good enough for tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from safetensors.numpy import load_file
+
+from engine.gguf.tensors import gguf_name, permute
+
+# transformers class -> llama.cpp architecture (its converter writes Mistral as llama)
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3"}  # fmt: skip
+TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K)}
+_QK_K = 256  # values per K-quant super-block
+
+
+def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: str | None = None) -> Path:
+    """Write `folder`'s model as a GGUF file at `out` with matrices in `qtype`. Returns `out`.
+    `arch` overrides the llama.cpp architecture name (tests of unsupported ones)."""
+    folder, out = Path(folder), Path(out)
+    if qtype not in TYPES:
+        raise ValueError(f"qtype must be one of {sorted(TYPES)}, got {qtype!r}")
+    config = json.loads((folder / "config.json").read_text())
+    name = arch or GGUF_ARCH[config["architectures"][0]]
+    writer = gguf.GGUFWriter(str(out), name)
+    _add_model_metadata(writer, config, folder.name)
+    _add_tokenizer(writer, folder, config["vocab_size"])
+    permuted = name == "llama"
+    for hf, value in load_file(str(folder / "model.safetensors")).items():
+        value = value.astype(np.float32)
+        if permuted and (".q_proj." in hf or ".k_proj." in hf):
+            heads = config["num_attention_heads"] if ".q_proj." in hf else config["num_key_value_heads"]
+            value = permute(value, heads)
+        data, raw = encode(value, TYPES[qtype] if value.ndim > 1 else Q.F32)
+        writer.add_tensor(gguf_name(hf), data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _add_model_metadata(w: gguf.GGUFWriter, c: dict, name: str) -> None:
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    rope = c.get("rope_parameters") or {}
+    w.add_name(name)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(float(c["rms_norm_eps"]))
+    w.add_vocab_size(c["vocab_size"])
+
+
+def _add_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tcfg = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in tok["added_tokens"] if t.get("special")}
+    vocab.update(special)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    types = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    for i in range(len(tokens), vocab_size):  # embedding rows past the tokenizer (llama.cpp pads so)
+        tokens.append(f"[PAD{i}]")
+        types.append(gguf.TokenType.UNUSED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")  # make_model's split regex is Qwen2's
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab[tcfg["bos_token"]])
+    w.add_eos_token_id(vocab[tcfg["eos_token"]])
+    w.add_pad_token_id(vocab[tcfg["pad_token"]])
+    w.add_add_bos_token(False)
+    w.add_chat_template(tcfg["chat_template"])
+
+
+def encode(value: np.ndarray, qtype: Q) -> tuple[np.ndarray, Q | None]:
+    """(data, raw type for GGUFWriter.add_tensor) of a float32 array; falls back as the docstring says."""
+    for q in (qtype, Q.Q8_0, Q.F16):
+        block = gguf.GGML_QUANT_SIZES[q][0]
+        if value.shape[-1] % block == 0:
+            break
+    if q == Q.F32:
+        return value, None
+    if q == Q.F16:
+        return value.astype(np.float16), None
+    if q == Q.Q4_K:
+        return quantize_q4_k(value), Q.Q4_K
+    return gguf.quants.quantize(value, q), q
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """[rows, cols] float32 -> Q4_K blocks [rows, cols / 256 * 144] uint8. Per 256-value super-block:
+    fp16 d and dmin, 8 six-bit (scale, min) pairs packed into 12 bytes, 256 four-bit values;
+    x = d * scale_j * q - dmin * min_j for sub-block j of 32 values."""
+    rows, cols = x.shape
+    sub = x.reshape(-1, 8, 32)  # [super-blocks, sub-blocks, values]
+    lo = np.minimum(sub.min(-1), 0.0)
+    scale, mins = (sub.max(-1) - lo) / 15.0, -lo  # [n, 8] each, >= 0
+    d = (scale.max(-1, keepdims=True) / 63.0).astype(np.float16)
+    dmin = (mins.max(-1, keepdims=True) / 63.0).astype(np.float16)
+    sc = _six_bits(scale, d)
+    m = _six_bits(mins, dmin)
+    eff_scale = d.astype(np.float32) * sc
+    eff_min = (dmin.astype(np.float32) * m)[..., None]
+    safe = np.where(eff_scale == 0, 1.0, eff_scale)[..., None]
+    q = np.clip(np.rint((sub + eff_min) / safe), 0, 15).astype(np.uint8)  # [n, 8, 32]
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # sub-blocks 2c, 2c+1 share bytes 32c..
+    packed = np.concatenate([
+        sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+        m[:, :4] | ((m[:, 4:] >> 4) << 6),
+        (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4),
+    ], axis=1).astype(np.uint8)  # fmt: skip
+    blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed, qs], axis=1)
+    return blocks.reshape(rows, cols // _QK_K * 144)
+
+
+def _six_bits(values: np.ndarray, unit: np.ndarray) -> np.ndarray:
+    u = unit.astype(np.float32)
+    return np.clip(np.rint(values / np.where(u == 0, 1.0, u)), 0, 63).astype(np.uint8)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.testing.make_gguf", description=__doc__.split("\n")[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--type", default="F32", choices=sorted(TYPES))
+    args = parser.parse_args(argv)
+    print(write_gguf(args.folder, args.out, args.type))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

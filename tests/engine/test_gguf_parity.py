@@ -1,0 +1,95 @@
+"""GGUF files written by the tests (gguf.GGUFWriter, from the seeded presets) served by the engine:
+logits (log-softmax over each step's top tokens) within 1e-4 of transformers' own GGUF load, and
+greedy output token-exact in float32, for float files and for the dequantized weights of quantized
+ones. Both sides dequantize with the gguf package, so a quantized file gives both the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .gguf_helpers import LOGPROB_TOL, TOP, gguf_path, hf_from_gguf, hf_greedy, logprob_errors, small_case
+from .helpers import greedy, make_engine, mismatches
+
+# (preset, type): every float type and the legacy quants on tiny-llama (Q/K rows permuted), a K-quant
+# on tiny-llama-k (rows of 256 values, tied embeddings).
+FILES = [("tiny-llama", q) for q in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")] + [("tiny-llama-k", "Q4_K")]
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf")
+
+
+@pytest.fixture(scope="module", params=FILES, ids=[f"{p}-{q}" for p, q in FILES])
+def served(request, build_model, gguf_dir):
+    preset, qtype = request.param
+    path = gguf_path(build_model, gguf_dir, preset, qtype)
+    case = small_case(seed=3)
+    hf = hf_from_gguf(path)
+    return make_engine(path), case, hf, hf_greedy(hf, case.prompts, case.max_tokens)
+
+
+def test_greedy_and_logits_match_transformers_gguf_load(served):
+    engine, case, _, ref = served
+    res = engine.generate(case.prompts, [greedy(m, logprobs=TOP) for m in case.max_tokens])
+    assert mismatches([r.token_ids for r in res], ref.tokens) == []
+    errors = logprob_errors(res, ref)
+    assert len(errors) == sum(len(t) for t in ref.tokens)
+    assert max(errors) < LOGPROB_TOL
+
+
+def test_weights_are_transformers_dequantized_weights(served):
+    """The engine's parameters equal transformers' dequantized GGUF weights bit for bit (float32)."""
+    engine, _, hf, _ = served
+    ours = engine.runner.model
+    theirs = hf.state_dict()
+    layer = ours.model.layers[0]
+    q, k, v = layer.self_attn.qkv_proj.weight.split(layer.self_attn.split)
+    assert torch.equal(q, theirs["model.layers.0.self_attn.q_proj.weight"])  # unpermuted as they are
+    assert torch.equal(k, theirs["model.layers.0.self_attn.k_proj.weight"])
+    assert torch.equal(v, theirs["model.layers.0.self_attn.v_proj.weight"])
+    assert torch.equal(ours.model.embed_tokens.weight, theirs["model.embed_tokens.weight"])
+    assert torch.equal(layer.mlp.down_proj.weight, theirs["model.layers.0.mlp.down_proj.weight"])
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
+def test_other_architectures_match_transformers(build_model, gguf_dir, preset, qtype):
+    """qwen2 (q/k/v biases, rows not permuted), qwen3 (q/k norms, head_dim 64 != hidden / heads) and
+    mistral (written as llama, as llama.cpp does)."""
+    path = gguf_path(build_model, gguf_dir, preset, qtype)
+    hf = _qwen3_reference(build_model(preset), qtype) if preset == "tiny-qwen3" else hf_from_gguf(path)
+    case = small_case(seed=5)
+    ref = hf_greedy(hf, case.prompts, case.max_tokens)
+    res = make_engine(path).generate(case.prompts, [greedy(m, logprobs=TOP) for m in case.max_tokens])
+    assert mismatches([r.token_ids for r in res], ref.tokens) == []
+    assert max(logprob_errors(res, ref)) < LOGPROB_TOL
+
+
+def _qwen3_reference(folder, qtype: str):
+    """transformers' GGUF loader drops qwen3's head_dim (it cannot load tiny-qwen3's file), so the
+    reference is transformers on the source folder with every matrix put through what the test file
+    stores: make_gguf's encoding, then the gguf package's dequantization."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from engine.testing.make_gguf import TYPES, encode
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 2:
+                data, raw = encode(p.numpy().copy(), TYPES[qtype])
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(data, raw) if raw else data.astype("float32")))
+    return hf
+
+
+def test_f32_file_serves_exactly_like_its_source_folder(build_model, gguf_dir):
+    path = gguf_path(build_model, gguf_dir, "tiny-llama", "F32")
+    case = small_case(seed=7)
+    params = [greedy(m, logprobs=2) for m in case.max_tokens]
+    a = make_engine(build_model("tiny-llama")).generate(case.prompts, params)
+    b = make_engine(path).generate(case.prompts, params)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [[x.logprob for x in r.logprobs] for r in a] == [[x.logprob for x in r.logprobs] for r in b]

