@@ -1,7 +1,8 @@
 """Command line of the benchmarks: `python -m bench <subcommand> ...`, also `tokenmill bench ...`.
 
 Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
-and sets `func(args) -> int`. Today: `offline`, `floor`, `load` (HTTP load test), `sweep`, `priority`.
+and sets `func(args) -> int`. Today: `offline`, `floor`, `load` (HTTP load test), `sweep`, `priority`, `swap`
+(model version swap under load, response cache latency).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from bench import floor, load, offline, priority, sweep
+from bench import floor, load, offline, priority, swap, sweep
 
 
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
@@ -22,6 +23,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     load.add_parser(subparsers)
     sweep.add_parser(subparsers)
     priority.add_parser(subparsers)
+    swap.add_parser(subparsers)
     return parser
 
 
