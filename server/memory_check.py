@@ -6,6 +6,8 @@ Torch-free: reads file sizes, config.json and /proc (CPU) or the running engine'
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,3 +136,15 @@ def _checkpoint_dtype(path: Path) -> str | None:
         return None
     value = data.get("torch_dtype") or data.get("dtype")
     return value if isinstance(value, str) else None
+
+
+def return_freed_memory() -> bool:
+    """Give the heap's free pages back to the system (glibc `malloc_trim`). An unloaded version's weights
+    are many mid-sized allocations that glibc keeps in the process's heap after they are freed (its KV
+    cache, one large mapping, goes by itself). False where there is no glibc."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True

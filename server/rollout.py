@@ -50,7 +50,7 @@ class Rollout:
     def __init__(self, runtime: Runtime, loader: VersionLoader) -> None:
         self._rt = runtime
         self._loader = loader
-        self._retiring: dict[Deployment, asyncio.Task] = {}
+        self._retiring: dict[str, asyncio.Task] = {}  # name@version -> its drain-then-unload task
         self._loads: set[asyncio.Task[Deployment]] = set()
         self._loading: str | None = None  # ref of the version being loaded (one at a time)
 
@@ -82,10 +82,12 @@ class Rollout:
         slot = self._rt.models.slot(name)
         try:
             check_version(version)
-            folder = path or version_folder(self._rt.settings.models_dir, name, version, "path")
-            spec = ModelSpec(name, version, folder)
         except ValueError as exc:
-            raise ApiError(400, "invalid_request", str(exc), param="version" if "version" in str(exc) else "path") from None
+            raise ApiError(400, "invalid_request", str(exc), param="version") from None
+        try:
+            spec = ModelSpec(name, version, path or version_folder(self._rt.settings.models_dir, name, version, "path"))
+        except ValueError as exc:
+            raise ApiError(400, "invalid_request", str(exc), param="path") from None
         if path is not None and not Path(path).exists():
             raise ApiError(400, "invalid_request", f"path: {path!r} does not exist", param="path")
         if version in slot.versions or version in slot.loading:
@@ -108,11 +110,17 @@ class Rollout:
         return dep.kv_cache_bytes if dep is not None else None
 
     async def _load(self, slot: ModelSlot, spec: ModelSpec, kv_bytes: int | None, probe: Probe) -> Deployment:
+        # Failures are handled outside their `except` blocks: a live exception's traceback holds the frames
+        # of the failed load or probe, and with them the engine's memory.
         started = time.perf_counter()
+        failure = None
         try:
             engine = await asyncio.to_thread(self._loader, spec, kv_bytes)
         except Exception as exc:
-            self._failed(slot, spec, "load_failed", f"{type(exc).__name__}: {exc}")
+            failure = f"{type(exc).__name__}: {exc}"
+        if failure is not None:
+            await asyncio.to_thread(memory_check.return_freed_memory)
+            self._failed(slot, spec, "load_failed", failure)
         dep = self._rt.new_deployment(spec, engine)
         del engine  # the deployment's worker owns it; no other reference may keep it alive after unload
         dep.timings["load_s"] = round(time.perf_counter() - started, 4)
@@ -124,10 +132,14 @@ class Rollout:
             await dep.warm_up(timeout)
             await dep.probe(probe, timeout)
         except Exception as exc:
-            dep.state, dep.error = VersionState.FAILED, f"{type(exc).__name__}: {exc}"
+            failure = f"{type(exc).__name__}: {exc}"
+        if failure is not None:
+            dep.state, dep.error = VersionState.FAILED, failure
             slot.versions.pop(spec.version, None)
             await dep.unload()
-            self._failed(slot, spec, "probe_failed", dep.error)
+            del dep
+            await asyncio.to_thread(memory_check.return_freed_memory)
+            self._failed(slot, spec, "probe_failed", failure)
         dep.state, dep.ready_at = VersionState.READY, time.time()
         dep.metrics.observe_event("loaded")
         log.info("%s loaded and probed in %.2fs (%s)", spec.ref, time.perf_counter() - started, dep.timings)
@@ -170,7 +182,7 @@ class Rollout:
             if previous is None or previous.state not in (VersionState.DRAINING, VersionState.READY):
                 raise ApiError(409, "conflict", f"nothing to roll back to: no canary, and the previous version of {name} "
                                "is no longer loaded (load it again, then promote it)")  # fmt: skip
-            task = self._retiring.pop(previous, None)
+            task = self._retiring.pop(previous.spec.ref, None)
             if task is not None:
                 task.cancel()
             previous.state = VersionState.READY
@@ -204,11 +216,13 @@ class Rollout:
             if slot.failed.pop(version, None) is None:
                 raise ApiError(404, "not_found", f"{name}@{version} is not loaded")
             return
+        if dep.state is VersionState.LOADING:
+            raise ApiError(409, "conflict", f"{name}@{version} is still loading (warm-up and probe)")
         if slot.canary == version:
             slot.set_canary(None, 0)
         if slot.previous == version:
             slot.previous = None
-        task = self._retiring.pop(dep, None)
+        task = self._retiring.pop(dep.spec.ref, None)
         if task is not None:
             task.cancel()
         self._retire(slot, dep, 0.0)
@@ -226,9 +240,10 @@ class Rollout:
     # -- retiring ------------------------------------------------------------------------------------
     def _retire(self, slot: ModelSlot, dep: Deployment, keep_s: float) -> None:
         dep.state = VersionState.DRAINING
+        ref = dep.spec.ref
         task = self._rt.loop.create_task(self._drain_then_unload(slot, dep, keep_s))
-        self._retiring[dep] = task
-        task.add_done_callback(lambda t: self._retiring.pop(dep, None) if self._retiring.get(dep) is t else None)
+        self._retiring[ref] = task  # keyed by name: nothing here may keep the deployment alive
+        task.add_done_callback(lambda t: self._retiring.pop(ref, None) if self._retiring.get(ref) is t else None)
 
     async def _drain_then_unload(self, slot: ModelSlot, dep: Deployment, keep_s: float) -> None:
         await dep.drain(self._rt.settings.version_drain_timeout_s)
@@ -242,8 +257,11 @@ class Rollout:
             slot.previous = None
         self._rt.cache.drop(dep.name, dep.version)
         dep.metrics.observe_event("unloaded")
+        ref = dep.spec.ref
         await dep.unload()
-        log.info("%s drained and unloaded", dep.spec.ref)
+        del dep  # the last reference: the engine (weights, KV cache) is freed here ...
+        await asyncio.to_thread(memory_check.return_freed_memory)  # ... and the heap's free pages go back
+        log.info("%s drained and unloaded", ref)
 
     async def close(self) -> None:
         for task in [*self._retiring.values(), *self._loads]:

@@ -114,6 +114,10 @@ def test_background_load_in_models_dir_one_at_a_time_then_promote(tmp_path):
             assert {v["version"]: v["state"] for v in cards} == {"salt-0": "ready", "salt-3": "loading"}
             r = httpx.post(versions_url(srv), json={"version": "salt-5"}, headers=ADMIN)
             assert r.status_code == 409 and "load one version at a time" in r.json()["error"]["message"]
+            for action, body in (("promote", None), ("canary", {"weight": 5})):
+                r = httpx.post(versions_url(srv, f"/salt-3/{action}"), json=body, headers=ADMIN)
+                assert r.status_code == 409 and "is loading" in r.json()["error"]["message"], action
+            assert httpx.delete(versions_url(srv, "/salt-3"), headers=ADMIN).status_code == 409
             assert generate(srv, "abc").json()["token_ids"] == expected(srv, "abc", 0)  # serving goes on
             gate.set()
             wait_until(lambda: httpx.get(versions_url(srv, "/salt-3"), headers=ADMIN).json()["state"] == "ready",

@@ -5,6 +5,7 @@ users or API keys, not with `cache: false`, not after its TTL; it holds its byte
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -176,7 +177,8 @@ def test_entries_are_private_to_their_api_key(real_engine):
         assert not cached("k1") and cached("k2")
 
 
-def test_a_version_change_empties_the_cache_and_the_byte_bound_holds(tmp_path):
+def test_a_version_change_empties_the_cache_and_the_byte_bound_holds(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="tokenmill.requests")
     settings = make_settings(admin_api_keys="adm", response_cache_bytes=4000, model_version="v0")
     salted = tmp_path / "salt-3"  # the fake loader's engine for this path answers differently
     salted.mkdir()
@@ -198,6 +200,10 @@ def test_a_version_change_empties_the_cache_and_the_byte_bound_holds(tmp_path):
         after = run()
         assert after["version"] == "v3" and "cached" not in after["usage"]
         assert after["token_ids"] != first["token_ids"]
+        lines = [json.loads(rec.getMessage()) for rec in caplog.records if rec.name == "tokenmill.requests"]
+        assert [(line["model"], line["version"], line["response_cached"]) for line in lines] == [
+            ("fake-model", "v0", False), ("fake-model", "v0", True), ("fake-model", "v0", True),
+            ("fake-model", "v3", False)]  # fmt: skip
         for i in range(40):  # distinct prompts: the LRU evicts to stay within 4000 bytes
             run(f"prompt {i}")
             assert srv.runtime.cache.bytes <= 4000
