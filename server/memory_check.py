@@ -68,10 +68,12 @@ def estimate(path: str | Path, dtype: str, kv_bytes: int) -> MemoryNeed:
 
 def room(device_memory: DeviceMemory | None, gpu_memory_utilization: float) -> MemoryRoom:
     """Free memory where the new version goes. On CUDA, from the running engine's report, under the
-    utilization cap; on the CPU, from /proc/meminfo and the cgroup."""
+    utilization cap (memory this process's allocator holds free counts as free); on the CPU, from
+    /proc/meminfo and the cgroup."""
     if device_memory is not None and device_memory.device.startswith("cuda"):
         cap = int(device_memory.total_bytes * gpu_memory_utilization)
-        return MemoryRoom(device_memory.device, max(cap - device_memory.used_bytes, 0), device_memory.total_bytes)
+        free = cap - device_memory.used_bytes + device_memory.reusable_bytes
+        return MemoryRoom(device_memory.device, max(free, 0), device_memory.total_bytes)
     return host_room()
 
 

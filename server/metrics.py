@@ -74,6 +74,9 @@ class DeviceMemory:
     device: str  # label value: "cuda:0", or "cpu" for the process RSS against the host (or cgroup) limit
     used_bytes: int
     total_bytes: int
+    # CUDA: reserved by this process's allocator but not allocated (freed tensors, e.g. of an unloaded
+    # version): counted in used_bytes, yet free for this process's next engine
+    reusable_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -460,7 +463,8 @@ def memory_probe(engine: Any) -> Callable[[], DeviceMemory | None]:
             try:
                 got = method()
                 if got is not None:
-                    return DeviceMemory(device, int(got["used_bytes"]), int(got["total_bytes"]))
+                    reusable = max(int(got.get("reserved_bytes", 0)) - int(got.get("allocated_bytes", 0)), 0)
+                    return DeviceMemory(device, int(got["used_bytes"]), int(got["total_bytes"]), reusable)
             except Exception:  # a scrape must not fail because of it: fall back to the process
                 pass
         return process_memory()

@@ -165,6 +165,8 @@ class ServerSettings(BaseSettings):
     def _one_model_source(self) -> ServerSettings:
         if self.model and self.models:
             raise ValueError("give model or models, not both")
+        if self.models and (self.served_model_name or self.model_version):
+            raise ValueError("served_model_name and model_version go with model; a models entry names its own")
         return self
 
     @classmethod

@@ -37,6 +37,8 @@ def test_models_setting_forms(tmp_path, monkeypatch):
         ServerSettings(model="/m/a", models="a@v1=/m/a")
     with pytest.raises(ValidationError, match="model_version"):
         ServerSettings(model_version="has space")
+    with pytest.raises(ValidationError, match="a models entry names its own"):
+        ServerSettings(models="a@v1=/m/a", served_model_name="b")
     s = ServerSettings(admin_api_keys="k1, k2", response_cache_bytes="2MiB")
     assert s.accepted_admin_keys() == ("k1", "k2") and s.response_cache_bytes == 2 << 20
     assert ServerSettings().accepted_admin_keys() == () and ServerSettings().response_cache_bytes == 0
