@@ -2,7 +2,7 @@
 
 Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
 and sets `func(args) -> int`. Today: `offline`, `floor`, `load` (HTTP load test), `sweep`, `priority`,
-`startup`.
+`startup`, `swap` (model version swap under load, response cache latency).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from bench import floor, load, offline, priority, startup, sweep
+from bench import floor, load, offline, priority, startup, swap, sweep
 
 
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
@@ -24,6 +24,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     sweep.add_parser(subparsers)
     priority.add_parser(subparsers)
     startup.add_parser(subparsers)
+    swap.add_parser(subparsers)
     return parser
 
 

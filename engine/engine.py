@@ -33,6 +33,8 @@ class Engine(EngineCore):
         self.config = config
         self.hf_config = source.hf_config
         self.device = setup.resolve_device(config.device)
+        if self.device.type == "cuda":  # an engine freed earlier in this process (an unloaded model version)
+            torch.cuda.empty_cache()  # leaves its blocks cached: give them back before measuring free memory
         self.dtype = setup.resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = setup.resolve_max_model_len(config, self.hf_config)
         self.block_size = setup.resolve_block_size(config.block_size, self.device)
@@ -87,8 +89,8 @@ class Engine(EngineCore):
 
     # ---- device memory ------------------------------------------------------------------------------
     def device_memory(self) -> dict[str, int] | None:
-        """Device memory in bytes from CUDA (used and total on the device, allocated by this
-        process's PyTorch, the KV cache); None on the CPU."""
+        """Device memory in bytes from CUDA (used and total on the device, allocated and reserved by
+        this process's PyTorch, the KV cache); None on the CPU."""
         if self.device.type != "cuda":
             return None
         free, total = torch.cuda.mem_get_info(self.device)
@@ -96,6 +98,7 @@ class Engine(EngineCore):
             "used_bytes": int(total - free),
             "total_bytes": int(total),
             "allocated_bytes": int(torch.cuda.memory_allocated(self.device)),
+            "reserved_bytes": int(torch.cuda.memory_reserved(self.device)),
             "kv_cache_bytes": int(self.kv_cache_bytes),
         }
 

@@ -1,37 +1,45 @@
-"""The ASGI app: `create_app(settings, engine=None)`. The lifespan loads the engine (unless one is
-given), starts the worker thread and the warm-up, and on exit aborts what is left and stops the worker.
+"""The ASGI app: `create_app(settings, engine=None, loader=None)`. The lifespan loads the startup model
+versions (unless an engine is given), opens the feedback database, starts the workers and the warm-up,
+and on exit aborts what is left and stops every worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
 
-from server import routes_generate, routes_openai, routes_ops
-from server.auth import ApiKeyMiddleware
+from server import routes_admin, routes_feedback, routes_generate, routes_openai, routes_ops
+from server.auth import AdminKeyMiddleware, ApiKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
 from server.connection_metrics import ConnectionCollector
 from server.default_model import with_default_model
 from server.errors import install_error_handlers
-from server.runtime import Runtime, build_engine
+from server.feedback import FeedbackStore
+from server.rollout import VersionLoader, initial_versions
+from server.runtime import Runtime, build_engine, load_version
 from server.settings import ServerSettings
 
 
-def create_app(settings: ServerSettings, engine: Any = None) -> FastAPI:
-    """The server app. `engine`: an already-built engine (tests inject one); None loads
-    `settings.model` (else the default model, else the demo model) during startup. The app owns the
-    engine from then on."""
+def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoader | None = None) -> FastAPI:
+    """The server app. `engine`: an already-built engine (tests inject one) for the single model; None
+    loads `settings.models` / `models_dir`, else `settings.model` (else the default model, else the demo
+    model), during startup. `loader` builds the engine of a version the admin API loads (default: the
+    real engine, from the version's path with these settings). The app owns every engine from then on."""
     if engine is None:
         settings = with_default_model(settings)
+    load = loader or functools.partial(load_version, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loaded = engine if engine is not None else await asyncio.to_thread(build_engine, settings)
-        runtime = Runtime(settings, loaded)
+        initial = await initial_versions(settings, engine, load, build_engine)
+        feedback = await asyncio.to_thread(FeedbackStore.open, settings.feedback_db) if settings.feedback_db else None
+        runtime = Runtime(settings, initial, load, feedback)
+        del initial  # the workers own the engines: nothing else may keep one alive once its version unloads
         app.state.runtime = runtime
         guard = getattr(app.state, "connection_guard", None)  # set by GuardedServer
         if guard is not None:
@@ -46,8 +54,11 @@ def create_app(settings: ServerSettings, engine: Any = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(routes_generate.router)
     app.include_router(routes_openai.router)
+    app.include_router(routes_feedback.router)
     app.include_router(routes_ops.router)
+    app.include_router(routes_admin.router)
     # Added last = runs first: authentication before the body is read.
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, keys=settings.accepted_api_keys())
+    app.add_middleware(AdminKeyMiddleware, keys=settings.accepted_admin_keys())
     return app

@@ -1,5 +1,7 @@
-"""Optional API keys: with any configured, every path but /health* and /metrics needs
-`Authorization: Bearer KEY`. Keys are compared in constant time, all of them every time."""
+"""Optional API keys: with any configured, every path but /health*, /metrics and /admin/* needs
+`Authorization: Bearer KEY`. The admin API (/admin/*) has keys of its own (`admin_api_keys`): without
+any it is off (404); API keys do not open it, nor admin keys the rest. Keys are compared in constant
+time, all of them every time."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.errors import ApiError, error_response
 
 OPEN_PATHS = ("/health", "/health/live", "/metrics")
+ADMIN_PREFIX = "/admin/"
 
 
 def key_matches(token: str, keys: tuple[str, ...]) -> bool:
@@ -29,7 +32,8 @@ class ApiKeyMiddleware:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not self.keys or path in OPEN_PATHS or path.startswith(ADMIN_PREFIX):
             await self.app(scope, receive, send)
             return
         scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
@@ -38,4 +42,28 @@ class ApiKeyMiddleware:
             return
         err = ApiError(401, "unauthorized", "missing or invalid API key (Authorization: Bearer KEY)",
                        headers={"WWW-Authenticate": "Bearer"})
+        await error_response(scope["path"], err)(scope, receive, send)
+
+
+class AdminKeyMiddleware:
+    """Guards /admin/*: 404 when no admin key is configured (the admin API is off), 401 when the request's
+    bearer token is not one of them; before the body is read."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith(ADMIN_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        if not self.keys:
+            err = ApiError(404, "not_found", "the admin API is off (set admin_api_keys)")
+        else:
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            if scheme.lower() == "bearer" and key_matches(token.strip(), self.keys):
+                await self.app(scope, receive, send)
+                return
+            err = ApiError(401, "unauthorized", "missing or invalid admin key (Authorization: Bearer KEY)",
+                           headers={"WWW-Authenticate": "Bearer"})
         await error_response(scope["path"], err)(scope, receive, send)

@@ -90,11 +90,13 @@ def serve(args: argparse.Namespace) -> int:
     from server.runtime import build_engine
 
     settings = with_default_model(settings)
-    try:
-        engine = build_engine(settings)
-    except (ValueError, OSError) as exc:  # GGUFError is a ValueError: "FILE: problem"
-        print(f"tokenmill serve: cannot load the model: {exc}", file=sys.stderr)
-        return 2
+    engine = None
+    if settings.model or not (settings.models or settings.models_dir):  # one model: load it before binding
+        try:
+            engine = build_engine(settings)
+        except (ValueError, OSError) as exc:  # GGUFError is a ValueError: "FILE: problem"
+            print(f"tokenmill serve: cannot load the model: {exc}", file=sys.stderr)
+            return 2
     app = create_app(settings, engine=engine)
     config = guarded_config(app, guard, settings.keep_alive_timeout_s, host=settings.host, port=settings.port,
                             log_level=settings.log_level)  # fmt: skip

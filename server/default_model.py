@@ -48,10 +48,11 @@ def default_model_file(model: DefaultModel = DEFAULT_MODEL) -> Path | None:
 
 
 def with_default_model(settings, model: DefaultModel = DEFAULT_MODEL):
-    """`settings` with the default model filled in when no model was given (and the served name, when
+    """`settings` with the default model filled in when no model was given (no `model`, `models` or
+    `models_dir`; and the served name, when
     none was given either); unchanged, with a warning saying how to install it, when it is missing.
     `settings` is a ServerSettings; a new object is returned, the argument is not changed."""
-    if settings.model:
+    if settings.model or settings.models or settings.models_dir:  # the operator named what to serve
         return settings
     path = default_model_file(model)
     if path is None:

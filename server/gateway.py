@@ -1,5 +1,6 @@
-"""The route side of a request's life: admission (lane, bounds, 429), then its events, shared by the
-native and the OpenAI routes. Runs on the event loop only.
+"""The route side of a request's life: admission (lane, bounds, 429) on the model version the route
+picked (its lease), then its events, shared by the native and the OpenAI routes. Runs on the event
+loop only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from server.ticket import Collector, Event, Finished, ServerError, Started, Tick
 from server.worker import DuplicateRequestId, WorkerUnavailable
 
 if TYPE_CHECKING:
+    from server.deployment import Lease
+    from server.response_cache import Recorder
     from server.runtime import Runtime
 
 _POLL_S = 0.25  # how often a waiting non-streaming request checks for a disconnected client
@@ -33,6 +36,8 @@ class GenerationRequest:
     lane: Lane | None = None  # the client's `priority`; None: chosen by size
     timeout_s: float | None = None
     first_token_timeout_s: float | None = None
+    cache: bool = True  # the client's `cache` field: False never reads or writes the response cache
+    scope: str = ""  # whose cache entries it may see (server/serving.py cache_scope)
 
 
 @dataclass
@@ -46,11 +51,13 @@ class Completed:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-def admit(runtime: Runtime, req: GenerationRequest) -> RequestHandle:
-    """Check the request against the context length, pick its lane and queue it. Raises ApiError:
-    400 (empty or too long), 409 (request_id in flight), 429 (lane full), 503 (not serving)."""
+def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHandle:
+    """Check the request against the context length of the version the route picked (`lease`), pick its
+    lane and queue it there. Raises ApiError: 400 (empty or too long), 409 (request_id in flight),
+    429 (lane full), 503 (not serving)."""
     runtime.check_accepting()
-    n, max_tokens, max_len = len(req.prompt_token_ids), req.params.max_tokens, runtime.max_model_len
+    dep = lease.deployment
+    n, max_tokens, max_len = len(req.prompt_token_ids), req.params.max_tokens, dep.max_model_len
     if n == 0:
         raise ApiError(400, "invalid_request", "prompt must not be empty", param="prompt")
     if n + max_tokens > max_len:
@@ -73,20 +80,20 @@ def admit(runtime: Runtime, req: GenerationRequest) -> RequestHandle:
         timeout_s=req.timeout_s or defaults.total_s,
     )
     try:
-        rejection = runtime.worker.submit(ticket)
+        rejection = dep.worker.submit(ticket)
     except DuplicateRequestId as exc:
         raise ApiError(409, "conflict", str(exc), param="request_id") from None
     except WorkerUnavailable as exc:
         raise ApiError(503, "unhealthy", str(exc), headers={"Retry-After": "5"}) from None
     if rejection is not None:
-        runtime.record_rejection(ticket, rejection)
+        runtime.record_rejection(dep, ticket, rejection)
         raise ApiError(
             429, "overloaded",
             f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
             headers={"Retry-After": str(rejection.retry_after_s)},
             extra={"lane": lane.label},
         )  # fmt: skip
-    return RequestHandle(runtime, ticket)
+    return RequestHandle(runtime, ticket, lease)
 
 
 def start_error(error: ServerError) -> ApiError:
@@ -97,12 +104,19 @@ def start_error(error: ServerError) -> ApiError:
 
 class RequestHandle:
     """An admitted request as a route sees it. close() it exactly when the response is done:
-    it aborts the request if it has not finished (client gone, handler failed)."""
+    it aborts the request if it has not finished (client gone, handler failed), and releases the
+    route's lease on its model version."""
 
-    def __init__(self, runtime: Runtime, ticket: Ticket) -> None:
+    cached = False  # answered by the engine (server/serving.py ReplayHandle answers from the cache)
+
+    def __init__(self, runtime: Runtime, ticket: Ticket, lease: Lease) -> None:
         self.runtime = runtime
         self.ticket = ticket
+        self.lease = lease
+        self.worker = lease.deployment.worker
+        self.version = lease.deployment.version
         self.finished: Finished | None = None
+        self.recorder: Recorder | None = None  # set when the result may go to the response cache
         self._closed = False
         runtime.open_responses += 1
 
@@ -117,12 +131,14 @@ class RequestHandle:
         try:
             event = await asyncio.wait_for(self.ticket.collector.queue.get(), timeout)
         except asyncio.TimeoutError:
-            if not self.runtime.worker.thread_running:  # no event will ever come
+            if not self.worker.thread_running:  # no event will ever come
                 event = Finished("error", ServerError("worker_died", "the engine worker is not running", 503))
             else:
                 return None
         if isinstance(event, Finished):
             self.finished = event
+        if self.recorder is not None:
+            self.recorder.observe(event, self.ticket)
         return event
 
     async def wait_started(self, hold_s: float, request: Request | None = None) -> bool:
@@ -191,4 +207,5 @@ class RequestHandle:
         self._closed = True
         self.runtime.open_responses -= 1
         if self.finished is None:
-            self.runtime.worker.abort(self.request_id, error)
+            self.worker.abort(self.request_id, error)
+        self.lease.release()

@@ -1,7 +1,9 @@
 """Readiness and liveness reports.
 
 Readiness (`/health`) is 200 only when the model is loaded, the warm-up generation worked, the worker
-thread runs and, when busy, completes steps, and the server is not draining. Liveness (`/health/live`)
+thread runs and, when busy, completes steps, and the server is not draining; with several model
+versions loaded, that is about the promoted one of each name (a candidate that fails never flips it).
+The engine figures are the default model's promoted version's. Liveness (`/health/live`)
 only asks whether the worker thread runs: an orchestrator restarts the process when it does not.
 """
 
@@ -24,6 +26,9 @@ def readiness(rt: Runtime) -> tuple[int, dict[str, Any]]:
     body: dict[str, Any] = {
         "status": status.value,
         "model": rt.model_name,
+        "version": rt.primary.version,
+        "models": [{"id": dep.spec.ref, "state": dep.state.value, "role": slot.role(dep.version)}
+                   for slot, dep in rt.models.deployments()],
         "uptime_s": round(now - rt.started_at, 3),
         "running": stats.running,
         "waiting": {lane.label: load[lane][0] for lane in Lane},

@@ -55,6 +55,7 @@ class SamplingFields(BaseModel):
     priority: PriorityName | Int | None = None
     timeout_s: Seconds | None = None
     first_token_timeout_s: Seconds | None = None
+    cache: Bool = True  # false: never answered from (or stored in) the response cache
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's params; an invalid value raises ApiError 400 naming the field and its limit."""
@@ -84,6 +85,8 @@ class GenerateRequest(SamplingFields):
     logprobs: Int | None = None  # None: none; 0: chosen token; N: chosen + top-N
     stream: Bool = True
     request_id: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[\w.:\-]+$")] | None = None
+    model: str | None = None  # a model name, or name@version to pin one; default: the first model
+    user: Annotated[str, Field(max_length=256)] | None = None  # keeps response-cache entries private to it
 
 
 class StreamOptions(BaseModel):

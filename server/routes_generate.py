@@ -1,4 +1,5 @@
-"""POST /generate: the native API. Streams SSE (`token`... then `done`, or `error`) or answers JSON."""
+"""POST /generate: the native API. Streams SSE (`token`... then `done`, or `error`) or answers JSON.
+Every answer names the model version that produced it (`model_version`, header X-Model-Version)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from sse_starlette import ServerSentEvent
 
 from engine.api import RequestOutput, TokenLogprob
 from server.errors import ApiError
-from server.gateway import Completed, GenerationRequest, admit
+from server.gateway import Completed, GenerationRequest, RequestHandle
 from server.protocol import GenerateRequest, parse_body
 from server.runtime import Runtime
-from server.stream_guard import StreamGuard
+from server.serving import MODEL_VERSION_HEADER, ReplayHandle, cache_scope, picked, start
+from server.stream_guard import StreamedHandle, StreamGuard
 from server.ticket import Finished, Ticket, Tokens
-from server.tokens import check_prompt_bytes
+from server.tokens import PromptCodec, check_prompt_bytes
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -30,31 +32,35 @@ async def generate(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
     rt.check_accepting()
     body = await parse_body(request, GenerateRequest)
-    max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
-    ids = await _prompt_ids(rt, body, max_tokens)
-    params = body.sampling_params(max_tokens, body.logprobs)
-    request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
-    handle = admit(rt, GenerationRequest(request_id, ids, params, body.lane(), body.timeout_s,
-                                         body.first_token_timeout_s))
+    with picked(rt, body.model) as (_, lease):
+        dep = lease.deployment
+        max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+        ids = await _prompt_ids(dep.codec, dep.max_model_len, body, max_tokens)
+        params = body.sampling_params(max_tokens, body.logprobs)
+        request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
+        handle = start(rt, lease, GenerationRequest(request_id, ids, params, body.lane(), body.timeout_s,
+                                                    body.first_token_timeout_s, body.cache,
+                                                    cache_scope(rt, request, body.user)))  # fmt: skip
     want_logprobs = body.logprobs is not None
+    headers = {MODEL_VERSION_HEADER: handle.version}
     try:
         if not body.stream:
-            return JSONResponse(_result(await handle.collect(request), want_logprobs))
+            return JSONResponse(_result(await handle.collect(request), handle, want_logprobs), headers=headers)
         # Hold the headers up to one ping interval: a queue timeout until then is still a clean 503.
         await handle.wait_started(rt.settings.sse_ping_s, request)
     except BaseException:
         handle.close()
         raise
     guard = StreamGuard.for_request(request, handle, rt.settings.stream_max_pending_tokens)
-    return guard.response(_stream(guard, want_logprobs), rt.settings.sse_ping_s)
+    return guard.response(_stream(guard, want_logprobs), rt.settings.sse_ping_s, headers=headers)
 
 
-async def _prompt_ids(rt: Runtime, body: GenerateRequest, max_tokens: int) -> list[int]:
+async def _prompt_ids(codec: PromptCodec, max_model_len: int, body: GenerateRequest, max_tokens: int) -> list[int]:
     if (body.prompt is None) == (body.prompt_token_ids is None):
         raise ApiError(400, "invalid_request", "give exactly one of prompt or prompt_token_ids", param="prompt")
     if body.prompt is not None:
-        check_prompt_bytes(rt.codec, [body.prompt], max(max_tokens, 1), rt.max_model_len, "prompt")
-        return await rt.codec.encode(body.prompt)
+        check_prompt_bytes(codec, [body.prompt], max(max_tokens, 1), max_model_len, "prompt")
+        return await codec.encode(body.prompt)
     return list(body.prompt_token_ids or [])
 
 
@@ -71,7 +77,7 @@ async def _stream(guard: StreamGuard, want_logprobs: bool) -> AsyncIterator[Serv
                     error = {"error": {"type": event.error.kind, "message": event.error.message}}
                     yield ServerSentEvent(event="error", data=_json(error))
                 else:
-                    yield ServerSentEvent(event="done", data=_json(_done(handle.ticket, event)))
+                    yield ServerSentEvent(event="done", data=_json(_done(handle, event)))
     finally:
         guard.close()
 
@@ -96,27 +102,33 @@ def _logprob(lp: TokenLogprob) -> dict[str, Any]:
     return {"logprob": lp.logprob, "top": [{"token_id": t, "logprob": v} for t, v in lp.top]}
 
 
-def usage(ticket: Ticket) -> dict[str, int]:
-    return {
+def usage(ticket: Ticket, cached: bool = False) -> dict[str, Any]:
+    """Token counts; `cached: true` only when the response cache answered."""
+    counts: dict[str, Any] = {
         "prompt_tokens": len(ticket.prompt_token_ids),
         "completion_tokens": ticket.completion_tokens,
         "cached_tokens": ticket.cached_tokens,
     }
+    if cached:
+        counts["cached"] = True
+    return counts
 
 
-def _done(ticket: Ticket, finished: Finished) -> dict[str, Any]:
-    return {"id": ticket.request_id, "finish_reason": finished.reason, "usage": usage(ticket),
-            "timing": ticket.timing()}
+def _done(handle: StreamedHandle, finished: Finished) -> dict[str, Any]:
+    ticket = handle.ticket
+    return {"id": ticket.request_id, "finish_reason": finished.reason, "usage": usage(ticket, handle.cached),
+            "timing": ticket.timing(), "model_version": handle.version}
 
 
-def _result(done: Completed, want_logprobs: bool) -> dict[str, Any]:
+def _result(done: Completed, handle: RequestHandle | ReplayHandle, want_logprobs: bool) -> dict[str, Any]:
     body = {
         "id": done.ticket.request_id,
         "text": done.text,
         "token_ids": done.token_ids,
         "finish_reason": done.finished.reason,
-        "usage": usage(done.ticket),
+        "usage": usage(done.ticket, handle.cached),
         "timing": done.ticket.timing(),
+        "model_version": handle.version,
     }
     if want_logprobs:
         body["logprobs"] = [{"token_id": lp.token_id, **_logprob(lp)} for lp in done.logprobs]

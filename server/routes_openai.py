@@ -1,6 +1,7 @@
 """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions, streaming and not.
 Extensions accepted on both: top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
-priority, timeout_s, first_token_timeout_s (the same fields as /generate).
+priority, timeout_s, first_token_timeout_s, cache (the same fields as /generate). `model` may pin a
+version (`name@version`); every body and chunk carries the version in `system_fingerprint`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ from sse_starlette import ServerSentEvent
 
 from engine.api import SamplingParams, TokenLogprob
 from engine.tokenization import message_texts
+from server.deployment import Lease
 from server.errors import ApiError
-from server.gateway import GenerationRequest, admit
+from server.gateway import GenerationRequest, RequestHandle
 from server.protocol import ChatRequest, CompletionRequest, OpenAIFields, parse_body
 from server.runtime import Runtime
+from server.serving import MODEL_VERSION_HEADER, ReplayHandle, cache_scope, picked, start
 from server.stream_guard import StreamGuard
 from server.ticket import Finished, Ticket, Tokens
-from server.tokens import check_prompt_bytes
+from server.tokens import PromptCodec, check_prompt_bytes
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -33,9 +36,7 @@ router = APIRouter(prefix="/v1")
 @router.get("/models")
 async def models(request: Request) -> dict[str, Any]:
     rt: Runtime = request.app.state.runtime
-    card = {"id": rt.model_name, "object": "model", "created": rt.created, "owned_by": "tokenmill",
-            "root": rt.model_name, "max_model_len": rt.max_model_len}
-    return {"object": "list", "data": [card]}
+    return {"object": "list", "data": rt.models.cards(rt.created)}
 
 
 @router.post("/completions")
@@ -43,17 +44,20 @@ async def completions(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
     rt.check_accepting()
     body = await parse_body(request, CompletionRequest)
-    _check_common(rt, body)
+    body.check_unsupported()
     if body.echo:
         raise ApiError(400, "invalid_request", "echo is not supported", param="echo")
     if body.suffix:
         raise ApiError(400, "invalid_request", "suffix is not supported", param="suffix")
-    max_tokens = next((m for m in (body.max_tokens, body.max_completion_tokens) if m is not None),
-                      COMPLETION_DEFAULT_MAX_TOKENS)
-    ids = await _completion_prompt(rt, body.prompt, max_tokens)
-    params = body.sampling_params(max_tokens, body.logprobs)
-    shape = _CompletionShape(rt, f"cmpl-{uuid.uuid4().hex}")
-    return await _run(rt, request, body, ids, params, shape)
+    with picked(rt, body.model) as (slot, lease):
+        dep = lease.deployment
+        max_tokens = next((m for m in (body.max_tokens, body.max_completion_tokens) if m is not None),
+                          COMPLETION_DEFAULT_MAX_TOKENS)
+        ids = await _completion_prompt(dep.codec, dep.max_model_len, body.prompt, max_tokens)
+        params = body.sampling_params(max_tokens, body.logprobs)
+        shape = _CompletionShape(lease, slot.name, f"cmpl-{uuid.uuid4().hex}")
+        handle = _start(rt, request, body, ids, params, shape, lease)
+    return await _respond(rt, request, body, handle, shape)
 
 
 @router.post("/chat/completions")
@@ -61,61 +65,69 @@ async def chat_completions(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
     rt.check_accepting()
     body = await parse_body(request, ChatRequest)
-    _check_common(rt, body)
+    body.check_unsupported()
     if body.tools:
         raise ApiError(400, "invalid_request", "tools are not supported", param="tools")
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise ApiError(400, "invalid_request", "only text response_format is supported", param="response_format")
-    messages = body.template_messages()
-    asked = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), None)
-    check_prompt_bytes(rt.codec, message_texts(messages), max(asked or 1, 1), rt.max_model_len, "messages")
-    try:
-        ids = await rt.codec.chat(messages)
-    except ApiError:
-        raise
-    except Exception as exc:
-        raise ApiError(400, "invalid_request", f"chat template failed: {exc}", param="messages") from None
-    # Without a limit, a chat reply may fill the context (OpenAI's behaviour): the model's, or the KV
-    # cache's when that is smaller (rt.max_model_len is the smaller of the two).
-    max_tokens = asked if asked is not None else max(1, rt.max_model_len - len(ids))
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = body.sampling_params(max_tokens, logprobs)
-    shape = _ChatShape(rt, f"chatcmpl-{uuid.uuid4().hex}")
-    return await _run(rt, request, body, ids, params, shape)
+    with picked(rt, body.model) as (slot, lease):
+        dep = lease.deployment
+        messages = body.template_messages()
+        asked = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), None)
+        check_prompt_bytes(dep.codec, message_texts(messages), max(asked or 1, 1), dep.max_model_len, "messages")
+        try:
+            ids = await dep.codec.chat(messages)
+        except ApiError:
+            raise
+        except Exception as exc:
+            raise ApiError(400, "invalid_request", f"chat template failed: {exc}", param="messages") from None
+        # Without a limit, a chat reply may fill the context (OpenAI's behaviour): the model's, or the KV
+        # cache's when that is smaller (dep.max_model_len is the smaller of the two).
+        max_tokens = asked if asked is not None else max(1, dep.max_model_len - len(ids))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = body.sampling_params(max_tokens, logprobs)
+        shape = _ChatShape(lease, slot.name, f"chatcmpl-{uuid.uuid4().hex}")
+        handle = _start(rt, request, body, ids, params, shape, lease)
+    return await _respond(rt, request, body, handle, shape)
 
 
-def _check_common(rt: Runtime, body: OpenAIFields) -> None:
-    if body.model is not None and body.model not in rt.model_aliases:
-        raise ApiError(404, "model_not_found", f"model {body.model!r} is not served here; see /v1/models",
-                       param="model")
-    body.check_unsupported()
-
-
-async def _completion_prompt(rt: Runtime, prompt: str | list[Any], max_tokens: int) -> list[int]:
+async def _completion_prompt(codec: PromptCodec, max_model_len: int, prompt: str | list[Any],
+                             max_tokens: int) -> list[int]:  # fmt: skip
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise ApiError(400, "invalid_request", "only one prompt per request is supported", param="prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        check_prompt_bytes(rt.codec, [prompt], max(max_tokens, 1), rt.max_model_len, "prompt")
-        return await rt.codec.encode(prompt)
+        check_prompt_bytes(codec, [prompt], max(max_tokens, 1), max_model_len, "prompt")
+        return await codec.encode(prompt)
     return list(prompt)
 
 
-async def _run(rt: Runtime, request: Request, body: OpenAIFields, ids: list[int], params: SamplingParams,
-               shape: _Shape) -> Response:
-    handle = admit(rt, GenerationRequest(shape.id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s))
-    want_logprobs = params.logprobs is not None
+def _start(rt: Runtime, request: Request, body: OpenAIFields, ids: list[int], params: SamplingParams,
+           shape: _Shape, lease: Lease) -> RequestHandle | ReplayHandle:
+    req = GenerationRequest(shape.id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
+                            body.cache, cache_scope(rt, request, body.user))  # fmt: skip
+    handle = start(rt, lease, req)
+    shape.cached = handle.cached
+    return handle
+
+
+async def _respond(rt: Runtime, request: Request, body: OpenAIFields, handle: RequestHandle | ReplayHandle,
+                   shape: _Shape) -> Response:
+    want_logprobs = handle.ticket.params.logprobs is not None
+    headers = {MODEL_VERSION_HEADER: handle.version}
     try:
         if not body.stream:
             done = await handle.collect(request)
-            return JSONResponse(shape.full(done.ticket, done.finished, done.text, done.logprobs, want_logprobs))
+            full = shape.full(done.ticket, done.finished, done.text, done.logprobs, want_logprobs)
+            return JSONResponse(full, headers=headers)
         await handle.wait_started(rt.settings.sse_ping_s, request)
     except BaseException:
         handle.close()
         raise
     guard = StreamGuard.for_request(request, handle, rt.settings.stream_max_pending_tokens)
-    return guard.response(_stream(guard, shape, want_logprobs, body.include_usage), rt.settings.sse_ping_s)
+    stream = _stream(guard, shape, want_logprobs, body.include_usage)
+    return guard.response(stream, rt.settings.sse_ping_s, headers=headers)
 
 
 async def _stream(guard: StreamGuard, shape: _Shape, want_logprobs: bool,
@@ -153,26 +165,32 @@ class _Shape:
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, rt: Runtime, request_id: str) -> None:
-        self.rt = rt
+    def __init__(self, lease: Lease, model: str, request_id: str) -> None:
+        self.codec = lease.deployment.codec
+        self.model = model
+        self.fingerprint = lease.deployment.version  # system_fingerprint: the version that answers
         self.id = request_id
         self.created = int(time.time())
+        self.cached = False  # answered from the response cache
         self._offset = 0  # text offset of the next token (completions logprobs)
 
     def usage(self, ticket: Ticket) -> dict[str, Any]:
         prompt = len(ticket.prompt_token_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": ticket.completion_tokens,
-                "total_tokens": prompt + ticket.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": ticket.cached_tokens}}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": ticket.completion_tokens,
+                                 "total_tokens": prompt + ticket.completion_tokens,
+                                 "prompt_tokens_details": {"cached_tokens": ticket.cached_tokens}}  # fmt: skip
+        if self.cached:
+            usage["cached"] = True
+        return usage
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": self.object_chunk, "created": self.created, "model": self.rt.model_name,
-                "choices": choices}
+        return {"id": self.id, "object": self.object_chunk, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": choices}
 
     def full(self, ticket: Ticket, finished: Finished, text: str, lps: list[TokenLogprob], want: bool) -> dict:
         choice = self.full_choice(text, lps if want else None, finished.reason)
-        return {"id": self.id, "object": self.object_full, "created": self.created, "model": self.rt.model_name,
-                "choices": [choice], "usage": self.usage(ticket)}
+        return {"id": self.id, "object": self.object_full, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": [choice], "usage": self.usage(ticket)}
 
     def first_chunk(self) -> dict[str, Any] | None:
         return None
@@ -184,7 +202,7 @@ class _Shape:
         raise NotImplementedError
 
     def _token(self, token_id: int) -> str:
-        return self.rt.codec.token_text(token_id)
+        return self.codec.token_text(token_id)
 
 
 class _CompletionShape(_Shape):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -27,6 +27,7 @@ from pydantic_settings import (
 from engine.config import EngineConfig
 from server.admission import Lane, LaneBounds
 from server.connections import ConnectionLimits, default_max_connections
+from server.versions import ModelEntry, check_version, parse_entries
 
 ENV_PREFIX = "TOKENMILL_"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -127,20 +128,39 @@ class ServerSettings(BaseSettings):
     warmup: bool = Field(True, description="run one short generation before reporting ready")
     sse_ping_s: float = Field(15.0, gt=0, description="keep-alive comment interval on idle streams")
 
-    @field_validator("kv_cache_memory", mode="before")
+    # -- model versions, admin API, response cache, feedback (docs/OPERATIONS.md) --------------------------
+    model_version: str | None = Field(None, description="version of --model; default: a fingerprint of its files")
+    models: Annotated[list[ModelEntry], NoDecode] = Field(
+        default_factory=list, description="versioned models, one version per name: name@version[=path],... "
+        "(YAML: a list of {name, version, path}); the first is the default model"
+    )  # fmt: skip
+    models_dir: str | None = Field(
+        None, description="folder of NAME/VERSION/ model folders: admin loads resolve there; without model or "
+        "models, the one version of each name there serves"
+    )  # fmt: skip
+    admin_api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="keys of the admin API (/admin/*), comma-separated; none: admin API off"
+    )
+    keep_previous_s: float = Field(0.0, ge=0, description="after a promote, keep the drained old version loaded this long (rollback)")
+    version_drain_timeout_s: float = Field(300.0, gt=0, description="in-flight requests of a replaced version get this long")
+    probe_prompt: str = Field("The capital of France is", min_length=1, description="prompt of a new version's probe")
+    probe_max_tokens: int = Field(8, ge=1, le=256, description="tokens a new version's probe generates")
+    load_memory_headroom: float = Field(0.1, ge=0, lt=1, description="share of memory left free when checking a new version fits")
+    response_cache_bytes: int = Field(0, ge=0, description="response cache size for deterministic requests (accepts 256MiB); 0: off")
+    response_cache_ttl_s: float = Field(300.0, gt=0, description="seconds a cached response stays valid")
+    response_cache_scope: Literal["api_key", "global"] = Field(
+        "api_key", description="api_key: entries are private to the API key (and `user`); global: shared by keys"
+    )
+    feedback_db: str | None = Field(None, description="SQLite file for POST /v1/feedback; none: feedback off")
+    request_records: int = Field(100000, ge=1, description="most recent requests kept so feedback can find them")
+    request_record_ttl_s: float = Field(86400.0, gt=0, description="seconds a request can be rated after it ended")
+
+    @field_validator("kv_cache_memory", "response_cache_bytes", mode="before")
     @classmethod
     def _parse_size(cls, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        match = _SIZE.match(value)
-        if not match:
-            raise ValueError(f"expected bytes like 1073741824, 512MiB or 2GB, got {value!r}")
-        number, unit = float(match.group(1)), (match.group(2) or "").lower()
-        base = 1024 if "i" in unit else 1000
-        scale = _UNITS[unit[:1]] if base == 1000 else base ** "bkmgt".index(unit[:1])
-        return int(number * scale)
+        return parse_size(value)
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
         if isinstance(value, str):  # "k1,k2,": stray commas are ignored, but a value with no key is refused
@@ -161,6 +181,26 @@ class ServerSettings(BaseSettings):
         for key in value:
             _check_api_key(key)
         return value
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _split_models(cls, value: Any) -> Any:
+        return parse_entries(value)
+
+    @field_validator("model_version")
+    @classmethod
+    def _check_version(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_version(value, "model_version")
+        return value
+
+    @model_validator(mode="after")
+    def _one_model_source(self) -> ServerSettings:
+        if self.model and self.models:
+            raise ValueError("give model or models, not both")
+        if self.models and (self.served_model_name or self.model_version):
+            raise ValueError("served_model_name and model_version go with model; a models entry names its own")
+        return self
 
     @classmethod
     def settings_customise_sources(
@@ -227,6 +267,23 @@ class ServerSettings(BaseSettings):
         """Every key that opens the API; empty means no authentication."""
         keys = ([self.api_key] if self.api_key else []) + list(self.api_keys)
         return tuple(dict.fromkeys(keys))
+
+    def accepted_admin_keys(self) -> tuple[str, ...]:
+        """Every key that opens the admin API; empty means it is off."""
+        return tuple(dict.fromkeys(self.admin_api_keys))
+
+
+def parse_size(value: Any) -> Any:
+    """Bytes from `1073741824`, `"512MiB"` or `"2GB"`; anything but a string passes through."""
+    if not isinstance(value, str):
+        return value
+    match = _SIZE.match(value)
+    if not match:
+        raise ValueError(f"expected bytes like 1073741824, 512MiB or 2GB, got {value!r}")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    base = 1024 if "i" in unit else 1000
+    scale = _UNITS[unit[:1]] if base == 1000 else base ** "bkmgt".index(unit[:1])
+    return int(number * scale)
 
 
 def _check_api_key(key: str) -> None:

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
 
 from fastapi import Request
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
-from server.gateway import RequestHandle
 from server.guarded_protocol import GuardedH11Protocol, connection_of
-from server.ticket import Finished, ServerError, Tokens
+from server.ticket import Finished, ServerError, Ticket, Tokens
 
 log = logging.getLogger("tokenmill.server")
 
@@ -33,10 +33,26 @@ POLL_S = 0.25  # how often a stream's backlog is checked
 SLOW_CLIENT = ServerError("slow_client", "the client did not read its stream; it was disconnected", 499)
 
 
+class StreamedHandle(Protocol):
+    """What a stream reads from: a request in the engine (gateway.RequestHandle) or a response-cache
+    replay (serving.ReplayHandle)."""
+
+    ticket: Ticket
+    version: str  # the model version that answers
+    cached: bool  # a response-cache replay
+
+    @property
+    def request_id(self) -> str: ...
+
+    def events(self) -> AsyncIterator[Tokens | Finished]: ...
+
+    def close(self, error: ServerError | None = None) -> None: ...
+
+
 class StreamGuard:
     """One streamed request: its events, counted as the stream takes them, and the backlog watch."""
 
-    def __init__(self, handle: RequestHandle, conn: GuardedH11Protocol | None, max_pending_tokens: int) -> None:
+    def __init__(self, handle: StreamedHandle, conn: GuardedH11Protocol | None, max_pending_tokens: int) -> None:
         self.handle = handle
         self._conn = conn  # None when not served through the guard (ASGI test transport)
         self._max_pending = max_pending_tokens
@@ -44,12 +60,13 @@ class StreamGuard:
         self._dropped = False
 
     @classmethod
-    def for_request(cls, request: Request, handle: RequestHandle, max_pending_tokens: int) -> StreamGuard:
+    def for_request(cls, request: Request, handle: StreamedHandle, max_pending_tokens: int) -> StreamGuard:
         return cls(handle, connection_of(request.scope), max_pending_tokens)
 
-    def response(self, content: AsyncIterator, ping_s: float) -> EventSourceResponse:
+    def response(self, content: AsyncIterator, ping_s: float,
+                 headers: Mapping[str, str] | None = None) -> EventSourceResponse:  # fmt: skip
         """The SSE response for `content` (which iterates `events()` and calls `close()` last)."""
-        return EventSourceResponse(content, ping=ping_s, background=BackgroundTask(self.aclose),
+        return EventSourceResponse(content, ping=ping_s, headers=headers, background=BackgroundTask(self.aclose),
                                    data_sender_callable=self.watch)  # fmt: skip
 
     async def events(self) -> AsyncIterator[Tokens | Finished]:

@@ -152,6 +152,17 @@ PRESETS: dict[str, Preset] = {
         tie_word_embeddings=False,
         seed=1,
     ),
+    # tiny-llama's shape and tokenizer with other weights: a second version of "the same model" whose
+    # greedy outputs differ (model-version swap tests and benchmarks).
+    "tiny-llama-b": Preset(
+        "LlamaForCausalLM",
+        **_TINY,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=11,
+    ),
     "tiny-qwen2": Preset(
         "Qwen2ForCausalLM",
         **_TINY,

@@ -23,9 +23,9 @@ def free_port() -> int:
 def server(build_model, tmp_path_factory):
     model = build_model("tiny-llama")
     log = tmp_path_factory.mktemp("load") / "server.log"
-    # two sequences in the engine and one queued request in the batch lane: a burst of 6 batch
-    # requests must be refused in part; the other lanes keep their (large) default bounds
-    extra = ["--batch-max-queued-requests", "1"]
+    # two sequences in the engine and two requests admitted but not yet scheduled in the batch lane: a
+    # burst of 6 batch requests must be refused in part; the other lanes keep their (large) default bounds
+    extra = ["--batch-max-queued-requests", "2"]
     with server_process(model, free_port(), 2, "auto", extra, log, ready_timeout_s=120) as url:
         yield url, model
 

@@ -109,6 +109,10 @@ def drive_load(url: str) -> int:
         leaver = pool.submit(post, {"prompt": "leaves", "max_tokens": 300, "ignore_eos": True}, 0.3)
         codes = list(pool.map(lambda job: job[0](job[1]), jobs)) + [leaver.result()]
     assert 429 in codes and 200 in codes and 0 in codes, codes
+    # A deterministic request twice: a response-cache miss, then a hit.
+    faq = {"prompt": "What is tokenmill?", "max_tokens": 4, "temperature": 0.0, "priority": "batch"}
+    codes += [post(faq), post(faq)]
+    assert codes[-2:] == [200, 200], codes
     return len(codes)
 
 
@@ -119,7 +123,7 @@ def stack(tmp_path_factory):
 
     # Four seats: the shared-prefix requests cannot all start in one step, so later ones hit the cache.
     engine = ControlledEngine(build_real_engine(str(ensure_model("tiny-llama")), max_num_seqs=4), step_delay_s=0.01)
-    settings = make_settings(interactive_max_queued_requests=3, short_request_tokens=64)
+    settings = make_settings(interactive_max_queued_requests=3, short_request_tokens=64, response_cache_bytes="1MiB")
     with run_server(settings, engine) as srv:
         prom = Prometheus(prometheus_bin, srv.url.removeprefix("http://"), tmp_path_factory.mktemp("prometheus"))
         try:

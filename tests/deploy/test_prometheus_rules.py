@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.api import EngineStats
 from server.admission import Lane
-from server.metrics import DeviceMemory, ModelInfo, ServerMetrics, Snapshot
+from server.metrics import CacheStats, DeviceMemory, ModelInfo, ServerMetrics, Snapshot, VersionSnapshot
 
 from .conftest import DASHBOARD, DEPLOY, PROM, REPO, RULE_FILES, load_yaml, rules, run
 
@@ -98,10 +98,12 @@ def test_kubernetes_prometheusrule_is_rendered_from_the_rule_files():
 
 def exposed_series() -> set[str]:
     """Sample names a tokenmill /metrics answer holds once a request finished (built without an engine)."""
-    info = ModelInfo("m", "bfloat16", "cuda:0", "0", 4096)
+    info = ModelInfo("m", "bfloat16", "cuda:0", "v1", 4096)
     snap = Snapshot(EngineStats(), {lane: (0, 0) for lane in Lane}, True, DeviceMemory("cuda:0", 1, 2))
-    metrics = ServerMetrics(info, lambda: snap)
-    metrics.observe_finished(Lane.INTERACTIVE, "ok", "stop", (5, 3), {"queue_s": 0.1, "ttft_s": 0.2, "e2e_s": 0.3})
+    version = VersionSnapshot(info, "ready", "promoted", 0, snap, 0.0)
+    metrics = ServerMetrics("0", lambda: [version], cache_stats=lambda: [CacheStats("m", "v1", 1, 100)])
+    metrics.version("m", "v1").observe_finished(Lane.INTERACTIVE, "ok", "stop", (5, 3),
+                                                {"queue_s": 0.1, "ttft_s": 0.2, "e2e_s": 0.3})
     text = metrics.render().decode()
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
 

@@ -24,6 +24,16 @@ HOST = "127.0.0.1"
 TEST_MAX_MODEL_LEN = 1024
 
 
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` in a /metrics answer whose labels include `labels` (every series
+    also carries `model` and `version`, which a test on one version need not name)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    want = set(labels.items())
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and want <= set(s.labels.items()))  # fmt: skip
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.02, what: str = "") -> Any:
     """Poll `predicate` until it returns something truthy; fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -112,12 +122,14 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def run_server(settings: ServerSettings, engine: Any, wait_ready: bool = True) -> Iterator[RunningServer]:
-    """Start `create_app(settings, engine)` on a free loopback port; stop it (and its worker) on exit."""
+def run_server(settings: ServerSettings, engine: Any, wait_ready: bool = True,
+               loader: Any = None) -> Iterator[RunningServer]:  # fmt: skip
+    """Start `create_app(settings, engine, loader)` on a free loopback port; stop it (and its workers) on
+    exit. `engine` None: the settings' models are loaded."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((HOST, 0))
-    srv = RunningServer(create_app(settings, engine=engine), sock, settings)
+    srv = RunningServer(create_app(settings, engine=engine, loader=loader), sock, settings)
     srv.thread.start()
     try:
         wait_until(lambda: srv.server.started or not srv.thread.is_alive(), 30, what="uvicorn startup")

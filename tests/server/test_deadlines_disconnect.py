@@ -10,7 +10,7 @@ import httpx
 import pytest
 from httpx_sse import aconnect_sse, connect_sse
 
-from .helpers import Background, ControlledEngine, make_settings, park_filler, run_server, wait_until
+from .helpers import Background, ControlledEngine, make_settings, metric, park_filler, run_server, wait_until
 
 PROMPT = "while True:"
 LONG = {"prompt": PROMPT, "max_tokens": 900, "ignore_eos": True}
@@ -26,8 +26,7 @@ def sse_events(url: str, body: dict, timeout: float = 60) -> tuple[int, list[tup
 
 def counter(url: str, lane: str, status: str, reason: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    prefix = f'tokenmill_requests_total{{lane="{lane}",reason="{reason}",status="{status}"}} '
-    return float(next(line for line in text.splitlines() if line.startswith(prefix))[len(prefix):])
+    return metric(text, "tokenmill_requests_total", lane=lane, status=status, reason=reason)
 
 
 @pytest.fixture

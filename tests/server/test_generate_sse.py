@@ -9,12 +9,11 @@ import logging
 import httpx
 import pytest
 from httpx_sse import connect_sse
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
 from server.tokens import PromptCodec
 
-from .helpers import make_settings, run_server
+from .helpers import make_settings, metric, run_server
 
 PROMPT = "def fibonacci(n):"
 
@@ -72,7 +71,8 @@ def test_non_streaming_json_body(srv):
                                                 "ignore_eos": True, "request_id": "my-req.1"}, timeout=60)
     assert r.status_code == 200
     body = r.json()
-    assert set(body) == {"id", "text", "token_ids", "finish_reason", "usage", "timing"}
+    assert set(body) == {"id", "text", "token_ids", "finish_reason", "usage", "timing", "model_version"}
+    assert body["model_version"] == r.headers["x-model-version"] == srv.runtime.primary.version
     assert body["id"] == "my-req.1"
     assert len(body["token_ids"]) == 5 and body["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 5
@@ -123,15 +123,14 @@ def test_lane_chosen_by_size_and_metrics(srv):
         assert r.status_code == 200
     r = httpx.get(f"{srv.url}/metrics", timeout=10)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for fam in text_string_to_metric_families(r.text) for s in fam.samples}
-    assert samples[("tokenmill_requests_total", (("lane", "interactive"), ("reason", "length"), ("status", "ok")))] >= 1
-    assert samples[("tokenmill_requests_total", (("lane", "standard"), ("reason", "length"), ("status", "ok")))] >= 1
-    assert samples[("tokenmill_queue_depth", (("lane", "batch"),))] == 0
-    assert samples[("tokenmill_time_to_first_token_seconds_count", (("lane", "standard"),))] >= 1
-    assert samples[("tokenmill_generation_tokens_total", ())] >= 108
-    assert 0 <= samples[("tokenmill_kv_cache_usage_perc", ())] <= 1
-    assert samples[("tokenmill_worker_alive", ())] == 1
+    text = r.text
+    assert metric(text, "tokenmill_requests_total", lane="interactive", reason="length", status="ok") >= 1
+    assert metric(text, "tokenmill_requests_total", lane="standard", reason="length", status="ok") >= 1
+    assert metric(text, "tokenmill_queue_depth", lane="batch") == 0
+    assert metric(text, "tokenmill_time_to_first_token_seconds_count", lane="standard") >= 1
+    assert metric(text, "tokenmill_generation_tokens_total") >= 108
+    assert 0 <= metric(text, "tokenmill_kv_cache_usage_perc") <= 1
+    assert metric(text, "tokenmill_worker_alive") == 1
 
 
 def test_health_and_liveness(srv):

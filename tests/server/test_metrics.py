@@ -15,7 +15,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.api import Deadline, EngineStats
 from engine.sampling_params import SamplingParams
 from server.admission import Lane
-from server.metrics import REASONS, STATUSES, DeviceMemory, ModelInfo, ServerMetrics, Snapshot, memory_probe
+from server.metrics import (
+    REASONS,
+    STATUSES,
+    DeviceMemory,
+    ModelInfo,
+    ServerMetrics,
+    Snapshot,
+    VersionMetrics,
+    VersionSnapshot,
+    memory_probe,
+)
 from server.runtime import request_status
 from server.ticket import Collector, ServerError, Ticket
 
@@ -58,11 +68,22 @@ FAMILIES = {
     "tokenmill_seconds_since_last_step": "gauge",
     "tokenmill_worker_alive": "gauge",
     "tokenmill_model_info": "gauge",
+    "tokenmill_model_version": "gauge",
+    "tokenmill_canary_weight": "gauge",
+    "tokenmill_response_cache_hits": "counter",
+    "tokenmill_response_cache_misses": "counter",
+    "tokenmill_response_cache_evictions": "counter",
+    "tokenmill_response_cache_entries": "gauge",
+    "tokenmill_response_cache_bytes": "gauge",
+    "tokenmill_feedback_ratings": "counter",
+    "tokenmill_model_version_events": "counter",
     "process_resident_memory_bytes": "gauge",
     "tokenmill_http_connections": "gauge",
     "tokenmill_http_connections_closed": "counter",
     "tokenmill_http_accept_errors": "counter",
 }
+# Process-wide series: the only ones without `model` and `version` labels.
+PROCESS_WIDE = ("process_", "python_", "tokenmill_device_memory_", "tokenmill_http_")  # connections are the server's
 
 
 class Scrape:
@@ -80,7 +101,11 @@ class Scrape:
                 self.samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
 
     def get(self, name: str, **labels: str) -> float:
-        return self.samples[(name, tuple(sorted(labels.items())))]
+        """The one series of `name` whose labels include `labels`."""
+        want = set(labels.items())
+        found = [v for (n, lab), v in self.samples.items() if n == name and want <= set(lab)]
+        assert len(found) == 1, (name, labels, found)
+        return found[0]
 
     def sum(self, name: str, **labels: str) -> float:
         """Sum over every series of `name` whose labels include `labels`."""
@@ -108,13 +133,20 @@ def test_every_family_is_exposed_with_its_type(srv):
     assert {name: scrape.types.get(name) for name in FAMILIES} == FAMILIES
     info = next(dict(lab) for (n, lab) in scrape.samples if n == "tokenmill_model_info")
     assert info["model"] == "tiny-llama" and info["dtype"] == "float32" and info["device"] == "cpu"
-    assert info["version"] and int(info["max_model_len"]) == srv.runtime.max_model_len
+    assert info["version"] == srv.runtime.primary.version and info["server_version"]
+    assert int(info["max_model_len"]) == srv.runtime.max_model_len
+    mv = (("model", "tiny-llama"), ("version", info["version"]))
+    assert scrape.get("tokenmill_model_version", state="ready", role="promoted") == 1
+    # Every series but the process-wide ones names the model and its version.
+    for (name, labels) in scrape.samples:
+        if not name.startswith(PROCESS_WIDE):
+            assert set(mv) <= set(labels), (name, labels)
     # Every outcome series exists from the start, so rate() is 0 rather than empty.
     for lane in ("interactive", "standard", "batch"):
         for status in STATUSES:
             for reason in REASONS[status]:
-                assert ("tokenmill_requests_total", (("lane", lane), ("reason", reason), ("status", status))) \
-                    in scrape.samples
+                key = tuple(sorted((*mv, ("lane", lane), ("reason", reason), ("status", status))))
+                assert ("tokenmill_requests_total", key) in scrape.samples
     used, total = scrape.get("tokenmill_device_memory_used_bytes", device="cpu"), \
         scrape.get("tokenmill_device_memory_total_bytes", device="cpu")  # fmt: skip
     assert 0 < used < total
@@ -247,26 +279,41 @@ class _Clock:
         return self.now
 
 
-def _metrics(clock=None, memory: DeviceMemory | None = None) -> ServerMetrics:
-    info = ModelInfo("m", "float32", "cpu", "0.1.0", 128)
+def _metrics(clock=None, memory: DeviceMemory | None = None) -> tuple[ServerMetrics, VersionMetrics]:
+    clock = clock or _Clock()
+    info = ModelInfo("m", "float32", "cpu", "v1", 128)
     snap = Snapshot(EngineStats(kv_blocks_total=8), {lane: (0, 0) for lane in Lane}, True, memory)
-    return ServerMetrics(info, lambda: snap, clock=clock or _Clock())
+    metrics = ServerMetrics("0.1.0", lambda: [VersionSnapshot(info, "ready", "promoted", 0, snap,
+                                                              version.seconds_since_last_step())], clock=clock)
+    version = metrics.version("m", "v1")
+    return metrics, version
+
+
+MV = (("model", "m"), ("version", "v1"))
 
 
 def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(metrics.render().decode()) for s in fam.samples}
+    """Samples by (name, labels other than model and version)."""
+    out = {}
+    for fam in text_string_to_metric_families(metrics.render().decode()):
+        for s in fam.samples:
+            labels = set(s.labels.items())
+            if set(MV) <= labels:
+                out[(s.name, tuple(sorted(labels - set(MV))))] = s.value
+            elif not set(s.labels) & {"model", "version"}:
+                out[(s.name, tuple(sorted(labels)))] = s.value
+    return out
 
 
 def test_step_phase_and_seconds_since_last_step():
     clock = _Clock()
-    m = _metrics(clock)
+    m, v = _metrics(clock)
     clock.now += 7
-    assert m.seconds_since_last_step() == 7  # counted from start until the first step
+    assert v.seconds_since_last_step() == 7  # counted from start until the first step
     for prefill, decode in ((30, 0), (0, 4), (20, 3), (0, 2)):
-        m.observe_step(EngineStats(last_step_prefill_tokens=prefill, last_step_decode_tokens=decode,
+        v.observe_step(EngineStats(last_step_prefill_tokens=prefill, last_step_decode_tokens=decode,
                                    last_step_tokens=prefill + decode, last_step_time_s=0.0002))  # fmt: skip
-    assert m.seconds_since_last_step() == 0
+    assert v.seconds_since_last_step() == 0
     clock.now += 31.5
     s = _samples(m)
     counts = {p: s[("tokenmill_engine_step_duration_seconds_count", (("phase", p),))] for p in ("prefill", "decode", "mixed")}
@@ -299,7 +346,7 @@ def test_memory_probe_uses_the_engine_then_falls_back_to_the_process():
     for engine in (Cpu(), Broken(), object()):
         mem = memory_probe(engine)()
         assert mem is not None and mem.device == "cpu" and 0 < mem.used_bytes < mem.total_bytes
-    s = _samples(_metrics(memory=DeviceMemory("cuda:0", 3, 4)))
+    s = _samples(_metrics(memory=DeviceMemory("cuda:0", 3, 4))[0])
     assert s[("tokenmill_device_memory_used_bytes", (("device", "cuda:0"),))] == 3
     assert s[("tokenmill_device_memory_total_bytes", (("device", "cuda:0"),))] == 4
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine import SamplingParams
 
-from .helpers import make_settings, run_server
+from .helpers import make_settings, metric, run_server
 
 PROMPT = "import os\nimport sys\n"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
@@ -119,7 +119,7 @@ def test_extensions_are_accepted(client, srv):
     )  # fmt: skip
     assert again.choices[0].text == r.choices[0].text  # same seed, same sample
     metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
-    assert 'tokenmill_requests_total{lane="batch",reason="length",status="ok"} 1.0' in metrics
+    assert metric(metrics, "tokenmill_requests_total", lane="batch", reason="length", status="ok") == 1
 
 
 def test_openai_error_bodies(client):

@@ -10,7 +10,7 @@ import time
 import httpx
 from httpx_sse import connect_sse
 
-from .helpers import Background, ControlledEngine, make_settings, run_server, wait_until
+from .helpers import Background, ControlledEngine, make_settings, metric, run_server, wait_until
 
 STEP_S = 0.03  # every engine step takes at least this long, so steps, not HTTP noise, set the times
 SEATS = 8
@@ -55,7 +55,7 @@ def test_interactive_requests_start_promptly_while_batch_fills_every_seat(engine
         preempted = sum(r.json()["timing"]["preemptions"] for r in results)
         assert preempted >= 4  # each interactive request took a batch request's seat
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
-        assert f'tokenmill_preemptions_total{{cause="slots",lane="batch"}} {float(preempted)}' in metrics
+        assert metric(metrics, "tokenmill_preemptions_total", cause="slots", lane="batch") == preempted
         srv.wait_idle()
     assert engine.stats().kv_blocks_used == 0
     engine.check_integrity()

@@ -1,0 +1,185 @@
+"""Feedback tied to what produced it: the cost record of every recent request (`RequestRecords`, kept in
+memory for a bounded window) and the ratings users give them (`FeedbackStore`, SQLite on disk, one row
+per request id with the request's model, version, lane and cost record copied in).
+
+The store runs every SQLite call on one thread of its own (the event loop never waits on the disk)
+with `synchronous=FULL`: a rating the API answered 201 for survives a crash or restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+RATINGS = (-1, 1, 2, 3, 4, 5)  # thumbs (-1, 1) or stars (1-5)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request's cost record."""
+
+    request_id: str
+    model: str
+    version: str
+    lane: str
+    status: str  # ok, timeout, cancelled, error (the request log's)
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens found in the prefix cache
+    queue_s: float | None  # seconds from arrival: left the queue, first token, end
+    ttft_s: float | None
+    e2e_s: float | None
+    kv_blocks_peak: int
+    preemptions: int
+    response_cached: bool  # answered from the response cache
+    ended_at: float  # unix time
+
+
+class AlreadyRated(Exception):
+    pass
+
+
+class RequestRecords:
+    """The most recent `max_records` requests that ended within `ttl_s`. Thread-safe: workers write, the
+    event loop reads."""
+
+    def __init__(self, max_records: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_records = max_records
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._records: OrderedDict[str, tuple[RequestRecord, float]] = OrderedDict()  # oldest first
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+    def put(self, record: RequestRecord) -> None:
+        now = self._clock()
+        with self._lock:
+            self._records.pop(record.request_id, None)  # a reused client id: the newest request wins
+            self._records[record.request_id] = (record, now)
+            while self._records and (len(self._records) > self.max_records
+                                     or now - next(iter(self._records.values()))[1] > self.ttl_s):  # fmt: skip
+                self._records.popitem(last=False)
+
+    def get(self, request_id: str) -> RequestRecord | None:
+        with self._lock:
+            found = self._records.get(request_id)
+        if found is None or self._clock() - found[1] > self.ttl_s:
+            return None
+        return found[0]
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS feedback (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    rating INTEGER NOT NULL,
+    comment TEXT,
+    rated_at REAL NOT NULL,  -- unix time
+    request_id TEXT NOT NULL UNIQUE,
+    model TEXT NOT NULL,
+    version TEXT NOT NULL,
+    lane TEXT NOT NULL,
+    status TEXT NOT NULL,
+    finish_reason TEXT,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    cached_tokens INTEGER NOT NULL,
+    queue_s REAL,
+    ttft_s REAL,
+    e2e_s REAL,
+    kv_blocks_peak INTEGER NOT NULL,
+    preemptions INTEGER NOT NULL,
+    response_cached INTEGER NOT NULL,
+    ended_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS feedback_by_version ON feedback (model, version);
+"""
+
+
+class FeedbackStore:
+    """Ratings in one SQLite file. Build it with `open()`; every method but close() is awaited."""
+
+    def __init__(self, path: str, conn: sqlite3.Connection, pool: ThreadPoolExecutor) -> None:
+        self.path = path
+        self._conn = conn
+        self._pool = pool
+
+    @classmethod
+    def open(cls, path: str) -> FeedbackStore:
+        """Open (creating it and its folder when missing) the database at `path`."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenmill-feedback")
+        conn = pool.submit(_connect, path).result()
+        return cls(path, conn, pool)
+
+    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self._conn, *args)
+
+    async def rated(self, request_id: str) -> bool:
+        return bool(await self._run(_count, request_id))
+
+    async def add(self, record: RequestRecord, rating: int, comment: str | None) -> dict[str, Any]:
+        """Store a rating of `record`; raises AlreadyRated when the request has one."""
+        row = {"rating": rating, "comment": comment, "rated_at": time.time(), **asdict(record)}
+        row["response_cached"] = int(record.response_cached)
+        row_id = await self._run(_insert, row)
+        return {"id": row_id, **row, "response_cached": record.response_cached}
+
+    async def export(self, model: str | None, version: str | None, limit: int) -> list[dict[str, Any]]:
+        """Ratings, newest first, optionally of one model and/or version."""
+        return await self._run(_select, model, version, limit)
+
+    def close(self) -> None:
+        self._pool.submit(self._conn.close).result()
+        self._pool.shutdown(wait=True)
+
+
+# -- on the store's thread ------------------------------------------------------------------------------
+def _connect(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None)  # autocommit: each insert is its own transaction
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.executescript(_SCHEMA)
+    return conn
+
+
+def _count(conn: sqlite3.Connection, request_id: str) -> int:
+    return conn.execute("SELECT COUNT(*) FROM feedback WHERE request_id = ?", (request_id,)).fetchone()[0]
+
+
+def _insert(conn: sqlite3.Connection, row: dict[str, Any]) -> int:
+    names = ", ".join(row)
+    marks = ", ".join("?" for _ in row)
+    try:
+        cursor = conn.execute(f"INSERT INTO feedback ({names}) VALUES ({marks})", tuple(row.values()))
+    except sqlite3.IntegrityError:
+        raise AlreadyRated(row["request_id"]) from None
+    return int(cursor.lastrowid or 0)
+
+
+def _select(conn: sqlite3.Connection, model: str | None, version: str | None, limit: int) -> list[dict[str, Any]]:
+    where, args = [], []
+    for column, value in (("model", model), ("version", version)):
+        if value is not None:
+            where.append(f"{column} = ?")
+            args.append(value)
+    sql = "SELECT * FROM feedback" + (f" WHERE {' AND '.join(where)}" if where else "") + " ORDER BY id DESC LIMIT ?"
+    rows = conn.execute(sql, (*args, limit)).fetchall()
+    out = []
+    for row in rows:
+        item = dict(row)
+        item["response_cached"] = bool(item["response_cached"])
+        out.append(item)
+    return out
