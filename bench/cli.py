@@ -1,7 +1,7 @@
 """Command line of the benchmarks: `python -m bench <subcommand> ...`, also `tokenmill bench ...`.
 
 Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
-and sets `func(args) -> int`. Today: `offline`, `load` (HTTP load test), `sweep`.
+and sets `func(args) -> int`. Today: `offline`, `floor`, `quality`, `gemv`, `load` (HTTP load test), `sweep`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from bench import floor, load, offline, sweep
+from bench import floor, gemv, load, offline, quality, sweep
 
 
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
@@ -19,6 +19,8 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
     offline.add_parser(subparsers)
     floor.add_parser(subparsers)
+    quality.add_parser(subparsers)
+    gemv.add_parser(subparsers)
     load.add_parser(subparsers)
     sweep.add_parser(subparsers)
     return parser

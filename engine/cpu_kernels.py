@@ -29,7 +29,7 @@ log = logging.getLogger("tokenmill.engine")
 CSRC = Path(__file__).parent / "csrc"
 # source -> its own flags. The layer kernels reproduce PyTorch's roundings op by op, so the compiler
 # must not contract a * b + c into one fused multiply-add there; the attention products may.
-SOURCES = {"cpu_attention.cpp": (), "cpu_layers.cpp": ("-ffp-contract=off",)}
+SOURCES = {"cpu_attention.cpp": (), "cpu_layers.cpp": ("-ffp-contract=off",), "cpu_gemv.cpp": ()}
 HEADERS = ("widen.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-w")
 
