@@ -109,33 +109,48 @@ TM_AVX512 inline void tile_bf16(const Job& j, int64_t m0, int64_t b0, __m512 (&a
 
 // ---- INT8 ----------------------------------------------------------------------------------------
 
-// acc += pairwise int16 products of w and x (vpdpwssd). Inline asm: with the intrinsic GCC 12 copies
-// every accumulator twice per instruction in the 4-row tile.
-TM_AVX512 inline void dpwssd(__m512i& acc, __m512i w, __m512i x) {
-  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
-}
-
 // sums[r][b] = int32 sums of x[row m0 + r] . W[block b] over pairs [p0, p1) (at most FLUSH_PAIRS).
-// Its own function, so the accumulators own the registers (16 of them, + 4 weights + 1 broadcast).
+// Named accumulators, not an array: with `__m512i part[R][NB]` GCC 12 copies each accumulator
+// twice per vpdpwssd in tiles of 2+ rows (an array of dpbf16 accumulators it keeps in place).
+#define TM_DOT_ROW(r)                                                   \
+  if constexpr (R > r) {                                                \
+    const __m512i xb = _mm512_set1_epi32(pair_at(x##r, p));             \
+    a##r##0 = _mm512_dpwssd_epi32(a##r##0, w0, xb);                     \
+    a##r##1 = _mm512_dpwssd_epi32(a##r##1, w1, xb);                     \
+    a##r##2 = _mm512_dpwssd_epi32(a##r##2, w2, xb);                     \
+    a##r##3 = _mm512_dpwssd_epi32(a##r##3, w3, xb);                     \
+  }
+#define TM_SAVE_ROW(r) \
+  if constexpr (R > r) { sums[r][0] = a##r##0; sums[r][1] = a##r##1; sums[r][2] = a##r##2; sums[r][3] = a##r##3; }
+
 template <int R>
 TM_AVX512 __attribute__((noinline)) void dot_int8(const Job& j, const int8_t* w, int64_t m0, int64_t p0, int64_t p1,
                                                   __m512i (&sums)[R][NB]) {
-  const int64_t kp = j.g.k2 / 2;
-  __m512i part[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) part[r][b] = _mm512_setzero_si512();
+  static_assert(NB == 4 && R >= 1 && R <= 4, "dot_int8 is written out for 4 blocks and up to 4 rows");
+  const int64_t kp = j.g.k2 / 2, k2 = j.g.k2;
+  const uint16_t* x0 = j.x + m0 * k2;
+  const uint16_t *x1 = x0 + k2, *x2 = x0 + 2 * k2, *x3 = x0 + 3 * k2;  // rows past R are never read
+  const __m512i z = _mm512_setzero_si512();
+  __m512i a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
+  __m512i a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
   for (int64_t p = p0; p < p1; ++p) {
-    __m512i wv[NB];
-    for (int b = 0; b < NB; ++b)
-      wv[b] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * kp + p) * 32)));
-    for (int r = 0; r < R; ++r) {
-      const __m512i xb = _mm512_set1_epi32(pair_at(j.x + (m0 + r) * j.g.k2, p));
-      for (int b = 0; b < NB; ++b) part[r][b] = _mm512_dpwssd_epi32(part[r][b], wv[b], xb);
-    }
+    const int8_t* wp = w + p * 32;
+    const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
+    const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kp * 32)));
+    const __m512i w2 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 2 * kp * 32)));
+    const __m512i w3 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 3 * kp * 32)));
+    TM_DOT_ROW(0)
+    TM_DOT_ROW(1)
+    TM_DOT_ROW(2)
+    TM_DOT_ROW(3)
   }
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) sums[r][b] = part[r][b];
+  TM_SAVE_ROW(0)
+  TM_SAVE_ROW(1)
+  TM_SAVE_ROW(2)
+  TM_SAVE_ROW(3)
 }
+#undef TM_DOT_ROW
+#undef TM_SAVE_ROW
 
 // acc[r][b] = (sum over groups of float(int32 sums) * w_scale[group]) * x_scale[row], and for
 // per-channel scales * w_scale at the end.
