@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +33,7 @@ from engine.models.cpu_linear import (
 )
 from engine.models.llama import LlamaForCausalLM
 from engine.models.packed_linear import PackedLinear, packing_supported
-from engine.quantization import group_for, quantize_int8
+from engine.quantization import Int8Weight, group_for, quantize_int8
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -47,13 +48,21 @@ class WeightsReport:
     weight_bytes: int  # bytes of the linear weights (logits head included) one decode step reads
 
 
-def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch.device,
-                    dtype: torch.dtype) -> WeightsReport:
-    """Replace the model's linears (in place) as the module docstring says; returns what it did."""
+def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                    preloaded: Mapping[str, Int8Weight] | None = None) -> WeightsReport:
+    """Replace the model's linears (in place) as the module docstring says; returns what it did.
+
+    preloaded: INT8 weights that arrived quantized (a GGUF Q8_0 tensor through
+    quantization.int8_from_blocks; a fused weight's shards concatenated by rows, as its scales are
+    per row), by the name of the model parameter they stand for ("model.layers.0.self_attn.qkv_proj.weight",
+    "model.embed_tokens.weight"). With quantization "int8" they are used as they are and the rest
+    is quantized here; without it they are refused."""
     if config.quantization is not None and device.type != "cpu":
         raise ValueError(f"quantization {config.quantization!r} runs on the CPU only (device is {device})")
+    if preloaded and config.quantization != "int8":
+        raise ValueError("preloaded INT8 weights need quantization='int8'")
     if config.quantization == "int8":
-        return _int8(model, config, dtype)
+        return _int8(model, config, dtype, dict(preloaded or {}))
     onednn = config.pack_weights and packing_supported(device, dtype)
     if device.type != "cpu" or dtype != torch.bfloat16:
         return WeightsReport(False, None, "off (bf16 on the CPU only)", _weight_bytes(model))
@@ -81,16 +90,29 @@ def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch
     return WeightsReport(onednn, None, _plan_text(plans), _weight_bytes(model))
 
 
-def _int8(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype) -> WeightsReport:
+def _int8(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype,
+          preloaded: dict[str, Int8Weight]) -> WeightsReport:
     reason = "cpu_gemv is 'off'" if config.cpu_gemv == "off" else kernels_unavailable("int8")
     if reason is not None and config.cpu_gemv != "off":
         log.warning("INT8 kernels unavailable (%s); INT8 weights are dequantized for each product", reason)
     plans: dict[tuple, int] = {}
     tied = model.lm_head is None
+    names = {id(p): name for name, p in model.named_parameters()}
+    unknown = sorted(set(preloaded) - set(names.values()))
+    if unknown:
+        raise ValueError(f"preloaded INT8 weights for parameters the model does not have: {unknown[:5]}")
+
+    def int8_of(weight: torch.Tensor) -> Int8Weight:
+        name = names.get(id(weight))
+        given = preloaded.get(name) if name else None
+        if given is None:
+            return quantize_int8(weight, group_for(weight.shape[1], config.quantization_group_size))
+        if given.q.shape != weight.shape:
+            raise ValueError(f"preloaded INT8 weight {name!r} is {tuple(given.q.shape)}, the model's {tuple(weight.shape)}")
+        return given
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None, role: str) -> nn.Module:
-        q = quantize_int8(weight, group_for(weight.shape[1], config.quantization_group_size))
-        lin = Int8Linear(q, bias, ALWAYS, reason is None, role == "gate_up")
+        lin = Int8Linear(int8_of(weight), bias, ALWAYS, reason is None, role == "gate_up")
         if reason is None:
             lin.max_rows = _planned_rows(plans, lin, role, config, dtype)
         return lin
@@ -100,8 +122,7 @@ def _int8(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype) -> 
     if tied:
         source = model.lm_head
     else:  # its own INT8 rows, looked up only (plain layout)
-        group = group_for(embed.weight.shape[1], config.quantization_group_size)
-        source = Int8Linear(quantize_int8(embed.weight, group), None, 0, kernel=False)
+        source = Int8Linear(int8_of(embed.weight), None, 0, kernel=False)
     model.model.embed_tokens = Int8Embedding(source, dtype)
     gemv = f"off ({reason})" if reason is not None else _plan_text(plans)
     return WeightsReport(False, "int8", gemv, _weight_bytes(model))

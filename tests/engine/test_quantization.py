@@ -68,3 +68,47 @@ def test_q8_0_blocks_go_in_as_they_are():
         int8_from_blocks(q.to(torch.int16), d)
     with pytest.raises(ValueError, match="floating point"):
         int8_from_blocks(q, torch.ones(48, 3, dtype=torch.int32))
+
+
+def test_preloaded_int8_weights_are_used_as_they_are(build_model):
+    """The entry for a GGUF Q8_0 loader: int8 blocks by parameter name go into the model untouched."""
+    from transformers import AutoConfig
+
+    from engine import EngineConfig
+    from engine.cpu_weights import prepare_weights
+    from engine.loader import load_model
+    from engine.models.cpu_linear import Int8Embedding, Int8Linear
+
+    path = build_model("tiny-llama")
+    cfg = AutoConfig.from_pretrained(str(path))
+
+    def model():
+        return load_model(path, cfg, torch.float32, torch.device("cpu"), 256, show_progress=False)
+
+    m = model()
+    qkv = m.model.layers[0].self_attn.qkv_proj.weight
+    g = torch.Generator().manual_seed(9)
+    given = int8_from_blocks(torch.randint(-127, 128, qkv.shape, generator=g, dtype=torch.int8),
+                             (torch.rand(qkv.shape[0], qkv.shape[1] // 32, generator=g) * 0.01).half())
+    emb = m.model.embed_tokens.weight
+    emb_given = quantize_int8(emb, 32)
+    config = EngineConfig(model=str(path), quantization="int8", cpu_gemv="on")
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    report = prepare_weights(m, config, torch.device("cpu"), torch.float32,
+                             {name: given, "model.embed_tokens.weight": emb_given})
+    assert report.quantization == "int8"
+    lin = m.model.layers[0].self_attn.qkv_proj
+    assert isinstance(lin, Int8Linear) and lin.group_size == 32
+    assert torch.equal(lin.dequantize(torch.float32), given.dequantize(torch.float32))
+    other = m.model.layers[1].self_attn.qkv_proj  # not preloaded: quantized here, groups of 64
+    assert other.group_size == 64
+    assert isinstance(m.model.embed_tokens, Int8Embedding)
+    ids = torch.tensor([0, 5, 77])
+    assert torch.equal(m.model.embed_tokens(ids), emb_given.dequantize(torch.float32)[ids])
+    with pytest.raises(ValueError, match="does not have"):
+        prepare_weights(model(), config, torch.device("cpu"), torch.float32, {"model.nope.weight": given})
+    with pytest.raises(ValueError, match="is \\("):
+        prepare_weights(model(), config, torch.device("cpu"), torch.float32,
+                        {"model.layers.0.self_attn.o_proj.weight": given})
+    with pytest.raises(ValueError, match="need quantization='int8'"):
+        prepare_weights(model(), EngineConfig(model=str(path)), torch.device("cpu"), torch.float32, {name: given})
