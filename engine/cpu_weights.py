@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -63,9 +63,12 @@ def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch
         raise ValueError("preloaded INT8 weights need quantization='int8'")
     if config.quantization == "int8":
         return _int8(model, config, dtype, dict(preloaded or {}))
-    onednn = config.pack_weights and packing_supported(device, dtype)
     if device.type != "cpu" or dtype != torch.bfloat16:
         return WeightsReport(False, None, "off (bf16 on the CPU only)", _weight_bytes(model))
+    return _bf16(model, config, config.pack_weights and packing_supported(device, dtype))
+
+
+def _bf16(model: LlamaForCausalLM, config: EngineConfig, onednn: bool) -> WeightsReport:
     reason = "cpu_gemv is 'off'" if config.cpu_gemv == "off" else kernels_unavailable("bf16")
     if reason is not None:
         if config.cpu_gemv != "off":
@@ -80,7 +83,7 @@ def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch
         if plans.get(_key(weight, bias, role == "gate_up")) == 0:  # measured on an earlier layer: never faster
             return PackedLinear(weight, bias, config.max_num_seqs) if onednn else _plain(weight, bias)
         lin = GemvLinear(weight, bias, ALWAYS, config.max_num_seqs, role == "gate_up", onednn)
-        lin.max_rows = _planned_rows(plans, lin, role, config, dtype)
+        lin.max_rows = _planned_rows(plans, lin, role, config, torch.bfloat16)
         if lin.max_rows:
             return lin
         # The kernel never wins on this shape: one layout only.
@@ -97,19 +100,7 @@ def _int8(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype,
         log.warning("INT8 kernels unavailable (%s); INT8 weights are dequantized for each product", reason)
     plans: dict[tuple, int] = {}
     tied = model.lm_head is None
-    names = {id(p): name for name, p in model.named_parameters()}
-    unknown = sorted(set(preloaded) - set(names.values()))
-    if unknown:
-        raise ValueError(f"preloaded INT8 weights for parameters the model does not have: {unknown[:5]}")
-
-    def int8_of(weight: torch.Tensor) -> Int8Weight:
-        name = names.get(id(weight))
-        given = preloaded.get(name) if name else None
-        if given is None:
-            return quantize_int8(weight, group_for(weight.shape[1], config.quantization_group_size))
-        if given.q.shape != weight.shape:
-            raise ValueError(f"preloaded INT8 weight {name!r} is {tuple(given.q.shape)}, the model's {tuple(weight.shape)}")
-        return given
+    int8_of = _int8_source(model, preloaded, config.quantization_group_size)
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None, role: str) -> nn.Module:
         lin = Int8Linear(int8_of(weight), bias, ALWAYS, reason is None, role == "gate_up")
@@ -119,13 +110,31 @@ def _int8(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype,
 
     model.replace_linears(make)
     embed = model.model.embed_tokens
-    if tied:
-        source = model.lm_head
-    else:  # its own INT8 rows, looked up only (plain layout)
-        source = Int8Linear(int8_of(embed.weight), None, 0, kernel=False)
+    # Tied: the embedding's rows are the head's; untied: its own INT8 rows, looked up only (plain layout).
+    source = model.lm_head if tied else Int8Linear(int8_of(embed.weight), None, 0, kernel=False)
     model.model.embed_tokens = Int8Embedding(source, dtype)
     gemv = f"off ({reason})" if reason is not None else _plan_text(plans)
     return WeightsReport(False, "int8", gemv, _weight_bytes(model))
+
+
+def _int8_source(model: nn.Module, preloaded: dict[str, Int8Weight],
+                 group_size: int | None) -> Callable[[torch.Tensor], Int8Weight]:
+    """weight -> its INT8 form: the preloaded one for its parameter name, else quantized here."""
+    names = {id(p): name for name, p in model.named_parameters()}  # before any replacement
+    unknown = sorted(set(preloaded) - set(names.values()))
+    if unknown:
+        raise ValueError(f"preloaded INT8 weights for parameters the model does not have: {unknown[:5]}")
+
+    def int8_of(weight: torch.Tensor) -> Int8Weight:
+        name = names.get(id(weight))
+        given = preloaded.get(name) if name else None
+        if given is None:
+            return quantize_int8(weight, group_for(weight.shape[1], group_size))
+        if given.q.shape != weight.shape:
+            raise ValueError(f"preloaded INT8 weight {name!r} is {tuple(given.q.shape)}, the model's {tuple(weight.shape)}")
+        return given
+
+    return int8_of
 
 
 def _planned_rows(plans: dict[tuple, int], lin: GemvLinear | Int8Linear, role: str, config: EngineConfig,
