@@ -37,13 +37,18 @@ def kernels_unavailable(kind: str) -> str | None:
     reason = cpu_kernels.load()
     if reason is not None:
         return reason
+    if not hasattr(torch.ops.tokenmill, "gemv_supported"):
+        return "the linear kernels did not compile here (see the build's warning)"
     if not cpu_supports(kind):
         return "this CPU lacks AVX-512 BF16" + (" / VNNI" if kind == "int8" else "")
     return None
 
 
 def cpu_supports(kind: str) -> bool:
-    """The loaded kernels' own check of this CPU's instructions (cpuid)."""
+    """The loaded kernels' own check of this CPU's instructions (cpuid); False when the library was
+    built without them (cpu_kernels.OPTIONAL)."""
+    if not hasattr(torch.ops.tokenmill, "gemv_supported"):
+        return False
     return bool(torch.ops.tokenmill.gemv_supported(kind))
 
 
