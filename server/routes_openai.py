@@ -18,6 +18,7 @@ from sse_starlette import ServerSentEvent
 
 from engine.api import SamplingParams, TokenLogprob
 from engine.tokenization import message_texts
+from server import sse
 from server.deployment import Lease
 from server.errors import ApiError
 from server.gateway import GenerationRequest, RequestHandle
@@ -150,13 +151,13 @@ async def _stream(guard: StreamGuard, shape: _Shape, want_logprobs: bool,
                 yield _event({**shape.chunk([shape.delta("", None, event.reason)]), **extra})
                 if include_usage:
                     yield _event({**shape.chunk([]), "usage": shape.usage(handle.ticket)})
-        yield ServerSentEvent(data="[DONE]")
+        yield sse.event("[DONE]")
     finally:
         guard.close()
 
 
 def _event(data: dict[str, Any]) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(data, separators=(",", ":"), ensure_ascii=False))
+    return sse.event(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
 
 
 class _Shape:
