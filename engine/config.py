@@ -36,6 +36,7 @@ class EngineConfig:
     # INT8 input columns per scale of an output row; None, or a weight whose K it does not divide: one scale per row.
     quantization_group_size: int | None = 64
     cpu_gemv: str = "auto"  # CPU small-batch linear kernels: auto (where measured faster at start-up), on, off
+    fused_decode: bool = True  # CPU kernels: decode-only steps run the layer loop in C++ (same results, less overhead)
     cpu_threads: int | None = None  # CPU: torch's intra-op threads, set at start-up (process-wide); None: torch's
 
     def __post_init__(self) -> None:
@@ -71,7 +72,7 @@ class EngineConfig:
                 raise ValueError(f"quantization_group_size must be even, got {self.quantization_group_size}")
         if self.cpu_gemv not in CPU_GEMV:
             raise ValueError(f"cpu_gemv must be one of {CPU_GEMV}, got {self.cpu_gemv!r}")
-        for name in ("enforce_eager", "pack_weights"):
+        for name in ("enforce_eager", "pack_weights", "fused_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -44,7 +44,7 @@ class Engine(EngineCore):
         self.packed_weights = self.weights.packed
         backend = select_backend(self.device, config.attention_backend, self.dtype)
         if backend.name == "cpu":  # the C++ kernels are loaded: the layers use theirs too
-            model.use_cpu_kernels(norms=self.dtype == torch.bfloat16)
+            model.use_cpu_kernels(norms=self.dtype == torch.bfloat16, fused_decode=config.fused_decode)
         use_graphs = graphs_enabled(self.device, config.enforce_eager, backend)
         buckets = graph_buckets(config.max_num_seqs)
         spec = setup.kv_spec(self.hf_config, self.block_size, self.dtype)
