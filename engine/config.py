@@ -30,6 +30,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: Triton kernels on CUDA, C++ kernels on CPU, when they run; else torch
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only; the CPU never uses them)
     pack_weights: bool = True  # CPU bf16: linear weights in oneDNN's packed layout (same results, faster)
+    tokenizer: str | None = None  # a Hugging Face tokenizer folder used instead of the model's own
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -54,6 +55,8 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError("tokenizer must be a non-empty path or None")
         for name in ("enforce_eager", "pack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -49,6 +49,7 @@ class Completed:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when params.prompt_logprobs was set
 
 
 def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHandle:
@@ -187,6 +188,8 @@ class RequestHandle:
                     done.token_ids.extend(event.output.new_token_ids)
                     done.text += event.output.text_delta
                     done.logprobs.extend(event.output.logprobs or [])
+                    if event.output.prompt_logprobs is not None:
+                        done.prompt_logprobs = event.output.prompt_logprobs
                 elif isinstance(event, Finished):
                     done.finished = event
                     break
