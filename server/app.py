@@ -13,7 +13,16 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server import routes_admin, routes_feedback, routes_generate, routes_openai, routes_ops
+from server import (
+    routes_admin,
+    routes_feedback,
+    routes_generate,
+    routes_openai,
+    routes_ops,
+    routes_responses,
+    routes_tgi,
+    routes_tokens,
+)
 from server.auth import AdminKeyMiddleware, ApiKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
 from server.connection_metrics import ConnectionCollector
@@ -56,6 +65,9 @@ def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoad
     app.include_router(routes_openai.router)
     app.include_router(routes_feedback.router)
     app.include_router(routes_ops.router)
+    app.include_router(routes_tokens.router)
+    app.include_router(routes_responses.router)
+    app.include_router(routes_tgi.router)
     app.include_router(routes_admin.router)
     # Added last = runs first: authentication before the body is read.
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)

@@ -23,6 +23,7 @@ from server.errors import ApiError
 
 if TYPE_CHECKING:
     from server.protocol import ChatMessage
+    from server.tokens import PromptCodec
 
 STRING, PARTS = "string", "openai"  # the two content formats (vLLM's names for them)
 TEXT_PART_TYPES = ("text", "input_text", "output_text")  # chat's, and the Responses API's
@@ -108,6 +109,17 @@ def _tool_call(call: dict[str, Any], field: str) -> dict[str, Any]:
         if isinstance(decoded, dict):
             arguments = decoded
     return {**call, "type": call.get("type", "function"), "function": {**function, "arguments": arguments}}
+
+
+async def chat_prompt(codec: PromptCodec, messages: list[ChatMessage], render: dict[str, Any]) -> list[int]:
+    """Prompt token ids of `messages` through the codec's chat template. Raises ApiError 400 naming the
+    field when a message is invalid or the template fails on them."""
+    try:
+        return await codec.chat(template_messages(messages, codec.content_format), render)
+    except ApiError:
+        raise
+    except Exception as exc:
+        raise ApiError(400, "invalid_request", f"chat template failed: {exc}", param="messages") from None
 
 
 def render_options(add_generation_prompt: bool, continue_final_message: bool,

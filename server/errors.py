@@ -1,8 +1,10 @@
 """Error bodies and exception handlers: every failure is JSON naming what went wrong, never a bare 500.
 
 Native routes answer `{"error": {"type", "message", "param"?, ...}}`; `/v1/*` routes answer the
-OpenAI shape `{"error": {"message", "type", "param", "code"}}`. Schema errors on native routes are
-422, malformed JSON is 400; OpenAI routes answer 400 for both, as OpenAI does.
+OpenAI shape `{"error": {"message", "type", "param", "code"}}`; the TGI routes (`POST /`,
+`/generate_stream`) TGI's `{"error": "...", "error_type": "validation"|"overloaded"|...}`, which
+Hugging Face's client turns into its typed errors. Schema errors on native routes are 422, malformed
+JSON is 400; OpenAI routes answer 400 for both, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -45,12 +47,18 @@ class ApiError(Exception):
         self.extra = dict(extra or {})
 
 
+TGI_PATHS = ("/", "/generate_stream")
+_TGI_TYPES = {"invalid_request": "validation", "overloaded": "overloaded", "unauthorized": "authorization"}
+
+
 def is_openai_path(path: str) -> bool:
     return path.startswith("/v1/")
 
 
 def error_body(path: str, status: int, type: str, message: str, param: str | None = None,
                extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    if path in TGI_PATHS:
+        return {"error": message, "error_type": _TGI_TYPES.get(type, type)}
     if is_openai_path(path):
         type = "invalid_request_error" if type == "invalid_request" else type
         return {"error": {"message": message, "type": type, "param": param, "code": status, **(extra or {})}}

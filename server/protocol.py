@@ -191,3 +191,30 @@ class ChatRequest(OpenAIFields):
 
     def render_options(self) -> dict[str, Any]:
         return render_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+
+
+class TokenizeRequest(BaseModel):
+    """Body of POST /tokenize (vLLM's): a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: Bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: Bool | None = False
+
+    def render_options(self) -> dict[str, Any]:
+        return render_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of POST /detokenize (vLLM's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[TokenId]

@@ -44,6 +44,8 @@ class PromptCodec:
         # Most bytes one token can stand for (None: no bound holds for this tokenizer).
         self.max_bytes_per_token = max_bytes_per_token(tokenizer)
         self._template = {"chat_template": chat_template} if chat_template is not None else {}
+        # The template that renders chats: the server's, else the tokenizer's own (None: no chat)
+        self.chat_template: str | None = chat_template or getattr(tokenizer, "chat_template", None)
         # Whether the chat template renders text parts or takes strings only (server/chat.py)
         self.content_format = probe_content_format(self._loop_tok, self._template)
 
@@ -53,8 +55,9 @@ class PromptCodec:
             return 0
         return math.ceil(text_bytes / self.max_bytes_per_token)
 
-    async def encode(self, text: str) -> list[int]:
-        return await self._run(len(text), encode_prompt, text)
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; prompts add no special tokens (templates add their own), /tokenize may."""
+        return await self._run(len(text), _encode_with_specials if add_special_tokens else encode_prompt, text)
 
     async def chat(self, messages: list[dict[str, Any]], render: dict[str, Any] | None = None) -> list[int]:
         """`render`: apply_chat_template's options (server/chat.py render_options)."""
@@ -100,6 +103,10 @@ def check_prompt_bytes(codec: PromptCodec, texts: list[str], max_tokens: int, ma
             f"{codec.max_bytes_per_token} bytes) + max_tokens ({max_tokens}) exceeds the context length "
             f"max_model_len ({max_model_len})", param=param,
         )  # fmt: skip
+
+
+def _encode_with_specials(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=True))
 
 
 def text_bytes(texts: list[str]) -> int:
