@@ -369,6 +369,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         shown = "none" if default is None else (",".join(default) if isinstance(default, list) else default)
         help_text = f"{info.description or name} (default: {shown})"
         kind, choices = _flag_kind(info.annotation)
+        if choices and name == "dtype":
+            choices += list(_VLLM_DTYPES)  # vLLM's names, mapped by the field's validator
         if kind is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
