@@ -27,6 +27,7 @@ from server.auth import AdminKeyMiddleware, ApiKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
 from server.connection_metrics import ConnectionCollector
 from server.default_model import with_default_model
+from server.error_log import ErrorLogMiddleware
 from server.errors import install_error_handlers
 from server.feedback import FeedbackStore
 from server.rollout import VersionLoader, initial_versions
@@ -73,4 +74,5 @@ def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoad
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, keys=settings.accepted_api_keys())
     app.add_middleware(AdminKeyMiddleware, keys=settings.accepted_admin_keys())
+    app.add_middleware(ErrorLogMiddleware)  # outermost: sees every error answer, the middlewares' too
     return app

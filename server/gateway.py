@@ -93,6 +93,7 @@ def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHand
             f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
             headers={"Retry-After": str(rejection.retry_after_s)},
             extra={"lane": lane.label},
+            accounted=True,  # counted and logged by record_rejection
         )  # fmt: skip
     return RequestHandle(runtime, ticket, lease)
 
@@ -100,7 +101,7 @@ def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHand
 def start_error(error: ServerError) -> ApiError:
     """The HTTP answer for a request that failed before anything was sent."""
     headers = {"Retry-After": "1"} if error.status == 503 else None
-    return ApiError(error.status, error.kind, error.message, param=error.param, headers=headers)
+    return ApiError(error.status, error.kind, error.message, param=error.param, headers=headers, accounted=True)
 
 
 class RequestHandle:
