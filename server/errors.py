@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
@@ -75,7 +75,7 @@ def error_body(path: str, status: int, type: str, message: str, param: str | Non
 ERROR_SCOPE_KEY = "tokenmill.error"  # the ApiError a response answered, for server/error_log.py
 
 
-def error_response(path: str, err: ApiError, scope: dict[str, Any] | None = None) -> JSONResponse:
+def error_response(path: str, err: ApiError, scope: MutableMapping[str, Any] | None = None) -> JSONResponse:
     """The error's JSON response; `scope` (the request's ASGI scope) records which error it was."""
     if scope is not None:
         scope[ERROR_SCOPE_KEY] = err

@@ -123,7 +123,7 @@ async def _completion_prompts(codec: PromptCodec, max_model_len: int, prompt: st
         raise ApiError(400, "invalid_request", f"at most {MAX_CHOICES} prompts per request", param="prompt")
     texts = [p for p in items if isinstance(p, str)]
     check_prompt_bytes(codec, texts, max(max_tokens, 1), max_model_len, "prompt")
-    out = []
+    out: list[tuple[list[int], str | None]] = []
     for p in items:
         out.append((await codec.encode(p), p) if isinstance(p, str) else (list(p), None))
     return out

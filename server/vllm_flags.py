@@ -36,7 +36,8 @@ _NUMBER = re.compile(r"^-\d")
 def flag_problems(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
     """One line naming every flag in `argv` that `parser` does not know, or None when all are known."""
     known = parser._option_string_actions  # argparse's own table of option strings
-    vllm, unknown = [], []
+    vllm: list[str] = []
+    unknown: list[str] = []
     skip = False
     for token in argv:
         if skip:
