@@ -109,8 +109,29 @@ class OpenAIFields(SamplingFields):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, Num] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
+    truncate_prompt_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None  # vLLM's: keep the last N
+    # vLLM's extras that would change the answer and that we do not have: 400 rather than ignored
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    prompt_logprobs: Any = None
 
     def check_unsupported(self) -> None:
+        refused = {"use_beam_search": bool(self.use_beam_search), "length_penalty": self.length_penalty not in (None, 1, 1.0),
+                   "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+                   "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words),
+                   "logits_processors": bool(self.logits_processors),
+                   "prompt_logprobs": self.prompt_logprobs is not None}  # fmt: skip
+        for name, bad in refused.items():
+            if bad:
+                hint = " (use echo with logprobs)" if name == "prompt_logprobs" else ""
+                raise ApiError(400, "invalid_request", f"{name} is not supported{hint}", param=name)
+        self._check_counts()
+
+    def _check_counts(self) -> None:
         if self.n is not None and not 1 <= self.n <= MAX_N:
             raise ApiError(400, "invalid_request", f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         if self.best_of not in (None, 1, self.choices_per_prompt):
@@ -146,6 +167,7 @@ class CompletionRequest(OpenAIFields):
     logprobs: Int | None = None
     echo: Bool | None = False
     suffix: str | None = None
+    add_special_tokens: Bool = False  # vLLM's: tokenize text prompts with the tokenizer's special tokens (BOS)
 
 
 class ContentPart(BaseModel):
@@ -181,6 +203,11 @@ class ChatRequest(OpenAIFields):
     chat_template_kwargs: dict[str, Any] | None = None  # template variables (enable_thinking, ...)
     chat_template: str | None = None  # refused: templates come from the model or --chat-template
     echo: Bool | None = None  # vLLM's chat echo: refused
+    functions: Any = None  # the legacy form of tools: refused
+    function_call: Any = None
+    modalities: list[str] | None = None  # ["text"] only
+    audio: Any = None
+    documents: Any = None
 
     def check_chat_fields(self) -> None:
         if self.chat_template is not None:
@@ -188,6 +215,14 @@ class ChatRequest(OpenAIFields):
                            "server with --chat-template FILE", param="chat_template")  # fmt: skip
         if self.echo:
             raise ApiError(400, "invalid_request", "echo is not supported on chat completions", param="echo")
+        for name in ("functions", "function_call"):
+            if getattr(self, name):
+                raise ApiError(400, "invalid_request", f"{name} (the legacy form) is not supported: use tools",
+                               param=name)  # fmt: skip
+        if self.audio or (self.modalities and set(self.modalities) - {"text"}):
+            raise ApiError(400, "invalid_request", "only text output is supported", param="modalities")
+        if self.documents:
+            raise ApiError(400, "invalid_request", "documents are not supported", param="documents")
 
     def render_options(self) -> dict[str, Any]:
         return render_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)

@@ -66,7 +66,10 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "invalid_request", "max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
     with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
-        prompts = await _completion_prompts(dep.codec, dep.max_model_len, body.prompt, max_tokens)
+        prompts = await _completion_prompts(dep.codec, dep.max_model_len, body.prompt, max_tokens,
+                                            body.add_special_tokens)  # fmt: skip
+        cut = [(_truncated(ids, body.truncate_prompt_tokens), ids, text) for ids, text in prompts]
+        prompts = [(kept, text if kept is ids else None) for kept, ids, text in cut]  # echo what ran
         extra: dict[str, Any] = {"logit_bias": body.bias()}
         if body.echo and (body.logprobs is not None or max_tokens == 0):  # max_tokens 0: the engine runs the prompt
             extra["prompt_logprobs"] = body.logprobs or 0
@@ -99,6 +102,7 @@ async def chat_completions(request: Request) -> Response:
             raise
         except Exception as exc:
             raise ApiError(400, "invalid_request", f"chat template failed: {exc}", param="messages") from None
+        ids = _truncated(ids, body.truncate_prompt_tokens)
         # Without a limit, a chat reply may fill the context (OpenAI's behaviour): the model's, or the KV
         # cache's when that is smaller (dep.max_model_len is the smaller of the two).
         max_tokens = asked if asked is not None else max(1, dep.max_model_len - len(ids))
@@ -109,8 +113,13 @@ async def chat_completions(request: Request) -> Response:
     return await _respond(rt, request, body, handles, shape)
 
 
-async def _completion_prompts(codec: PromptCodec, max_model_len: int, prompt: str | list[Any],
-                              max_tokens: int) -> list[tuple[list[int], str | None]]:  # fmt: skip
+def _truncated(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the last `keep` prompt tokens."""
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
+
+
+async def _completion_prompts(codec: PromptCodec, max_model_len: int, prompt: str | list[Any], max_tokens: int,
+                              add_special_tokens: bool = False) -> list[tuple[list[int], str | None]]:  # fmt: skip
     """Each prompt's token ids and text (None when given as ids): one string, a list of strings, one
     list of token ids, or a list of them."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -125,7 +134,7 @@ async def _completion_prompts(codec: PromptCodec, max_model_len: int, prompt: st
     check_prompt_bytes(codec, texts, max(max_tokens, 1), max_model_len, "prompt")
     out: list[tuple[list[int], str | None]] = []
     for p in items:
-        out.append((await codec.encode(p), p) if isinstance(p, str) else (list(p), None))
+        out.append((await codec.encode(p, add_special_tokens), p) if isinstance(p, str) else (list(p), None))
     return out
 
 

@@ -164,6 +164,17 @@ def test_logit_bias_forces_and_bans(client, hf):
     assert math.isfinite(banned.choices[0].logprobs.token_logprobs[0])
 
 
+def test_truncate_prompt_tokens_and_add_special_tokens(client, hf):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, echo=True,
+                                  extra_body={"truncate_prompt_tokens": 3})  # fmt: skip
+    _, tok = hf
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    assert r.usage.prompt_tokens == 3 and r.choices[0].text.startswith(tok.decode(ids[-3:]))
+    with_specials = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                              extra_body={"add_special_tokens": True})  # fmt: skip
+    assert with_specials.usage.prompt_tokens == len(tok.encode(PROMPT, add_special_tokens=True))
+
+
 def test_chat_n(client):
     msgs = [{"role": "user", "content": "Say something."}]
     r = client.chat.completions.create(model=MODEL, messages=msgs, n=3, max_tokens=8, temperature=1.0, seed=3,
