@@ -80,8 +80,9 @@ def _start_leased(rt: Runtime, lease: Lease, req: GenerationRequest) -> Handle:
 
 async def _prompt_ran(handle: Handle, request: Request) -> None:
     """Wait until the first sample's prompt has run through the model (a first token, or its end), so
-    its full blocks are in the prefix cache. A cache replay ran nothing: no wait."""
-    if handle.cached:
+    its full blocks are in the prefix cache. A cache replay ran nothing, and samples that want prompt
+    log-probabilities run their whole prompt anyway: no wait for them."""
+    if handle.cached or handle.ticket.params.prompt_logprobs is not None:
         return
     ticket = handle.ticket
     loop = asyncio.get_running_loop()
