@@ -21,6 +21,7 @@ from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from engine.api import SamplingParams
+from server import sse
 from server.errors import ApiError
 from server.gateway import Completed, GenerationRequest, RequestHandle
 from server.serving import ReplayHandle, start
@@ -150,7 +151,7 @@ class ChoiceStreams:
     def response(self, content: AsyncIterator, ping_s: float,
                  headers: Mapping[str, str] | None = None) -> EventSourceResponse:  # fmt: skip
         return EventSourceResponse(content, ping=ping_s, headers=headers, background=BackgroundTask(self.aclose),
-                                   data_sender_callable=self.watch)  # fmt: skip
+                                   data_sender_callable=self.watch, sep=sse.SEP)  # fmt: skip
 
     async def watch(self) -> None:
         await asyncio.gather(*(g.watch() for g in self.guards))

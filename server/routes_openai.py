@@ -20,6 +20,7 @@ from sse_starlette import ServerSentEvent
 
 from engine.api import SamplingParams, TokenLogprob
 from engine.tokenization import message_texts
+from server import sse
 from server.chat import template_messages
 from server.choices import ChoiceStreams, Handle, collect_choices, sample_params, start_choices
 from server.deployment import Lease
@@ -200,13 +201,13 @@ async def _stream(streams: ChoiceStreams, shape: _Shape, tickets: list[Ticket], 
                 yield _event({**shape.chunk([shape.delta(index, "", None, event.reason, None)]), **extra})
         if include_usage and finished == len(tickets):
             yield _event({**shape.chunk([]), "usage": shape.usage(tickets)})
-        yield ServerSentEvent(data="[DONE]")
+        yield sse.event("[DONE]")
     finally:
         streams.close()
 
 
 def _event(data: dict[str, Any]) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(data, separators=(",", ":"), ensure_ascii=False))
+    return sse.event(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
 
 
 class _Shape:

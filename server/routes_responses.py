@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field
 from sse_starlette import ServerSentEvent
 
 from engine.tokenization import message_texts
+from server import sse
 from server.chat import TEXT_PART_TYPES, chat_prompt, template_messages
 from server.choices import ChoiceStreams, Handle, collect_choices, start_choices
 from server.errors import ApiError
@@ -204,4 +205,4 @@ class _ResponseShape:
     def event(self, kind: str, **data: Any) -> ServerSentEvent:
         payload = {"type": kind, "sequence_number": self._seq, **data}
         self._seq += 1
-        return ServerSentEvent(event=kind, data=json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+        return sse.event(json.dumps(payload, separators=(",", ":"), ensure_ascii=False), kind)

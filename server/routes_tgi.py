@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import ServerSentEvent
 
 from engine.api import SamplingParams, TokenLogprob
+from server import sse
 from server.choices import ChoiceStreams, Handle, collect_choices, start_choices
 from server.errors import ApiError
 from server.gateway import Completed, GenerationRequest
@@ -170,7 +171,7 @@ async def _stream(streams: ChoiceStreams, shape: _TGIShape, handle: Handle) -> A
 
 
 def _event(data: dict[str, Any]) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(data, separators=(",", ":"), ensure_ascii=False))
+    return sse.event(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
 
 
 def _error_type(kind: str) -> str:

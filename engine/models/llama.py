@@ -138,6 +138,23 @@ class LlamaForCausalLM(nn.Module):
             n += 1
         return n
 
+    def replace_linears(self, make) -> None:
+        """Every linear, the logits head included, by make(weight, bias, role) (CPU kernels, INT8:
+        engine/cpu_weights.py). role: "gate_up" for each gated MLP's fused gate/up weight (a module
+        with silu_mul(x) returned there computes silu(gate) * up itself, and the MLP calls it),
+        "lm_head" for the logits head (a tied model's is built from the embedding matrix; the lookup
+        keeps its own), "linear" for the rest."""
+        for mlp in [m for m in self.modules() if isinstance(m, GatedMLP)]:
+            lin = mlp.gate_up_proj
+            mlp.gate_up_proj = make(lin.weight, lin.bias, "gate_up")
+            mlp.fused_act = hasattr(mlp.gate_up_proj, "silu_mul")
+        targets = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
+                   if isinstance(child, nn.Linear)]
+        for parent, name, child in targets:
+            setattr(parent, name, make(child.weight, child.bias, "lm_head" if child is self.lm_head else "linear"))
+        if self.lm_head is None:
+            self.lm_head = make(self.model.embed_tokens.weight, None, "lm_head")
+
     def shard_sizes(self, fused: str) -> list[int]:
         """Row sizes of the shards of a fused parameter, in shard order."""
         if fused == "qkv_proj":
