@@ -97,6 +97,9 @@ class RequestOutput:
     started: bool = False  # this step scheduled the request for the first time (it left the queue)
     num_preemptions: int = 0  # times it was preempted so far (every cause)
     deadline: Deadline | None = None  # which deadline passed, when finish_reason is TIMEOUT
+    # Every prompt token's log-probability (the first None), once, on the output that ends the prompt's
+    # run (its first token, or its finish with max_tokens 0); None when not asked for (prompt_logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

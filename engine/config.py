@@ -32,6 +32,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: Triton kernels on CUDA, C++ kernels on CPU, when they run; else torch
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only; the CPU never uses them)
     pack_weights: bool = True  # CPU bf16: linear weights in oneDNN's packed layout (same results, faster)
+    tokenizer: str | None = None  # a Hugging Face tokenizer folder used instead of the model's own
     quantization: str | None = None  # "int8": INT8 weight-only linears (CPU; half the weight bytes); None: dtype
     # INT8 input columns per scale of an output row; None, or a weight whose K it does not divide: one scale per row.
     quantization_group_size: int | None = 64
@@ -62,6 +63,8 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError("tokenizer must be a non-empty path or None")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.cpu_threads is not None:

@@ -17,7 +17,9 @@ from engine.api import Deadlines, EngineStats, FinishReason, InvalidParam, Reque
 from engine.block_manager import BlockManager
 from engine.output_processor import (
     RequestTextState,
+    add_prompt_logprobs,
     error_output,
+    prompt_only_output,
     started_output,
     timeout_output,
     token_output,
@@ -39,6 +41,9 @@ class ModelRunnerOutput:
     sampled: dict[str, int]  # request_id -> new token id
     logprobs: dict[str, TokenLogprob]  # request_id -> logprob of that token (when asked for)
     failed: list[str] = field(default_factory=list)  # request_ids whose logits were not finite: no token
+    # request_id -> log-probabilities of the prompt tokens this step's chunk predicted, in order (for
+    # requests with params.prompt_logprobs; engine/prompt_logprobs.py)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):
@@ -58,6 +63,7 @@ class GenerationResult:
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when params.prompt_logprobs was set
 
 
 class EngineCore:
@@ -121,6 +127,9 @@ class EngineCore:
             raise InvalidParam("priority", f"priority must be an integer, got {priority!r}")
         ids = self._prompt_ids(prompt, prompt_token_ids)
         self._check_fits(len(ids), params.max_tokens)
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidParam("logit_bias", f"logit_bias: {bad[0]} is not a token id in [0, {self.vocab_size})")
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -197,10 +206,15 @@ class EngineCore:
         outputs = []
         for s in sched.scheduled:
             req = s.request
+            add_prompt_logprobs(req, result.prompt_logprobs.get(req.request_id))
             token = result.sampled.get(req.request_id)
             if token is None and req.request_id in failed:  # NaN/inf logits: fail this request, not the step
                 outputs.append(error_output(req, NONFINITE_LOGITS, started=id(req) in started))
                 self.scheduler.finish(req, FinishReason.ERROR)
+                continue
+            if token is None and s.start + s.num_tokens == req.num_tokens and req.params.max_tokens == 0:
+                outputs.append(prompt_only_output(req, started=id(req) in started))  # nothing to sample
+                self.scheduler.finish(req, FinishReason.LENGTH)
                 continue
             if token is None:  # a prompt chunk that did not reach the end of the prompt
                 if id(req) in started:
@@ -279,6 +293,8 @@ class EngineCore:
                 r.text += out.text_delta
                 r.logprobs.extend(out.logprobs or [])
                 r.cached_tokens = out.cached_tokens
+                if out.prompt_logprobs is not None:
+                    r.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     r.finish_reason = out.finish_reason
         return [results[rid] for rid in order]

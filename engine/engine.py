@@ -18,7 +18,7 @@ from engine.cuda_graphs import DecodeGraphRunner, graph_buckets, graphs_enabled
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
-from engine.model_source import open_model_source
+from engine.model_source import open_model_source, with_tokenizer
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerConfig
 
@@ -30,6 +30,8 @@ log = logging.getLogger("tokenmill.engine")
 class Engine(EngineCore):
     def __init__(self, config: EngineConfig, clock=time.monotonic) -> None:
         source = open_model_source(config.model)  # a HF folder or a GGUF file; every check before loading
+        if config.tokenizer is not None:
+            source = with_tokenizer(source, config.tokenizer)
         self.config = config
         self.hf_config = source.hf_config
         self.device = setup.resolve_device(config.device)

@@ -9,6 +9,7 @@ from engine.core import ModelRunnerOutput
 from engine.cuda_graphs import DecodeGraphRunner
 from engine.models.layers import ForwardContext
 from engine.models.llama import LlamaForCausalLM
+from engine.prompt_logprobs import compute_prompt_logprobs
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -32,6 +33,7 @@ class ModelRunner:
         items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
         input_ids, positions, layout = self._pack(items)
         hidden = self._forward(input_ids, positions, layout)  # [T, hidden]
+        prompt_lps = compute_prompt_logprobs(self.model, hidden, items)  # {} unless a request asked
         ends, reqs, offset = [], [], 0
         for s in items:
             offset += s.num_tokens
@@ -39,13 +41,13 @@ class ModelRunner:
                 ends.append(offset - 1)
                 reqs.append(s.request)
         if not reqs:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput({}, {}, prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])
         tokens, lps = self.sampler.sample(logits, reqs)
         sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True) if t is not None}
         failed = [r.request_id for r, t in zip(reqs, tokens, strict=True) if t is None]
         logprobs = {r.request_id: lp for r, lp in zip(reqs, lps, strict=True) if lp is not None}
-        return ModelRunnerOutput(sampled, logprobs, failed)
+        return ModelRunnerOutput(sampled, logprobs, failed, prompt_lps)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """The model over one packed step (host tensors in): a decode graph's replay when one fits."""

@@ -65,6 +65,23 @@ def open_model_source(path: str | os.PathLike) -> ModelSource:
     raise ValueError(f"model: {str(path)!r} is not a model folder (no config.json, no .gguf file)")
 
 
+def with_tokenizer(source: ModelSource, path: str | os.PathLike) -> ModelSource:
+    """`source` with the tokenizer of the Hugging Face folder `path` (vLLM's --tokenizer); its EOS token
+    joins the model's stop tokens. Raises ValueError naming the path."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tokenizer: cannot load {str(path)!r}: {exc}") from None
+    eos = set(source.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return dataclasses.replace(source, tokenizer=tokenizer, eos_token_ids=frozenset(eos))
+
+
 def _single_gguf(folder: Path) -> Path | None:
     found = sorted(folder.glob("*.gguf"))
     if len(found) > 1:

@@ -1,6 +1,6 @@
 """Turns a step's results into RequestOutputs: token appends, stop checks, detokenization, stop strings,
-and the outputs of requests that started, timed out or failed. Writes `Request.output_token_ids` and
-`Request.text` (no other module does)."""
+and the outputs of requests that started, timed out or failed. Writes `Request.output_token_ids`,
+`Request.text` and `Request.prompt_logprobs` (no other module does)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,30 @@ def token_output(req: Request, token: int, logprob: TokenLogprob | None, max_mod
     if hit:
         reason = FinishReason.STOP
     req.finish_reason = reason
-    return _output(req, [token], text, [logprob] if logprob is not None else None, reason, started=started)
+    prompt_lps = _prompt_logprobs(req) if req.num_output_tokens == 1 else None  # with the first token only
+    return _output(req, [token], text, [logprob] if logprob is not None else None, reason, started=started,
+                   prompt_logprobs=prompt_lps)  # fmt: skip
+
+
+def add_prompt_logprobs(req: Request, new: list[TokenLogprob] | None) -> None:
+    """Append the prompt log-probabilities a step computed (the list starts with the first token's None)."""
+    if not new:
+        return
+    if not req.prompt_logprobs:
+        req.prompt_logprobs.append(None)
+    req.prompt_logprobs.extend(new)
+
+
+def prompt_only_output(req: Request, started: bool) -> RequestOutput:
+    """A max_tokens 0 request whose prompt ran: it ends (length) with its prompt log-probabilities."""
+    req.finish_reason = FinishReason.LENGTH
+    return _output(req, [], "", None, FinishReason.LENGTH, started=started, prompt_logprobs=_prompt_logprobs(req))
+
+
+def _prompt_logprobs(req: Request) -> list[TokenLogprob | None] | None:
+    if req.params.prompt_logprobs is None:
+        return None
+    return list(req.prompt_logprobs) if req.prompt_logprobs else [None]  # a 1-token prompt: only the None
 
 
 def started_output(req: Request) -> RequestOutput:
@@ -62,7 +85,8 @@ def error_output(req: Request, message: str, started: bool = False) -> RequestOu
 
 def _output(req: Request, tokens: list[int], text: str, logprobs: list[TokenLogprob] | None,
             reason: FinishReason | None, started: bool = False, deadline: Deadline | None = None,
-            error: str | None = None) -> RequestOutput:  # fmt: skip
+            error: str | None = None, prompt_logprobs: list[TokenLogprob | None] | None = None,
+            ) -> RequestOutput:  # fmt: skip
     return RequestOutput(
         request_id=req.request_id,
         new_token_ids=tokens,
@@ -78,4 +102,5 @@ def _output(req: Request, tokens: list[int], text: str, logprobs: list[TokenLogp
         started=started,
         num_preemptions=req.num_preemptions,
         deadline=deadline,
+        prompt_logprobs=prompt_logprobs,
     )

@@ -49,6 +49,9 @@ class Request:
     # -- the output processor's (token appends, text) ------------------------------------------------------
     output_token_ids: list[int] = field(default_factory=list)
     text: Any = None  # RequestTextState: detokenizer and stop-string filter, kept across preemptions
+    # Prompt token log-probabilities computed so far (params.prompt_logprobs): entry i is token i's, the
+    # first None; kept across preemptions (a recompute does not redo them)
+    prompt_logprobs: list[Any] = field(default_factory=list)
     # -- the sampler's ------------------------------------------------------------------------------------
     generator: Any = None  # torch.Generator drawn from for sampled tokens; None until first used
 
@@ -66,6 +69,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities were asked for and some are not computed yet: the prompt must run
+        through the model (not come from the prefix cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Token ids [start, end) over prompt + output."""

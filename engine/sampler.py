@@ -3,7 +3,7 @@
 Greedy rows take the argmax. Sampled rows are scaled by temperature, filtered by top-k, top-p and
 min-p, then drawn with the exponential-race trick (argmax of p / E, E ~ Exp(1)) using each
 request's own generator, so a seeded request draws the same tokens whatever else is in the batch.
-Logprobs are those of the model's raw distribution (before penalties and temperature).
+Logprobs are those of the model's raw distribution (before penalties, logit_bias and temperature).
 A row whose chosen score is not finite (NaN or inf logits) yields no token (None): the engine fails
 that request alone instead of emitting whatever index argmax picks from NaNs.
 """
@@ -92,7 +92,8 @@ def _finite_or_none(tokens: torch.Tensor, chosen: torch.Tensor) -> list[int | No
 def _needs_processing(r: Request) -> bool:
     p = r.params
     min_tok = r.num_output_tokens < p.min_tokens
-    return min_tok or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    penalties = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    return min_tok or penalties or bool(p.logit_bias)
 
 
 def _penalise_row(row: torch.Tensor, r: Request) -> None:
@@ -106,6 +107,9 @@ def _penalise_row(row: torch.Tensor, r: Request) -> None:
         # As OpenAI: over output tokens only.
         ids, counts = torch.tensor(r.output_token_ids, device=dev).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    if p.logit_bias:  # OpenAI's logit_bias: added to the logits, before temperature
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=dev)
+        row[ids] += torch.tensor([b for _, b in p.logit_bias], device=dev, dtype=row.dtype)
     if r.num_output_tokens < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
         banned = [t for t in banned if t < row.shape[0]]

@@ -11,6 +11,8 @@ from engine.errors import InvalidParam
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Repetition penalties are bounded away from 0 and inf: a logit divided by 1e-300 is inf.
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token in practice, +100 all but forces it
+MAX_LOGPROBS = 20  # top-N alternatives at most (sampled and prompt tokens)
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class SamplingParams:
     ``InvalidParam`` (a ValueError) naming the field.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0 only with prompt_logprobs: the prompt runs, nothing is sampled
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) disables top-k
@@ -35,6 +37,13 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: int | None = None  # None: none; 0: chosen token only; N: chosen + top-N
+    # Log-probabilities of the prompt's tokens (each given the ones before it; the first has none): None:
+    # none; 0: each prompt token's own; N: + top-N. Such a request computes its whole prompt (no prefix
+    # cache) and the logits of every prompt position, in chunks (engine/prompt_logprobs.py).
+    prompt_logprobs: int | None = None
+    # (token id, bias) pairs added to the logits before sampling (greedy too), sorted by token id;
+    # logprobs stay those of the model's raw distribution. A dict is accepted and stored sorted.
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers, store tuples so the object stays hashable.
@@ -45,10 +54,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._validate()
 
     def _validate(self) -> None:
-        _check_int("max_tokens", self.max_tokens, lo=1)
+        _check_int("max_tokens", self.max_tokens, lo=0 if self.prompt_logprobs is not None else 1)
         _check_num("temperature", self.temperature, lo=0.0, hi=100.0)
         _check_num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_int("top_k", self.top_k, lo=0)
@@ -68,12 +78,31 @@ class SamplingParams:
                 raise InvalidParam("stop", "stop must contain non-empty strings")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, lo=0)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, lo=0, hi=20)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), lo=0, hi=MAX_LOGPROBS)
+        for token, bias in self.logit_bias:
+            _check_int("logit_bias", token, lo=0)
+            _check_num("logit_bias", bias, *LOGIT_BIAS_RANGE)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a dict or pairs; values are checked later."""
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = [(t, b) for t, b in items or ()]  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise InvalidParam("logit_bias", "logit_bias must map token ids to numbers") from None
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise InvalidParam("logit_bias", "logit_bias names a token id twice")
+    try:
+        return tuple(sorted(pairs))
+    except TypeError:
+        raise InvalidParam("logit_bias", "logit_bias keys must be integer token ids") from None
 
 
 def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:

@@ -176,7 +176,8 @@ class _StepPlanner:
             return False
         if len(self.s.running) >= self.s.config.max_num_seqs and not self._preempt_for(req, PreemptionCause.SLOTS):
             return False
-        cached = self.s.blocks.find_cached_prefix(req)
+        # A request that wants prompt log-probabilities runs its whole prompt: cached blocks have no logits.
+        cached = [] if req.needs_prompt_logprobs else self.s.blocks.find_cached_prefix(req)
         n = min(req.num_tokens - len(cached) * self.s.blocks.block_size, self.budget)
         while not self._fits(req, cached, n):
             if not self._preempt_for(req, PreemptionCause.KV):
@@ -217,7 +218,9 @@ class _StepPlanner:
     # -- bookkeeping --------------------------------------------------------------------------------
     def _schedule(self, req: Request, n: int) -> None:
         start = req.num_computed_tokens
-        self.out.scheduled.append(ScheduledRequest(req, start, n, sample=start + n == req.num_tokens))
+        ends = start + n == req.num_tokens
+        # max_tokens 0 (prompt log-probabilities only): the prompt runs, nothing is sampled
+        self.out.scheduled.append(ScheduledRequest(req, start, n, sample=ends and req.params.max_tokens > 0))
         self.budget -= n
         req.budget_deferred = False
 

@@ -15,8 +15,10 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], **render: Any) -> list[int]:
     """Token ids of messages rendered by the tokenizer's chat template, ready for the assistant turn.
+    `render`: more arguments of `apply_chat_template` (add_generation_prompt, default True;
+    continue_final_message, chat_template, tools, template variables).
 
     The template is rendered with a placeholder for every message text, so the rendered prompt is
     known to be template text or message text at every character. It is then tokenized the way the
@@ -24,26 +26,27 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
     template's text is split at special tokens. Raises ValueError when message text holds special-token
     text and the template does not place message text verbatim or trimmed (it cannot be kept apart)."""
     specials = _added_tokens(tokenizer)
-    layout = _layout(tokenizer, messages)
+    layout = _layout(tokenizer, messages, render)
     if layout is None:
         if any(s in t for t in message_texts(messages) for s in specials):
             raise ValueError("message text contains special-token text and this chat template does not place "
                              "message text verbatim, so it cannot be tokenized as plain text")
-        return _ids(_render(tokenizer, messages, tokenize=True))
+        return _ids(_render(tokenizer, messages, render, tokenize=True))
     pieces, texts = layout
     return [i for seg in _segments(pieces, texts, specials) for i in _encode_segment(tokenizer, seg, specials)]
 
 
-def _layout(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[str | int], list[str]] | None:
+def _layout(tokenizer: Any, messages: list[dict[str, Any]],
+            render: dict[str, Any]) -> tuple[list[str | int], list[str]] | None:  # fmt: skip
     """The rendered prompt as template strings and indices into the message texts, and those texts as
     rendered; None when the template does not place each message text verbatim (or trimmed)."""
     texts: list[str] = []
     marked = [_with_placeholders(m, texts) for m in messages]
     key = uuid.uuid4().hex
-    pieces = _split_placeholders(_render(tokenizer, [_keyed(m, key) for m in marked]), key, len(texts))
+    pieces = _split_placeholders(_render(tokenizer, [_keyed(m, key) for m in marked], render), key, len(texts))
     if pieces is None:
         return None
-    rendered = _as_rendered(pieces, texts, _render(tokenizer, messages))
+    rendered = _as_rendered(pieces, texts, _render(tokenizer, messages, render))
     return None if rendered is None else (pieces, rendered)
 
 
@@ -107,8 +110,8 @@ def _keyed(message: dict[str, Any], key: str) -> dict[str, Any]:
     return {**message, "content": text(content)}
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], tokenize: bool = False) -> Any:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+def _render(tokenizer: Any, messages: list[dict[str, Any]], render: dict[str, Any], tokenize: bool = False) -> Any:
+    return tokenizer.apply_chat_template(messages, tokenize=tokenize, **{"add_generation_prompt": True, **render})
 
 
 def _ids(ids: Any) -> list[int]:

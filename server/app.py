@@ -13,11 +13,21 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server import routes_admin, routes_feedback, routes_generate, routes_openai, routes_ops
+from server import (
+    routes_admin,
+    routes_feedback,
+    routes_generate,
+    routes_openai,
+    routes_ops,
+    routes_responses,
+    routes_tgi,
+    routes_tokens,
+)
 from server.auth import AdminKeyMiddleware, ApiKeyMiddleware
 from server.body_limit import BodyLimitMiddleware
 from server.connection_metrics import ConnectionCollector
 from server.default_model import with_default_model
+from server.error_log import ErrorLogMiddleware
 from server.errors import install_error_handlers
 from server.feedback import FeedbackStore
 from server.rollout import VersionLoader, initial_versions
@@ -56,9 +66,13 @@ def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoad
     app.include_router(routes_openai.router)
     app.include_router(routes_feedback.router)
     app.include_router(routes_ops.router)
+    app.include_router(routes_tokens.router)
+    app.include_router(routes_responses.router)
+    app.include_router(routes_tgi.router)
     app.include_router(routes_admin.router)
     # Added last = runs first: authentication before the body is read.
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, keys=settings.accepted_api_keys())
     app.add_middleware(AdminKeyMiddleware, keys=settings.accepted_admin_keys())
+    app.add_middleware(ErrorLogMiddleware)  # outermost: sees every error answer, the middlewares' too
     return app

@@ -42,7 +42,7 @@ class ApiKeyMiddleware:
             return
         err = ApiError(401, "unauthorized", "missing or invalid API key (Authorization: Bearer KEY)",
                        headers={"WWW-Authenticate": "Bearer"})
-        await error_response(scope["path"], err)(scope, receive, send)
+        await error_response(scope["path"], err, scope)(scope, receive, send)
 
 
 class AdminKeyMiddleware:
@@ -66,4 +66,4 @@ class AdminKeyMiddleware:
                 return
             err = ApiError(401, "unauthorized", "missing or invalid admin key (Authorization: Bearer KEY)",
                            headers={"WWW-Authenticate": "Bearer"})
-        await error_response(scope["path"], err)(scope, receive, send)
+        await error_response(scope["path"], err, scope)(scope, receive, send)

@@ -44,7 +44,7 @@ class BodyLimitMiddleware:
         else:
             err = ApiError(413, "request_too_large",
                            f"request body is larger than the limit of {self.limit} bytes", param="body")
-        await error_response(scope["path"], err)(scope, receive, send)
+        await error_response(scope["path"], err, scope)(scope, receive, send)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -1,5 +1,8 @@
-"""`tokenmill` command line: `tokenmill serve [flags]` (also `python -m server`), `tokenmill bench ...`,
+"""`tokenmill` command line: `tokenmill serve [MODEL] [flags]` (also `python -m server`), `tokenmill bench ...`,
 `tokenmill convert FILE.gguf OUT_DIR` (a GGUF file to a Hugging Face folder).
+
+`serve MODEL` is `serve --model MODEL`, as `vllm serve MODEL`; vLLM's flags whose meaning we have are
+settings under the same names, and any other flag is refused up front (server/vllm_flags.py).
 
 `serve` loads the model before it binds the port: a model that cannot be loaded (a bad path, a bad
 GGUF file, an unsupported architecture) ends it with one line on stderr naming the file and the
@@ -31,6 +34,7 @@ from pydantic import ValidationError
 from server.connections import FD_RESERVE, ConnectionGuard, raise_open_files_limit
 from server.http_server import GuardedServer, guarded_config
 from server.settings import ServerSettings, add_flags, settings_from_flags
+from server.vllm_flags import flag_problems
 
 SUBCOMMANDS = ("serve", "bench", "convert")
 log = logging.getLogger("tokenmill.server")
@@ -44,23 +48,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(args[1:])
     if args[0] == "convert":
         return _convert(args[1:])
-    parsed = build_parser().parse_args(args)
+    parser, serve_parser = build_parsers()
+    if args[0] == "serve":
+        problem = flag_problems(serve_parser, args[1:])
+        if problem is not None:
+            print(problem, file=sys.stderr)
+            return 2
+    parsed = parser.parse_args(args)
     return parsed.func(parsed)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return build_parsers()[0]
+
+
+def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The `tokenmill` parser and its `serve` subparser."""
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser = sub.add_parser(
         "serve", help="run the HTTP server",
         description="Run the HTTP server. Settings: YAML file (--config), then TOKENMILL_* env, then flags.",
     )  # fmt: skip
+    serve_parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                              help="the model to serve (same as --model), as in `vllm serve MODEL`")
     add_flags(serve_parser)
     serve_parser.set_defaults(func=serve)
     sub.add_parser("bench", help="benchmark a server (bench.cli), arguments passed through", add_help=False)
     sub.add_parser("convert", help="write a GGUF file as a Hugging Face folder (engine.gguf.convert)",
                    add_help=False)
-    return parser
+    return parser, serve_parser
 
 
 def _bench(argv: list[str]) -> int:
@@ -77,9 +94,20 @@ def _convert(argv: list[str]) -> int:
     return int(importlib.import_module("engine.gguf.convert").main(argv) or 0)
 
 
+def serve_settings(args: argparse.Namespace) -> ServerSettings:
+    """Settings from `serve`'s parsed arguments: the positional MODEL is --model. Raises ValueError
+    (the model given twice), pydantic.ValidationError, FileNotFoundError."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if getattr(args, "model", tag) != tag:
+            raise ValueError(f"the model is given twice: {tag} and --model {args.model}")
+        args.model = tag
+    return settings_from_flags(args)
+
+
 def serve(args: argparse.Namespace) -> int:
     try:
-        settings = settings_from_flags(args)
+        settings = serve_settings(args)
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         print(f"tokenmill serve: invalid settings: {exc}", file=sys.stderr)
         return 2

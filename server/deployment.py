@@ -84,7 +84,8 @@ class Deployment:
         self.max_model_len: int = usable_context(engine)  # the KV cache's size when that is smaller
         self.engine_desc = {"dtype": engine.dtype_name, "device": engine.device_name}
         self.kv_cache_bytes: int | None = getattr(engine, "kv_cache_bytes", None)  # the real engine's KV budget
-        self.codec = PromptCodec(engine.tokenizer)  # copied before the worker owns the engine
+        # copied before the worker owns the engine; the server's --chat-template replaces the model's
+        self.codec = PromptCodec(engine.tokenizer, settings.chat_template_text())
         self.admission = Admission(settings.lane_bounds())
         self.metrics = metrics
         self.memory = memory_probe(engine)

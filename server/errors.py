@@ -1,15 +1,17 @@
 """Error bodies and exception handlers: every failure is JSON naming what went wrong, never a bare 500.
 
 Native routes answer `{"error": {"type", "message", "param"?, ...}}`; `/v1/*` routes answer the
-OpenAI shape `{"error": {"message", "type", "param", "code"}}`. Schema errors on native routes are
-422, malformed JSON is 400; OpenAI routes answer 400 for both, as OpenAI does.
+OpenAI shape `{"error": {"message", "type", "param", "code"}}`; the TGI routes (`POST /`,
+`/generate_stream`) TGI's `{"error": "...", "error_type": "validation"|"overloaded"|...}`, which
+Hugging Face's client turns into its typed errors. Schema errors on native routes are 422, malformed
+JSON is 400; OpenAI routes answer 400 for both, as OpenAI does.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
@@ -35,6 +37,7 @@ class ApiError(Exception):
         param: str | None = None,
         headers: Mapping[str, str] | None = None,
         extra: Mapping[str, Any] | None = None,
+        accounted: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -43,6 +46,13 @@ class ApiError(Exception):
         self.param = param
         self.headers = dict(headers or {})
         self.extra = dict(extra or {})
+        # the request was already counted and logged as an admitted request (a 429 from its lane, or a
+        # failure the worker reported): the error log (server/error_log.py) counts it, logs no second line
+        self.accounted = accounted
+
+
+TGI_PATHS = ("/", "/generate_stream")
+_TGI_TYPES = {"invalid_request": "validation", "overloaded": "overloaded", "unauthorized": "authorization"}
 
 
 def is_openai_path(path: str) -> bool:
@@ -51,6 +61,8 @@ def is_openai_path(path: str) -> bool:
 
 def error_body(path: str, status: int, type: str, message: str, param: str | None = None,
                extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    if path in TGI_PATHS:
+        return {"error": message, "error_type": _TGI_TYPES.get(type, type)}
     if is_openai_path(path):
         type = "invalid_request_error" if type == "invalid_request" else type
         return {"error": {"message": message, "type": type, "param": param, "code": status, **(extra or {})}}
@@ -60,7 +72,13 @@ def error_body(path: str, status: int, type: str, message: str, param: str | Non
     return {"error": {**body, **(extra or {})}}
 
 
-def error_response(path: str, err: ApiError) -> JSONResponse:
+ERROR_SCOPE_KEY = "tokenmill.error"  # the ApiError a response answered, for server/error_log.py
+
+
+def error_response(path: str, err: ApiError, scope: MutableMapping[str, Any] | None = None) -> JSONResponse:
+    """The error's JSON response; `scope` (the request's ASGI scope) records which error it was."""
+    if scope is not None:
+        scope[ERROR_SCOPE_KEY] = err
     body = error_body(path, err.status, err.type, err.message, err.param, err.extra)
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
@@ -75,12 +93,12 @@ def install_error_handlers(app: FastAPI) -> None:
 # Handlers take `Exception` (what Starlette's signature promises) and narrow it: each is registered for
 # one exception class only.
 async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(request.url.path, cast(ApiError, exc))
+    return error_response(request.url.path, cast(ApiError, exc), request.scope)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     errors = cast(RequestValidationError, exc).errors()
-    return error_response(request.url.path, validation_to_api_error(request.url.path, errors))
+    return error_response(request.url.path, validation_to_api_error(request.url.path, errors), request.scope)
 
 
 def validation_to_api_error(path: str, errors: Sequence[Any]) -> ApiError:
@@ -105,10 +123,10 @@ async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
     exc = cast(StarletteHTTPException, exc)
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     err = ApiError(exc.status_code, kind, str(exc.detail), headers=exc.headers)
-    return error_response(request.url.path, err)
+    return error_response(request.url.path, err, request.scope)
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s", request.url.path)
     err = ApiError(500, "internal_error", f"internal error: {type(exc).__name__}")
-    return error_response(request.url.path, err)
+    return error_response(request.url.path, err, request.scope)

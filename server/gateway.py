@@ -49,6 +49,7 @@ class Completed:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when params.prompt_logprobs was set
 
 
 def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHandle:
@@ -92,6 +93,7 @@ def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHand
             f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
             headers={"Retry-After": str(rejection.retry_after_s)},
             extra={"lane": lane.label},
+            accounted=True,  # counted and logged by record_rejection
         )  # fmt: skip
     return RequestHandle(runtime, ticket, lease)
 
@@ -99,7 +101,7 @@ def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHand
 def start_error(error: ServerError) -> ApiError:
     """The HTTP answer for a request that failed before anything was sent."""
     headers = {"Retry-After": "1"} if error.status == 503 else None
-    return ApiError(error.status, error.kind, error.message, param=error.param, headers=headers)
+    return ApiError(error.status, error.kind, error.message, param=error.param, headers=headers, accounted=True)
 
 
 class RequestHandle:
@@ -187,6 +189,8 @@ class RequestHandle:
                     done.token_ids.extend(event.output.new_token_ids)
                     done.text += event.output.text_delta
                     done.logprobs.extend(event.output.logprobs or [])
+                    if event.output.prompt_logprobs is not None:
+                        done.prompt_logprobs = event.output.prompt_logprobs
                 elif isinstance(event, Finished):
                     done.finished = event
                     break

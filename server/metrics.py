@@ -192,6 +192,11 @@ class ServerMetrics:
                                        "before their TTL (LRU, byte bound).", mv, registry=r)  # fmt: skip
         self.feedback = Counter("tokenmill_feedback_ratings", "Ratings received on POST /v1/feedback, by rating.",
                                 [*mv, "rating"], registry=r)  # fmt: skip
+        self.http_errors = Counter(
+            "tokenmill_http_errors", "Error answers (status >= 400: invalid, refused, unknown path, 5xx) by "
+            "endpoint (route path), status and reason (the error type).", ["endpoint", "status", "reason"],
+            registry=r,
+        )  # fmt: skip
         self.version_events = Counter(
             "tokenmill_model_version_events", "Rollout events: loaded, load_failed, probe_failed, promoted, "
             "rolled_back, unloaded.", [*mv, "event"], registry=r,
@@ -199,6 +204,10 @@ class ServerMetrics:
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         r.register(_EngineCollector(self, versions, cache_stats))
+
+    def clock_wall(self) -> float:
+        """Wall-clock seconds (the value of vllm:lora_requests_info)."""
+        return time.time()
 
     def version(self, model: str, version: str) -> VersionMetrics:
         """The series of one model version (created at 0 on first use; kept after it unloads)."""
@@ -323,6 +332,7 @@ class _EngineCollector(Collector):
         for v in versions:
             families.add(v, self._metrics.server_version)
         yield from families.all()
+        yield from router_families(versions, self._metrics.clock_wall())
         yield from _cache_gauges(self._cache_stats())
         memory = next((v.snapshot.memory for v in versions if v.snapshot.memory is not None), None)
         yield from _memory_gauges(memory)
@@ -339,7 +349,10 @@ class _VersionFamilies:
         self.gauges = {
             "running": g("tokenmill_num_requests_running", "Requests in the engine's running batch.", labels=_MV),
             "waiting": g("tokenmill_num_requests_waiting", "Preempted requests waiting to resume (those never "
-                         "scheduled yet are tokenmill_queue_depth, by lane).", labels=_MV),
+                         "scheduled yet are tokenmill_queue_depth, by lane; all of them: "
+                         "tokenmill_requests_waiting).", labels=_MV),
+            "all_waiting": g("tokenmill_requests_waiting", "Every request admitted and not running: queued in a "
+                             "lane (never scheduled yet) or preempted (vllm:num_requests_waiting).", labels=_MV),
             "usage": g("tokenmill_kv_cache_usage_ratio", "Share of KV blocks held by requests (0-1).", labels=_MV),
             "usage_perc": g("tokenmill_kv_cache_usage_perc", "Same as tokenmill_kv_cache_usage_ratio (vLLM's name; "
                             "0-1).", labels=_MV),
@@ -353,6 +366,9 @@ class _VersionFamilies:
         }  # fmt: skip
         self.info = g("tokenmill_model_info", "A loaded model version and the build serving it (value 1).",
                       labels=[*_MV, "dtype", "device", "server_version", "max_model_len"])  # fmt: skip
+        self.cache_config = g("tokenmill_cache_config_info", "The KV cache of a loaded version (value 1): tokens "
+                              "per block and blocks (vllm:cache_config_info).",
+                              labels=[*_MV, "block_size", "num_gpu_blocks"])  # fmt: skip
         self.state = g("tokenmill_model_version", "A loaded model version's state (loading, ready, draining) and "
                        "role (promoted, canary, previous, candidate); value 1.",
                        labels=[*_MV, "state", "role"])  # fmt: skip
@@ -371,6 +387,7 @@ class _VersionFamilies:
         mv = [v.info.model, v.info.version]
         st = v.snapshot.stats
         values = {"running": st.running, "waiting": st.waiting_preempted, "usage": st.kv_cache_usage,
+                  "all_waiting": waiting_total(v.snapshot),
                   "usage_perc": st.kv_cache_usage, "used": st.kv_blocks_used, "capacity": st.kv_blocks_total,
                   "since": v.seconds_since_last_step, "alive": int(v.snapshot.worker_alive),
                   "weight": v.canary_weight}  # fmt: skip
@@ -378,6 +395,7 @@ class _VersionFamilies:
             self.gauges[key].add_metric(mv, value)
         i = v.info
         self.info.add_metric([*mv, i.dtype, i.device, server_version, str(i.max_model_len)], 1)
+        self.cache_config.add_metric([*mv, str(st.block_size), str(st.kv_blocks_total)], 1)
         self.state.add_metric([*mv, v.state, v.role], 1)
         for lane, (requests, queued_tokens) in v.snapshot.lanes.items():
             self.depth.add_metric([*mv, lane.label], requests)
@@ -398,6 +416,7 @@ class _VersionFamilies:
     def all(self) -> Iterator[Metric]:
         yield from self.gauges.values()
         yield self.info
+        yield self.cache_config
         yield self.state
         yield self.depth
         yield self.tokens
@@ -414,6 +433,39 @@ _ENGINE_COUNTERS = {
     "tokenmill_prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "tokenmill_engine_steps": "Engine steps run.",
 }
+
+
+def waiting_total(snapshot: Snapshot) -> int:
+    """Requests admitted and not running: queued in a lane (admitted, never scheduled) + preempted."""
+    return sum(requests for requests, _ in snapshot.lanes.values()) + snapshot.stats.waiting_preempted
+
+
+def router_families(versions: list[VersionSnapshot], now: float) -> Iterator[Metric]:
+    """The Gateway API Inference Extension's model-server protocol under vLLM's names, one series per
+    `model_name` (the versions of one model summed: a router balances replicas, not versions).
+    `vllm:lora_requests_info` has no adapters (tokenmill serves none); its value is the time, as vLLM's."""
+    g = GaugeMetricFamily
+    waiting = g("vllm:num_requests_waiting", "Requests admitted and not running (lanes + preempted).",
+                labels=["model_name"])  # fmt: skip
+    running = g("vllm:num_requests_running", "Requests in the engine's running batch.", labels=["model_name"])
+    usage = g("vllm:kv_cache_usage_perc", "Share of KV blocks held by requests (0-1).", labels=["model_name"])
+    config = g("vllm:cache_config_info", "KV cache configuration (value 1).",
+               labels=["model_name", "block_size", "num_gpu_blocks"])  # fmt: skip
+    lora = g("vllm:lora_requests_info", "LoRA adapters running and waiting (none); value: the time.",
+             labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])  # fmt: skip
+    by_name: dict[str, list[VersionSnapshot]] = {}
+    for v in versions:
+        by_name.setdefault(v.info.model, []).append(v)
+    for name, group in by_name.items():
+        stats = [v.snapshot.stats for v in group]
+        waiting.add_metric([name], sum(waiting_total(v.snapshot) for v in group))
+        running.add_metric([name], sum(st.running for st in stats))
+        total = sum(st.kv_blocks_total for st in stats)
+        usage.add_metric([name], sum(st.kv_blocks_used for st in stats) / total if total else 0.0)
+        head = next((v for v in group if v.role == "promoted"), group[0]).snapshot.stats
+        config.add_metric([name, str(head.block_size), str(head.kv_blocks_total)], 1)
+        lora.add_metric([name, "0", "", ""], now)
+    yield from (waiting, running, usage, config, lora)
 
 
 def _cache_gauges(stats: list[CacheStats]) -> Iterator[Metric]:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from engine.api import InvalidParam, SamplingParams
 from server.admission import Lane
+from server.chat import render_options
 from server.errors import ApiError, validation_to_api_error
 
 Int = Annotated[int, Strict()]
@@ -22,6 +23,7 @@ TokenId = Annotated[int, Strict(), Field(ge=0)]
 PriorityName = Literal["interactive", "standard", "batch"]
 
 Body = TypeVar("Body", bound=BaseModel)
+MAX_N = 64  # most samples per prompt (n)
 
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -57,11 +59,12 @@ class SamplingFields(BaseModel):
     first_token_timeout_s: Seconds | None = None
     cache: Bool = True  # false: never answered from (or stored in) the response cache
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's params; an invalid value raises ApiError 400 naming the field and its limit."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, **extra: Any) -> SamplingParams:
+        """The engine's params (`extra`: more SamplingParams fields); an invalid value raises ApiError 400
+        naming the field and its limit."""
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS if getattr(self, name) is not None}
         try:
-            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given)
+            return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **given, **extra)
         except InvalidParam as exc:
             raise ApiError(400, "invalid_request", exc.message, param=exc.field) from None
 
@@ -105,15 +108,50 @@ class OpenAIFields(SamplingFields):
     stream: Bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, Num] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
+    truncate_prompt_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None  # vLLM's: keep the last N
+    # vLLM's extras that would change the answer and that we do not have: 400 rather than ignored
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    prompt_logprobs: Any = None
 
     def check_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise ApiError(400, "invalid_request", "only n=1 is supported", param="n")
-        if self.best_of not in (None, 1):
-            raise ApiError(400, "invalid_request", "only best_of=1 is supported", param="best_of")
-        if self.logit_bias:
-            raise ApiError(400, "invalid_request", "logit_bias is not supported", param="logit_bias")
+        refused = {"use_beam_search": bool(self.use_beam_search), "length_penalty": self.length_penalty not in (None, 1, 1.0),
+                   "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+                   "allowed_token_ids": self.allowed_token_ids is not None, "bad_words": bool(self.bad_words),
+                   "logits_processors": bool(self.logits_processors),
+                   "prompt_logprobs": self.prompt_logprobs is not None}  # fmt: skip
+        for name, bad in refused.items():
+            if bad:
+                hint = " (use echo with logprobs)" if name == "prompt_logprobs" else ""
+                raise ApiError(400, "invalid_request", f"{name} is not supported{hint}", param=name)
+        self._check_counts()
+
+    def _check_counts(self) -> None:
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise ApiError(400, "invalid_request", f"n must be in [1, {MAX_N}], got {self.n}", param="n")
+        if self.best_of not in (None, 1, self.choices_per_prompt):
+            raise ApiError(400, "invalid_request", "best_of is not supported (only best_of equal to n, which "
+                           "returns every sample)", param="best_of")  # fmt: skip
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n or 1
+
+    def bias(self) -> dict[int, float]:
+        """logit_bias with integer keys. Raises ApiError 400 (param logit_bias) for a key that is not one."""
+        out: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                out[int(key)] = value
+            except ValueError:
+                raise ApiError(400, "invalid_request", f"logit_bias keys are token ids, got {key!r}",
+                               param="logit_bias") from None
+        return out
 
     @property
     def include_usage(self) -> bool:
@@ -129,19 +167,25 @@ class CompletionRequest(OpenAIFields):
     logprobs: Int | None = None
     echo: Bool | None = False
     suffix: str | None = None
+    add_special_tokens: Bool = False  # vLLM's: tokenize text prompts with the tokenizer's special tokens (BOS)
 
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
     text: str | None = None
+    refusal: str | None = None  # type "refusal" (an assistant turn's)
 
 
 class ChatMessage(BaseModel):
+    """One message as the OpenAI API defines it (server/chat.py turns it into the template's dict)."""
+
     model_config = ConfigDict(extra="ignore")
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: Annotated[str, Field(min_length=1)]
+    content: str | list[ContentPart] | None = None  # None: an assistant turn that only calls tools
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: [{"id", "type", "function": {name, arguments}}]
+    tool_call_id: str | None = None  # tool: the call it answers
 
 
 class ChatRequest(OpenAIFields):
@@ -154,21 +198,58 @@ class ChatRequest(OpenAIFields):
     top_logprobs: Int | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    add_generation_prompt: Bool = True  # end the prompt with the assistant turn's opening
+    continue_final_message: Bool = False  # the last message is left open for the model to continue
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables (enable_thinking, ...)
+    chat_template: str | None = None  # refused: templates come from the model or --chat-template
+    echo: Bool | None = None  # vLLM's chat echo: refused
+    functions: Any = None  # the legacy form of tools: refused
+    function_call: Any = None
+    modalities: list[str] | None = None  # ["text"] only
+    audio: Any = None
+    documents: Any = None
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template takes them; only text content parts are supported. Text parts
-        are joined into one string: most chat templates (SmolLM2's, most GGUF files') only take string
-        content, and one string renders the same in those that also take parts."""
-        out = []
-        for i, m in enumerate(self.messages):
-            if isinstance(m.content, list):
-                for part in m.content:
-                    if part.type != "text":
-                        raise ApiError(400, "invalid_request",
-                                       f"content part type {part.type!r} is not supported (text only)",
-                                       param=f"messages.{i}.content")
-                content: Any = "".join(p.text or "" for p in m.content)
-            else:
-                content = m.content
-            out.append({"role": m.role, "content": content})
-        return out
+    def check_chat_fields(self) -> None:
+        if self.chat_template is not None:
+            raise ApiError(400, "invalid_request", "per-request chat templates are not accepted; start the "
+                           "server with --chat-template FILE", param="chat_template")  # fmt: skip
+        if self.echo:
+            raise ApiError(400, "invalid_request", "echo is not supported on chat completions", param="echo")
+        for name in ("functions", "function_call"):
+            if getattr(self, name):
+                raise ApiError(400, "invalid_request", f"{name} (the legacy form) is not supported: use tools",
+                               param=name)  # fmt: skip
+        if self.audio or (self.modalities and set(self.modalities) - {"text"}):
+            raise ApiError(400, "invalid_request", "only text output is supported", param="modalities")
+        if self.documents:
+            raise ApiError(400, "invalid_request", "documents are not supported", param="documents")
+
+    def render_options(self) -> dict[str, Any]:
+        return render_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+
+
+class TokenizeRequest(BaseModel):
+    """Body of POST /tokenize (vLLM's): a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: Bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: Bool | None = False
+
+    def render_options(self) -> dict[str, Any]:
+        return render_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of POST /detokenize (vLLM's)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[TokenId]

@@ -87,8 +87,8 @@ class ResponseCache:
     def key(self, model: str, version: str, scope: str, prompt: list[int], params: SamplingParams,
             wanted: bool = True) -> CacheKey | None:  # fmt: skip
         """The key of a request, or None when it must not be cached (off, `cache: false`, not deterministic)."""
-        if not (self.enabled and wanted and is_deterministic(params)):
-            return None
+        if not (self.enabled and wanted and is_deterministic(params)) or params.prompt_logprobs is not None:
+            return None  # prompt log-probabilities are not stored: such requests always run
         return CacheKey(model, version, scope, tuple(prompt), params)
 
     def get(self, key: CacheKey) -> CachedResponse | None:

@@ -1,4 +1,5 @@
-"""Operational endpoints: /health (readiness), /health/live (liveness), /metrics (Prometheus)."""
+"""Operational endpoints: /health (readiness), /health/live (liveness), /metrics (Prometheus), and vLLM's
+/ping (readiness's status code) and /version."""
 
 from __future__ import annotations
 
@@ -27,6 +28,21 @@ async def live(request: Request) -> JSONResponse:
         return JSONResponse({"status": "starting"}, status_code=200)
     code, body = liveness(rt)
     return JSONResponse(body, status_code=code)
+
+
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(request: Request) -> JSONResponse:
+    """vLLM's (SageMaker's) health check: 200 when ready, else readiness's code."""
+    rt = getattr(request.app.state, "runtime", None)
+    if rt is None:
+        return JSONResponse({"status": "starting"}, status_code=503)
+    code, body = readiness(rt)
+    return JSONResponse({"status": body["status"]}, status_code=code)
+
+
+@router.get("/version")
+async def version(request: Request) -> dict[str, str]:
+    return {"version": request.app.state.runtime.metrics.server_version}
 
 
 @router.get("/metrics")

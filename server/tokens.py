@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine.tokenization import chat_prompt_ids, encode_prompt, max_bytes_per_token, message_texts
+from server.chat import probe_content_format
 from server.errors import ApiError
 
 LARGE_PROMPT_CHARS = 16384  # prompts longer than this tokenize on the large-prompt thread
@@ -31,14 +33,21 @@ class _TokenizeThread:
 
 
 class PromptCodec:
-    """Text <-> token ids for requests. `encode`/`chat` are awaited; `token_text` is cheap and sync."""
+    """Text <-> token ids for requests. `encode`/`chat` are awaited; `token_text` is cheap and sync.
+    `chat_template`: the server's --chat-template (None: the tokenizer's own)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
         self._small = _TokenizeThread(tokenizer, "tokenmill-tokenize")
         self._large = _TokenizeThread(tokenizer, "tokenmill-tokenize-large")
         self._loop_tok = copy.deepcopy(tokenizer)  # the event loop's, for token_text
+        self.tokenizer = self._loop_tok  # read-only uses on the event loop (decode, /tokenizer_info)
         # Most bytes one token can stand for (None: no bound holds for this tokenizer).
         self.max_bytes_per_token = max_bytes_per_token(tokenizer)
+        self._template = {"chat_template": chat_template} if chat_template is not None else {}
+        # The template that renders chats: the server's, else the tokenizer's own (None: no chat)
+        self.chat_template: str | None = chat_template or getattr(tokenizer, "chat_template", None)
+        # Whether the chat template renders text parts or takes strings only (server/chat.py)
+        self.content_format = probe_content_format(self._loop_tok, self._template)
 
     def min_tokens(self, text_bytes: int) -> int:
         """A lower bound on the tokens of `text_bytes` bytes of text (0 when no bound is known)."""
@@ -46,11 +55,14 @@ class PromptCodec:
             return 0
         return math.ceil(text_bytes / self.max_bytes_per_token)
 
-    async def encode(self, text: str) -> list[int]:
-        return await self._run(len(text), encode_prompt, text)
+    async def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; prompts add no special tokens (templates add their own), /tokenize may."""
+        return await self._run(len(text), _encode_with_specials if add_special_tokens else encode_prompt, text)
 
-    async def chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return await self._run(_chars(messages), chat_prompt_ids, messages)
+    async def chat(self, messages: list[dict[str, Any]], render: dict[str, Any] | None = None) -> list[int]:
+        """`render`: apply_chat_template's options (server/chat.py render_options)."""
+        fn = functools.partial(chat_prompt_ids, **{**(render or {}), **self._template})
+        return await self._run(_chars(messages), fn, messages)
 
     async def _run(self, chars: int, fn, arg) -> list[int]:
         lane = self._large if chars > LARGE_PROMPT_CHARS else self._small
@@ -60,11 +72,15 @@ class PromptCodec:
         """encode() on the calling thread (tests, tools): only while no request tokenizes."""
         return encode_prompt(self._small.tok, text)
 
-    def chat_sync(self, messages: list[dict[str, Any]]) -> list[int]:
-        return chat_prompt_ids(self._small.tok, messages)
+    def chat_sync(self, messages: list[dict[str, Any]], render: dict[str, Any] | None = None) -> list[int]:
+        return chat_prompt_ids(self._small.tok, messages, **{**(render or {}), **self._template})
 
     def token_text(self, token_id: int) -> str:
         return self._loop_tok.decode([token_id])
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of token ids, special tokens kept (cheap enough for the event loop: no model work)."""
+        return self._loop_tok.decode(list(token_ids))
 
     def close(self) -> None:
         for lane in (self._small, self._large):
@@ -87,6 +103,10 @@ def check_prompt_bytes(codec: PromptCodec, texts: list[str], max_tokens: int, ma
             f"{codec.max_bytes_per_token} bytes) + max_tokens ({max_tokens}) exceeds the context length "
             f"max_model_len ({max_model_len})", param=param,
         )  # fmt: skip
+
+
+def _encode_with_specials(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=True))
 
 
 def text_bytes(texts: list[str]) -> int:

@@ -250,7 +250,7 @@ class Worker:
         ticket.preemptions = out.num_preemptions
         if self._keep_outputs:
             ticket.output_token_ids.extend(out.new_token_ids)
-        if out.new_token_ids or out.text_delta:
+        if out.new_token_ids or out.text_delta or out.prompt_logprobs is not None:
             self._post(ticket, Tokens(out))
         if out.finished:
             self._finish_output(ticket, out)

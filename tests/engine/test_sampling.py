@@ -150,3 +150,20 @@ def test_a_nan_from_the_penalties_gives_no_token():
     logits = torch.tensor([[float("-inf"), 1.0]])
     r = _req(temperature=1.0, min_tokens=1, stop_token_ids=[1], seed=0)
     assert Sampler().sample(logits, [r])[0] == [None]
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices_but_not_logprobs():
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0], [3.0, 1.0, 0.0, -1.0]])
+    reqs = [_req("a", temperature=0.0, logprobs=0, logit_bias={3: 100.0}),
+            _req("b", temperature=0.7, seed=1, logit_bias={0: -100.0, 1: -100.0, 3: -100.0})]
+    tokens, lps = Sampler().sample(logits, reqs)
+    assert tokens == [3, 2]
+    raw = torch.log_softmax(logits[0], -1)
+    assert lps[0].logprob == pytest.approx(float(raw[3]))  # the model's distribution, before the bias
+
+
+def test_logit_bias_validation():
+    assert SamplingParams(logit_bias={5: 1.0, 2: -3}).logit_bias == ((2, -3), (5, 1.0))
+    for bad in ({"x": 1.0}, {1: 101.0}, {-1: 1.0}, {1: float("nan")}, [(1, 1.0), (1, 2.0)]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

@@ -81,9 +81,18 @@ FAMILIES = {
     "tokenmill_http_connections": "gauge",
     "tokenmill_http_connections_closed": "counter",
     "tokenmill_http_accept_errors": "counter",
+    "tokenmill_http_errors": "counter",
+    "tokenmill_requests_waiting": "gauge",
+    "tokenmill_cache_config_info": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:num_requests_running": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:cache_config_info": "gauge",
+    "vllm:lora_requests_info": "gauge",
 }
 # Process-wide series: the only ones without `model` and `version` labels.
 PROCESS_WIDE = ("process_", "python_", "tokenmill_device_memory_", "tokenmill_http_")  # connections are the server's
+ROUTER = "vllm:"  # the model-server protocol's series: `model_name` instead (tests/server/test_router_metrics.py)
 
 
 class Scrape:
@@ -139,7 +148,9 @@ def test_every_family_is_exposed_with_its_type(srv):
     assert scrape.get("tokenmill_model_version", state="ready", role="promoted") == 1
     # Every series but the process-wide ones names the model and its version.
     for (name, labels) in scrape.samples:
-        if not name.startswith(PROCESS_WIDE):
+        if name.startswith(ROUTER):
+            assert dict(labels)["model_name"] == "tiny-llama", (name, labels)
+        elif not name.startswith(PROCESS_WIDE):
             assert set(mv) <= set(labels), (name, labels)
     # Every outcome series exists from the start, so rate() is 0 rather than empty.
     for lane in ("interactive", "standard", "batch"):

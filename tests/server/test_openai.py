@@ -130,7 +130,7 @@ def test_openai_error_bodies(client):
         client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=2, temperature=-1)
     assert e.value.body["param"] == "temperature" and e.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny-llama", messages=MESSAGES, n=2)
+        client.chat.completions.create(model="tiny-llama", messages=MESSAGES, n=65)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=5000)

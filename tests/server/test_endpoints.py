@@ -1,0 +1,159 @@
+"""The endpoints vLLM users and their tools call besides completions, against a real server (tiny model):
+GET /v1/models/{id} (openai's models.retrieve), POST /tokenize and /detokenize (vLLM's shapes),
+/tokenizer_info, /version, /ping, POST /v1/responses (the openai client, streaming and not), and TGI's
+body on POST / and /generate_stream driven by Hugging Face's own InferenceClient (offline)."""
+
+from __future__ import annotations
+
+import warnings
+
+import httpx
+import openai
+import pytest
+
+from engine import SamplingParams
+
+from .helpers import make_settings, run_server
+
+MODEL = "tiny-llama"
+PROMPT = "import os\nimport sys\n"
+
+
+@pytest.fixture(scope="module")
+def srv(real_engine):
+    with run_server(make_settings(), real_engine) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def greedy(offline_engine):
+    def run(prompt_ids: list[int], n: int, ignore_eos: bool = True) -> str:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=ignore_eos)
+        [r] = offline_engine.generate([prompt_ids], params)
+        return r.text
+
+    return run
+
+
+def test_models_retrieve(client, srv):
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model"
+    assert card.model_extra["max_model_len"] == srv.runtime.max_model_len
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["param"] == "model"
+
+
+def test_tokenize_and_detokenize(srv, offline_engine):
+    ids = offline_engine.encode(PROMPT)
+    r = httpx.post(f"{srv.url}/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()
+    assert r["tokens"] == offline_engine.tokenizer.encode(PROMPT, add_special_tokens=True)
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == srv.runtime.max_model_len
+    assert r["token_strs"] == offline_engine.tokenizer.convert_ids_to_tokens(r["tokens"])
+    plain = httpx.post(f"{srv.url}/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()
+    assert plain["tokens"] == ids and plain["token_strs"] is None
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(f"{srv.url}/tokenize", json={"messages": msgs}).json()
+    assert chat["tokens"] == offline_engine.apply_chat_template(msgs)
+    back = httpx.post(f"{srv.url}/detokenize", json={"model": MODEL, "tokens": ids}).json()
+    assert back == {"prompt": PROMPT}
+    bad = httpx.post(f"{srv.url}/detokenize", json={"tokens": [10**7]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(f"{srv.url}/tokenize", json={"prompt": "x", "messages": msgs})
+    assert both.status_code == 400
+
+
+def test_version_ping_tokenizer_info(srv, offline_engine):
+    assert httpx.get(f"{srv.url}/version").json()["version"]
+    assert httpx.get(f"{srv.url}/ping").status_code == 200
+    assert httpx.post(f"{srv.url}/ping").status_code == 200
+    info = httpx.get(f"{srv.url}/tokenizer_info").json()
+    tok = offline_engine.tokenizer
+    assert info["eos_token"] == tok.eos_token and info["vocab_size"] == len(tok)
+    assert info["chat_template"] == tok.chat_template and info["model_max_length"] == srv.runtime.max_model_len
+
+
+def test_responses_text_input(client, offline_engine, greedy):
+    r = client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=8, temperature=0,
+                                extra_body={"ignore_eos": True})  # fmt: skip
+    ids = offline_engine.apply_chat_template([{"role": "user", "content": "Say hello."}])
+    assert r.output_text == greedy(ids, 8)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.input_tokens == len(ids) and r.usage.output_tokens == 8
+    assert r.output[0].role == "assistant" and r.output[0].content[0].type == "output_text"
+
+
+def test_responses_messages_and_stream(client, offline_engine, greedy):
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello!"}]},
+             {"role": "user", "content": "Bye"}]  # fmt: skip
+    kw = dict(model=MODEL, input=items, instructions="Be terse.", max_output_tokens=6, temperature=0,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    msgs = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]  # fmt: skip
+    assert streamed == greedy(offline_engine.apply_chat_template(msgs), 6)
+    assert events[-1].response.output[0].content[0].text == streamed
+    # The SDK's stream helper wants response.completed: a stop string inside the text ends it so.
+    stop = streamed.strip()[1:3]
+    with client.responses.stream(**{**kw, "extra_body": {"ignore_eos": True, "stop": [stop]}}) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == streamed[: streamed.index(stop)]
+
+
+def test_responses_refuses_what_it_cannot_do(client):
+    for extra, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+                         ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+                         ({"input": [{"type": "function_call_output", "call_id": "x", "output": "1"}]}, "input.0.type")):
+        body = {"model": MODEL, "input": "hi", **extra}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**body)
+        assert e.value.body["param"] == param
+
+
+def test_huggingface_inference_client(srv, offline_engine, greedy):
+    from huggingface_hub import InferenceClient
+
+    hf = InferenceClient(model=srv.url, timeout=60)
+    ids = offline_engine.encode(PROMPT)
+    want = greedy(ids, 10, ignore_eos=False)  # TGI's default: greedy
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "not served via TGI" fallback
+        assert hf.text_generation(PROMPT, max_new_tokens=10) == want
+        out = hf.text_generation(PROMPT, max_new_tokens=10, details=True, decoder_input_details=True, top_n_tokens=2,
+                                 stop=["\ue000never"])  # fmt: skip
+        streamed = list(hf.text_generation(PROMPT, max_new_tokens=10, stream=True))
+        detailed = list(hf.text_generation(PROMPT, max_new_tokens=10, stream=True, details=True))
+    assert "".join(streamed) == out.generated_text == detailed[-1].generated_text == want
+    d = out.details
+    assert d.generated_tokens == len(d.tokens) and d.finish_reason in ("length", "eos_token")
+    assert [t.id for t in d.prefill] == ids and d.prefill[0].logprob is None
+    assert all(len(top) == 2 for top in d.top_tokens)
+    assert detailed[-1].details.finish_reason == d.finish_reason
+    full = hf.text_generation(PROMPT, max_new_tokens=3, return_full_text=True)
+    assert full.startswith(PROMPT)
+
+
+def test_huggingface_client_errors(srv):
+    from huggingface_hub import InferenceClient
+    from huggingface_hub.errors import ValidationError
+
+    hf = InferenceClient(model=srv.url, timeout=60)
+    with pytest.raises(ValidationError):
+        hf.text_generation(PROMPT, max_new_tokens=5000)
+    r = httpx.post(f"{srv.url}/generate_stream", json={"inputs": "x", "parameters": {"watermark": True}})
+    assert r.status_code == 400 and r.json() == {"error": "parameters.watermark is not supported",
+                                                 "error_type": "validation"}
