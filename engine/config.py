@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine.attention.select_backend
+GRAMMAR_BACKENDS = ("xgrammar", "none")  # engine.structured.make_compiler
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: Triton kernels on CUDA, C++ kernels on CPU, when they run; else torch
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only; the CPU never uses them)
     pack_weights: bool = True  # CPU bf16: linear weights in oneDNN's packed layout (same results, faster)
+    grammar_backend: str = "xgrammar"  # structured outputs and enforced tool calls; "none": refused (400)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -54,6 +56,8 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         for name in ("enforce_eager", "pack_weights"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

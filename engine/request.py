@@ -51,6 +51,9 @@ class Request:
     text: Any = None  # RequestTextState: detokenizer and stop-string filter, kept across preemptions
     # -- the sampler's ------------------------------------------------------------------------------------
     generator: Any = None  # torch.Generator drawn from for sampled tokens; None until first used
+    # GrammarMatcher of params.structured, advanced past every sampled token; None until first used.
+    # Kept across preemptions, like the output tokens it has seen (nothing is rolled back).
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.waiting_since = self.arrival_time

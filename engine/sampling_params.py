@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidParam
+from engine.structured.spec import GrammarSpec
 
 # Temperatures below this sample greedily: dividing logits by a smaller one overflows float32 (1e-45
 # turns every logit into inf and the softmax into NaN), and above it the distribution is one-hot anyway.
@@ -35,6 +36,9 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: int | None = None  # None: none; 0: chosen token only; N: chosen + top-N
+    # The output's grammar (JSON schema, regex, choice, EBNF, tool calls); None: unconstrained. Hashed by
+    # its kind and source only (the compiled grammar it carries is not part of eq/hash).
+    structured: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers, store tuples so the object stays hashable.
@@ -70,6 +74,11 @@ class SamplingParams:
             _check_int("stop_token_ids", t, lo=0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=20)
+        if self.structured is not None:
+            if not isinstance(self.structured, GrammarSpec):
+                raise InvalidParam("structured", "structured must be a GrammarSpec")
+            if self.min_tokens:  # the grammar alone decides where the output may end
+                raise InvalidParam("min_tokens", "min_tokens cannot be combined with a structured output")
 
     @property
     def greedy(self) -> bool:

@@ -6,6 +6,7 @@ Chat prompts: only the chat template's own markers become special tokens. Text t
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -15,8 +16,9 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Token ids of messages rendered by the tokenizer's chat template, ready for the assistant turn.
+    `tools` (OpenAI function definitions) go to the template's `tools` argument when given.
 
     The template is rendered with a placeholder for every message text, so the rendered prompt is
     known to be template text or message text at every character. It is then tokenized the way the
@@ -24,26 +26,36 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
     template's text is split at special tokens. Raises ValueError when message text holds special-token
     text and the template does not place message text verbatim or trimmed (it cannot be kept apart)."""
     specials = _added_tokens(tokenizer)
-    layout = _layout(tokenizer, messages)
+    if any(s in t for t in _template_data(messages, tools) for s in specials):
+        raise ValueError("tools or tool calls contain special-token text, which the chat template would "
+                         "render as markers")
+    layout = _layout(tokenizer, messages, tools)
     if layout is None:
         if any(s in t for t in message_texts(messages) for s in specials):
             raise ValueError("message text contains special-token text and this chat template does not place "
                              "message text verbatim, so it cannot be tokenized as plain text")
-        return _ids(_render(tokenizer, messages, tokenize=True))
+        return _ids(_render(tokenizer, messages, tokenize=True, tools=tools))
     pieces, texts = layout
     return [i for seg in _segments(pieces, texts, specials) for i in _encode_segment(tokenizer, seg, specials)]
 
 
-def _layout(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[str | int], list[str]] | None:
+def _template_data(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[str]:
+    """What the template renders as its own text besides message texts: tools and tool calls (JSON)."""
+    data = [json.dumps(m["tool_calls"], ensure_ascii=False) for m in messages if m.get("tool_calls")]
+    return data + ([json.dumps(tools, ensure_ascii=False)] if tools else [])
+
+
+def _layout(tokenizer: Any, messages: list[dict[str, Any]],
+            tools: list[dict[str, Any]] | None = None) -> tuple[list[str | int], list[str]] | None:  # fmt: skip
     """The rendered prompt as template strings and indices into the message texts, and those texts as
     rendered; None when the template does not place each message text verbatim (or trimmed)."""
     texts: list[str] = []
     marked = [_with_placeholders(m, texts) for m in messages]
     key = uuid.uuid4().hex
-    pieces = _split_placeholders(_render(tokenizer, [_keyed(m, key) for m in marked]), key, len(texts))
+    pieces = _split_placeholders(_render(tokenizer, [_keyed(m, key) for m in marked], tools=tools), key, len(texts))
     if pieces is None:
         return None
-    rendered = _as_rendered(pieces, texts, _render(tokenizer, messages))
+    rendered = _as_rendered(pieces, texts, _render(tokenizer, messages, tools=tools))
     return None if rendered is None else (pieces, rendered)
 
 
@@ -107,8 +119,10 @@ def _keyed(message: dict[str, Any], key: str) -> dict[str, Any]:
     return {**message, "content": text(content)}
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], tokenize: bool = False) -> Any:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize)
+def _render(tokenizer: Any, messages: list[dict[str, Any]], tokenize: bool = False,
+            tools: list[dict[str, Any]] | None = None) -> Any:  # fmt: skip
+    extra = {"tools": tools} if tools else {}  # only when given: not every template (or tokenizer) takes it
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=tokenize, **extra)
 
 
 def _ids(ids: Any) -> list[int]:
@@ -214,8 +228,6 @@ _SHRINK_NORMALIZERS = {"NFC": 3, "NFKC": 3, "NFD": 3, "NFKD": 3, "Lowercase": 3,
 def _text_shrink_factor(tokenizer: Any) -> int | None:
     """How much the tokenizer's normalizer can shrink text in bytes (NFC composes at most three
     3-byte jamo into one 3-byte syllable), or None when a step may drop text outright."""
-    import json
-
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 from engine.api import InvalidParam, SamplingParams
 from server.admission import Lane
 from server.errors import ApiError, validation_to_api_error
+from server.structured import StructuredFields
+from server.tools import ToolFields
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -94,7 +96,7 @@ class StreamOptions(BaseModel):
     include_usage: Bool | None = None
 
 
-class OpenAIFields(SamplingFields):
+class OpenAIFields(SamplingFields, StructuredFields):
     """What /v1/completions and /v1/chat/completions share, OpenAI names first."""
 
     model_config = ConfigDict(extra="ignore")
@@ -142,9 +144,11 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant turn's calls (server/tools.py renders them)
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
 
-class ChatRequest(OpenAIFields):
+class ChatRequest(OpenAIFields, ToolFields):
     """Body of POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -152,8 +156,6 @@ class ChatRequest(OpenAIFields):
     max_completion_tokens: Int | None = None
     logprobs: Bool | None = False
     top_logprobs: Int | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template takes them; only text content parts are supported. Text parts

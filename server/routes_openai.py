@@ -1,6 +1,8 @@
 """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions, streaming and not.
 Extensions accepted on both: top_k, min_p, repetition_penalty, ignore_eos, min_tokens, stop_token_ids,
-priority, timeout_s, first_token_timeout_s, cache (the same fields as /generate). `model` may pin a
+priority, timeout_s, first_token_timeout_s, cache (the same fields as /generate). Structured outputs
+(response_format, structured_outputs, guided_*) on both: server/structured.py; tools on chat:
+server/tools.py. `model` may pin a
 version (`name@version`); every body and chunk carries the version in `system_fingerprint`.
 """
 
@@ -25,8 +27,11 @@ from server.protocol import ChatRequest, CompletionRequest, OpenAIFields, parse_
 from server.runtime import Runtime
 from server.serving import MODEL_VERSION_HEADER, ReplayHandle, cache_scope, picked, start
 from server.stream_guard import StreamGuard
+from server.structured import GrammarRequest, requested_grammar, with_grammar
 from server.ticket import Finished, Ticket, Tokens
 from server.tokens import PromptCodec, check_prompt_bytes
+from server.tool_parser import ToolParser
+from server.tools import finish_reason, message_with_calls, plan_tools
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -49,12 +54,14 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "invalid_request", "echo is not supported", param="echo")
     if body.suffix:
         raise ApiError(400, "invalid_request", "suffix is not supported", param="suffix")
+    asked = requested_grammar(body)
     with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
         max_tokens = next((m for m in (body.max_tokens, body.max_completion_tokens) if m is not None),
                           COMPLETION_DEFAULT_MAX_TOKENS)
         ids = await _completion_prompt(dep.codec, dep.max_model_len, body.prompt, max_tokens)
-        params = body.sampling_params(max_tokens, body.logprobs)
+        spec = await dep.grammars.compile(asked) if asked is not None else None
+        params = with_grammar(body.sampling_params(max_tokens, body.logprobs), spec)
         shape = _CompletionShape(lease, slot.name, f"cmpl-{uuid.uuid4().hex}")
         handle = _start(rt, request, body, ids, params, shape, lease)
     return await _respond(rt, request, body, handle, shape)
@@ -66,17 +73,17 @@ async def chat_completions(request: Request) -> Response:
     rt.check_accepting()
     body = await parse_body(request, ChatRequest)
     body.check_unsupported()
-    if body.tools:
-        raise ApiError(400, "invalid_request", "tools are not supported", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise ApiError(400, "invalid_request", "only text response_format is supported", param="response_format")
+    output = requested_grammar(body)
     with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
-        messages = body.template_messages()
+        tools = plan_tools(body, body.messages, body.template_messages(), dep.tool_template, dep.tool_parser,
+                           dep.grammars.compiler is not None)  # fmt: skip
+        grammar = _one_grammar(output, tools.grammar)
+        messages = tools.messages
         asked = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), None)
         check_prompt_bytes(dep.codec, message_texts(messages), max(asked or 1, 1), dep.max_model_len, "messages")
         try:
-            ids = await dep.codec.chat(messages)
+            ids = await dep.codec.chat(messages, tools.template_tools)
         except ApiError:
             raise
         except Exception as exc:
@@ -85,10 +92,19 @@ async def chat_completions(request: Request) -> Response:
         # cache's when that is smaller (dep.max_model_len is the smaller of the two).
         max_tokens = asked if asked is not None else max(1, dep.max_model_len - len(ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(max_tokens, logprobs)
-        shape = _ChatShape(lease, slot.name, f"chatcmpl-{uuid.uuid4().hex}")
+        spec = await dep.grammars.compile(grammar) if grammar is not None else None
+        params = with_grammar(body.sampling_params(max_tokens, logprobs), spec)
+        shape = _ChatShape(lease, slot.name, f"chatcmpl-{uuid.uuid4().hex}", tools.new_parser())
         handle = _start(rt, request, body, ids, params, shape, lease)
     return await _respond(rt, request, body, handle, shape)
+
+
+def _one_grammar(output: GrammarRequest | None, calls: GrammarRequest | None) -> GrammarRequest | None:
+    """The structured output or the tool calls' grammar: one request cannot have both."""
+    if output is not None and calls is not None:
+        raise ApiError(400, "invalid_request", f"{output.param} cannot be combined with tools unless tool_choice "
+                       "is none", param=output.param)  # fmt: skip
+    return output or calls
 
 
 async def _completion_prompt(codec: PromptCodec, max_model_len: int, prompt: str | list[Any],
@@ -142,12 +158,14 @@ async def _stream(guard: StreamGuard, shape: _Shape, want_logprobs: bool,
             if isinstance(event, Tokens):
                 out = event.output
                 lps = out.logprobs if want_logprobs else None
-                yield _event({**shape.chunk([shape.delta(out.text_delta, lps, None)]), **extra})
+                choice = shape.delta(out.text_delta, lps, None)
+                if choice is not None:
+                    yield _event({**shape.chunk([choice]), **extra})
             elif isinstance(event, Finished) and event.error is not None:
                 yield _event({"error": {"message": event.error.message, "type": event.error.kind, "param": None,
                                         "code": event.error.status}})
             elif isinstance(event, Finished):
-                yield _event({**shape.chunk([shape.delta("", None, event.reason)]), **extra})
+                yield _event({**shape.chunk([shape.finish_delta(event.reason)]), **extra})
                 if include_usage:
                     yield _event({**shape.chunk([]), "usage": shape.usage(handle.ticket)})
         yield ServerSentEvent(data="[DONE]")
@@ -195,8 +213,15 @@ class _Shape:
     def first_chunk(self) -> dict[str, Any] | None:
         return None
 
-    def delta(self, text: str, lps: list[TokenLogprob] | None, reason: str | None) -> dict[str, Any]:
+    def delta(self, text: str, lps: list[TokenLogprob] | None, reason: str | None) -> dict[str, Any] | None:
+        """A stream choice for one step's text; None: nothing to send for it yet."""
         raise NotImplementedError
+
+    def finish_delta(self, reason: str) -> dict[str, Any]:
+        """The stream's last choice: its finish_reason (and what was held back)."""
+        choice = self.delta("", None, reason)
+        assert choice is not None
+        return choice
 
     def full_choice(self, text: str, lps: list[TokenLogprob] | None, reason: str) -> dict[str, Any]:
         raise NotImplementedError
@@ -235,16 +260,30 @@ class _ChatShape(_Shape):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
+    def __init__(self, lease: Lease, model: str, request_id: str, tools: ToolParser | None = None) -> None:
+        super().__init__(lease, model, request_id)
+        self.tools = tools  # reads tool calls out of the text (server/tool_parser.py); None: plain text
+
     def first_chunk(self) -> dict[str, Any] | None:
         return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def delta(self, text: str, lps: list[TokenLogprob] | None, reason: str | None) -> dict[str, Any]:
-        delta = {"content": text} if reason is None else {}
+    def delta(self, text: str, lps: list[TokenLogprob] | None, reason: str | None) -> dict[str, Any] | None:
+        if self.tools is None:
+            delta = {"content": text} if reason is None else {}
+        else:  # content and tool-call pieces as the parser releases them
+            delta = (self.tools.feed(text) if reason is None else self.tools.finish()).openai()
+            if reason is not None:
+                reason = finish_reason(reason, self.tools.calls)
+            elif not delta and lps is None:
+                return None
         return {"index": 0, "delta": delta, "logprobs": self._logprobs(lps), "finish_reason": reason}
 
     def full_choice(self, text: str, lps: list[TokenLogprob] | None, reason: str) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(lps),
-                "finish_reason": reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            content = self.tools.feed(text).content + self.tools.finish().content
+            message, reason = message_with_calls(content, self.tools.calls), finish_reason(reason, self.tools.calls)
+        return {"index": 0, "message": message, "logprobs": self._logprobs(lps), "finish_reason": reason}
 
     def _logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if lps is None:

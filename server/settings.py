@@ -128,6 +128,13 @@ class ServerSettings(BaseSettings):
     warmup: bool = Field(True, description="run one short generation before reporting ready")
     sse_ping_s: float = Field(15.0, gt=0, description="keep-alive comment interval on idle streams")
 
+    # -- structured outputs and tools (docs/SERVER.md) ------------------------------------------------
+    structured_compile_timeout_s: float = Field(10.0, gt=0, le=600, description="a request's grammar (JSON "
+                                                "schema, regex, choice, EBNF, tool calls) must compile within "
+                                                "this, else 400; compiled grammars are cached")
+    tool_call_parser: Literal["hermes"] = Field("hermes", description="how tool calls are read back from model "
+                                                "text (hermes: <tool_call>{json}</tool_call>)")
+
     # -- model versions, admin API, response cache, feedback (docs/OPERATIONS.md) --------------------------
     model_version: str | None = Field(None, description="version of --model; default: a fingerprint of its files")
     models: Annotated[list[ModelEntry], NoDecode] = Field(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -49,8 +50,9 @@ class PromptCodec:
     async def encode(self, text: str) -> list[int]:
         return await self._run(len(text), encode_prompt, text)
 
-    async def chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return await self._run(_chars(messages), chat_prompt_ids, messages)
+    async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """`tools`: for the chat template's `tools` argument (server/tools.py), when it renders them."""
+        return await self._run(_chars(messages), functools.partial(chat_prompt_ids, tools=tools), messages)
 
     async def _run(self, chars: int, fn, arg) -> list[int]:
         lane = self._large if chars > LARGE_PROMPT_CHARS else self._small

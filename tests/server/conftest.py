@@ -36,3 +36,12 @@ def engine_with(tiny_model_path: str):
         return build_real_engine(tiny_model_path, **config)
 
     return build
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine():
+    """The real SmolLM2-135M-Instruct (its own chat template and tokenizer), float32 on the CPU, lent to
+    one server at a time like `real_engine`."""
+    from .real_model import require_default_model
+
+    return build_real_engine(str(require_default_model()), kv_cache_memory=256 << 20, max_model_len=2048)
