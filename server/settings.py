@@ -74,6 +74,8 @@ class ServerSettings(BaseSettings):
     )
     enforce_eager: bool = Field(False, description="no CUDA graphs for decode steps (CUDA only)")
     pack_weights: bool = Field(True, description="CPU bf16: linear weights packed for oneDNN (same output, faster)")
+    grammar_backend: Literal["xgrammar", "none"] = Field("xgrammar", description="structured outputs and enforced "
+                                                         "tool calls; none: such requests get a 400")
 
     # -- HTTP ----------------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="address to bind")
@@ -240,6 +242,7 @@ class ServerSettings(BaseSettings):
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             pack_weights=self.pack_weights,
+            grammar_backend=self.grammar_backend,
             show_progress=True,  # a bar on a terminal only (tqdm stays quiet in logs and pipes)
         )
 

@@ -42,12 +42,14 @@ class XGrammarMatcher:
 
     def __init__(self, compiled: xgr.CompiledGrammar, also: torch.Tensor | None) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)
-        self._also = also  # a bitmask row ANDed with the grammar's (tokens the grammar must never get)
+        # A bitmask row ANDed with the grammar's (tokens the grammar must never get), as numpy int32.
+        self._also = also.numpy() if also is not None else None
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
-        if self._also is not None:
-            bitmask[row] &= self._also
+        if self._also is not None:  # numpy: one thread (torch's pool can wait ms for a busy core)
+            words = bitmask.numpy()[row]
+            words &= self._also
 
     def accept(self, token_id: int) -> bool:
         return bool(self._matcher.accept_token(token_id))

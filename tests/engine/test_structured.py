@@ -225,3 +225,31 @@ def test_masks_touch_only_their_rows(kernel, monkeypatch):
     assert allowed_tokens(bitmask[[1, 3]], 70).sum(dim=1).tolist() == [2, 64]
     assert torch.equal(allowed_tokens(pack_bitmask(allowed_tokens(bitmask, 70)[3])[None], 70)[0],
                        allowed_tokens(bitmask, 70)[3])  # fmt: skip
+
+
+def test_the_sparse_path_masks_as_the_dense_one(monkeypatch):
+    """Rows allowing few tokens take the numpy path on the CPU; every path gives the same logits."""
+    torch.manual_seed(1)
+    vocab = 4096 + 5  # a partial last word
+    logits = torch.randn(4, vocab)
+    bitmask = new_bitmask(4, vocab)
+    bitmask[0] = 0
+    bitmask[0, 3] = -(2**31) | 0b11  # tokens 96, 97 and 127 (the sign bit)
+    bitmask[0, 128] = 0b10001  # tokens 4096 and 4100 (the last)
+    bitmask[1, 7] = 0  # dense: 32 tokens forbidden
+    bitmask[2] = 0  # not named: ignored
+    bitmask[3] = 0  # allows nothing at all
+    used = []
+    monkeypatch.setattr(masks, "_apply_sparse", lambda *a, _f=masks._apply_sparse: used.append(a[2]) or _f(*a))
+    got = logits.clone()
+    apply_bitmask(got, bitmask, [0, 1, 3])
+    assert used == [[0, 3]]
+    assert torch.isfinite(got[0]).nonzero().flatten().tolist() == [96, 97, 127, 4096, 4100]
+    assert torch.isinf(got[3]).all() and torch.equal(got[2], logits[2])
+    monkeypatch.setattr(masks, "SPARSE_WORDS_SHARE", -1.0)
+    for kernel in (masks._kernel, None):
+        monkeypatch.setattr(masks, "_kernel", kernel)
+        want = logits.clone()
+        apply_bitmask(want, bitmask, [0, 1, 3])
+        assert torch.equal(got, want)
+    assert len(used) == 1
