@@ -24,6 +24,7 @@ def test_summary_takes_medians_and_the_cost_of_the_constrained_arm():
     r = summarize({"model": "m", "rounds": rounds, "ttft_s": ttft}, _args(output_len=8))
     assert r["median_tokens_per_s"] == {"plain": 100.0, "json": 85.0}
     assert r["throughput_cost"] == 0.15 and not r["throughput_target_met"]
+    assert r["paired_cost_median"] == round(1 - 80 / 90, 4)  # the pairs cost 5%, 11.1% and 22.7%
     assert r["every_request_full_length"]
     assert r["ttft_added_by_compile_s"] == 0.25 and r["ttft_added_by_masks_s"] == 0.05
     assert "15.0% (MISSED" in format_report(r)
