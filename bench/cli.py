@@ -1,9 +1,9 @@
 """Command line of the benchmarks: `python -m bench <subcommand> ...`, also `tokenmill bench ...`.
 
 Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
-and sets `func(args) -> int`. Today: `offline`, `floor`, `load` (HTTP load test), `sweep`, `priority`,
-`startup`, `swap` (model version swap under load, response cache latency), `structured` (what
-structured outputs cost in throughput and TTFT).
+and sets `func(args) -> int`. Today: `offline`, `floor`, `quality`, `gemv`, `fused`, `load` (HTTP load test), `sweep`,
+`priority`, `startup`, `swap` (model version swap under load, response cache latency),
+`structured` (what structured outputs cost in throughput and TTFT).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from bench import floor, load, offline, priority, startup, structured, swap, sweep
+from bench import floor, fused, gemv, load, offline, priority, quality, startup, structured, swap, sweep
 
 
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
@@ -21,6 +21,9 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
     offline.add_parser(subparsers)
     floor.add_parser(subparsers)
+    quality.add_parser(subparsers)
+    gemv.add_parser(subparsers)
+    fused.add_parser(subparsers)
     load.add_parser(subparsers)
     sweep.add_parser(subparsers)
     priority.add_parser(subparsers)

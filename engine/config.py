@@ -8,6 +8,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine.attention.select_backend
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # engine.structured.make_compiler
+QUANTIZATIONS = (None, "int8")  # engine/quantization.py
+CPU_GEMV = ("auto", "on", "off")  # engine/cpu_weights.py
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,12 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only; the CPU never uses them)
     pack_weights: bool = True  # CPU bf16: linear weights in oneDNN's packed layout (same results, faster)
     grammar_backend: str = "xgrammar"  # structured outputs and enforced tool calls; "none": refused (400)
+    quantization: str | None = None  # "int8": INT8 weight-only linears (CPU; half the weight bytes); None: dtype
+    # INT8 input columns per scale of an output row; None, or a weight whose K it does not divide: one scale per row.
+    quantization_group_size: int | None = 64
+    cpu_gemv: str = "auto"  # CPU small-batch linear kernels: auto (where measured faster at start-up), on, off
+    fused_decode: bool = True  # CPU kernels: decode-only steps run the layer loop in C++ (same results, less overhead)
+    cpu_threads: int | None = None  # CPU: torch's intra-op threads, set at start-up (process-wide); None: torch's
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -58,7 +66,17 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
-        for name in ("enforce_eager", "pack_weights"):
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.cpu_threads is not None:
+            _positive("cpu_threads", self.cpu_threads)
+        if self.quantization_group_size is not None:
+            _positive("quantization_group_size", self.quantization_group_size)
+            if self.quantization_group_size % 2:
+                raise ValueError(f"quantization_group_size must be even, got {self.quantization_group_size}")
+        if self.cpu_gemv not in CPU_GEMV:
+            raise ValueError(f"cpu_gemv must be one of {CPU_GEMV}, got {self.cpu_gemv!r}")
+        for name in ("enforce_eager", "pack_weights", "fused_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -29,7 +29,11 @@ log = logging.getLogger("tokenmill.engine")
 CSRC = Path(__file__).parent / "csrc"
 # source -> its own flags. The layer kernels reproduce PyTorch's roundings op by op, so the compiler
 # must not contract a * b + c into one fused multiply-add there; the attention products may.
-SOURCES = {"cpu_attention.cpp": (), "cpu_layers.cpp": ("-ffp-contract=off",)}
+SOURCES = {"cpu_attention.cpp": (), "cpu_layers.cpp": ("-ffp-contract=off",), "cpu_gemv.cpp": (),
+           "cpu_decode.cpp": ()}
+# Sources the library is built without when they do not compile (an older compiler without the
+# AVX-512 BF16/VNNI intrinsics): the engine then keeps its oneDNN/PyTorch linears (cpu_linear.py).
+OPTIONAL = frozenset({"cpu_gemv.cpp"})
 HEADERS = ("widen.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-w")
 
@@ -72,7 +76,13 @@ def _compile(out: Path) -> None:
         objects = []
         for name, flags in SOURCES.items():
             obj = os.path.join(tmp, name + ".o")
-            _run([cxx, *common, *flags, "-c", str(CSRC / name), "-o", obj], name)
+            try:
+                _run([cxx, *common, *flags, "-c", str(CSRC / name), "-o", obj], name)
+            except RuntimeError as exc:
+                if name not in OPTIONAL:
+                    raise
+                log.warning("building the CPU kernels without %s: %s", name, str(exc)[-500:])
+                continue
             objects.append(obj)
         lib = os.path.join(tmp, out.name)
         link = [f"-L{p}" for p in lib_dirs] + [f"-Wl,-rpath,{p}" for p in lib_dirs] + ["-lc10", "-ltorch_cpu"]

@@ -13,12 +13,12 @@ from engine.attention import select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.core import EngineCore, GenerationResult
+from engine.cpu_weights import prepare_weights
 from engine.cuda_graphs import DecodeGraphRunner, graph_buckets, graphs_enabled
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.model_source import open_model_source
-from engine.models.packed_linear import packing_supported
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerConfig
 from engine.structured import make_compiler
@@ -36,16 +36,16 @@ class Engine(EngineCore):
         self.device = setup.resolve_device(config.device)
         if self.device.type == "cuda":  # an engine freed earlier in this process (an unloaded model version)
             torch.cuda.empty_cache()  # leaves its blocks cached: give them back before measuring free memory
+        setup.apply_cpu_threads(config.cpu_threads, self.device)
         self.dtype = setup.resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = setup.resolve_max_model_len(config, self.hf_config)
         self.block_size = setup.resolve_block_size(config.block_size, self.device)
         model = load_model(source, self.dtype, self.device, self.max_model_len, config.show_progress)
-        self.packed_weights = config.pack_weights and packing_supported(self.device, self.dtype)
-        if self.packed_weights:
-            model.pack_weights(batch_hint=config.max_num_seqs)
+        self.weights = prepare_weights(model, config, self.device, self.dtype)  # packing, kernels, INT8
+        self.packed_weights = self.weights.packed
         backend = select_backend(self.device, config.attention_backend, self.dtype)
         if backend.name == "cpu":  # the C++ kernels are loaded: the layers use theirs too
-            model.use_cpu_kernels(norms=self.dtype == torch.bfloat16)
+            model.use_cpu_kernels(norms=self.dtype == torch.bfloat16, fused_decode=config.fused_decode)
         use_graphs = graphs_enabled(self.device, config.enforce_eager, backend)
         buckets = graph_buckets(config.max_num_seqs)
         spec = setup.kv_spec(self.hf_config, self.block_size, self.dtype)
@@ -75,10 +75,11 @@ class Engine(EngineCore):
         )
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "
-            "cuda graphs=%s, packed weights=%s",
+            "cuda graphs=%s, packed weights=%s, quantization=%s, small-batch kernels: %s",
             self.model_name, str(self.dtype).removeprefix("torch."), self.device, num_blocks,
             self.block_size, num_blocks * self.block_size, self.kv_cache_bytes / 2**30, backend.name,
-            ",".join(map(str, buckets)) if graphs else "off", self.packed_weights,
+            ",".join(map(str, buckets)) if graphs else "off", self.packed_weights, self.weights.quantization,
+            self.weights.gemv,
         )
 
     # ---- names the server reads ------------------------------------------------------------------

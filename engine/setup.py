@@ -38,6 +38,14 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+def apply_cpu_threads(threads: int | None, device: torch.device) -> None:
+    """torch's intra-op thread count for a CPU engine (process-wide: every OpenMP region, the C++
+    kernels' at::parallel_for included). None leaves torch's default, one thread per core."""
+    if threads is not None and device.type == "cpu" and torch.get_num_threads() != threads:
+        log.info("CPU threads: %d (was %d)", threads, torch.get_num_threads())
+        torch.set_num_threads(threads)
+
+
 def resolve_block_size(block_size: int | None, device: torch.device) -> int:
     """32 tokens on CPU: the torch backend gathers whole blocks per decode step, and 4 KiB (bf16,
     head_dim 64) contiguous runs copy about twice as fast as 2 KiB ones (bench-135m, batch 32: the

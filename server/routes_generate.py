@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import ServerSentEvent
 
 from engine.api import RequestOutput, TokenLogprob
+from server import sse
 from server.errors import ApiError
 from server.gateway import Completed, GenerationRequest, RequestHandle
 from server.protocol import GenerateRequest, parse_body
@@ -70,14 +71,14 @@ async def _stream(guard: StreamGuard, want_logprobs: bool) -> AsyncIterator[Serv
         async for event in guard.events():
             if isinstance(event, Tokens):
                 for data in _token_events(handle.request_id, index, event.output, want_logprobs):
-                    yield ServerSentEvent(event="token", data=_json(data))
+                    yield sse.event(_json(data), "token")
                 index += len(event.output.new_token_ids)
             elif isinstance(event, Finished):
                 if event.error is not None:
                     error = {"error": {"type": event.error.kind, "message": event.error.message}}
-                    yield ServerSentEvent(event="error", data=_json(error))
+                    yield sse.event(_json(error), "error")
                 else:
-                    yield ServerSentEvent(event="done", data=_json(_done(handle, event)))
+                    yield sse.event(_json(_done(handle, event)), "done")
     finally:
         guard.close()
 

@@ -20,6 +20,7 @@ from sse_starlette import ServerSentEvent
 
 from engine.api import SamplingParams, TokenLogprob
 from engine.tokenization import message_texts
+from server import sse
 from server.deployment import Lease
 from server.errors import ApiError
 from server.gateway import GenerationRequest, RequestHandle
@@ -168,13 +169,13 @@ async def _stream(guard: StreamGuard, shape: _Shape, want_logprobs: bool,
                 yield _event({**shape.chunk([shape.finish_delta(event.reason)]), **extra})
                 if include_usage:
                     yield _event({**shape.chunk([]), "usage": shape.usage(handle.ticket)})
-        yield ServerSentEvent(data="[DONE]")
+        yield sse.event("[DONE]")
     finally:
         guard.close()
 
 
 def _event(data: dict[str, Any]) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(data, separators=(",", ":"), ensure_ascii=False))
+    return sse.event(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
 
 
 class _Shape:

@@ -76,6 +76,10 @@ class ServerSettings(BaseSettings):
     pack_weights: bool = Field(True, description="CPU bf16: linear weights packed for oneDNN (same output, faster)")
     grammar_backend: Literal["xgrammar", "none"] = Field("xgrammar", description="structured outputs and enforced "
                                                          "tool calls; none: such requests get a 400")
+    quantization: Literal["int8"] | None = Field(None, description="int8: INT8 weight-only linears (CPU; half the weight bytes)")
+    engine_threads: int | None = Field(
+        None, ge=1, description="CPU: engine compute threads; default: OMP_NUM_THREADS, else one per core but one"
+    )
 
     # -- HTTP ----------------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="address to bind")
@@ -243,6 +247,8 @@ class ServerSettings(BaseSettings):
             enforce_eager=self.enforce_eager,
             pack_weights=self.pack_weights,
             grammar_backend=self.grammar_backend,
+            quantization=self.quantization,
+            cpu_threads=self.engine_threads or default_engine_threads(),
             show_progress=True,  # a bar on a terminal only (tqdm stays quiet in logs and pipes)
         )
 
@@ -303,6 +309,20 @@ def _check_api_key(key: str) -> None:
         raise ValueError("API keys must not be empty (unset the setting to run without authentication)")
     if key != key.strip() or any(c.isspace() for c in key):
         raise ValueError("API keys must not contain whitespace")
+
+
+def default_engine_threads() -> int:
+    """OMP_NUM_THREADS when set, else one thread per core this process may run on but one: that core
+    stays free for the event loop, tokenization and HTTP, which otherwise stall the engine's OpenMP
+    barriers (docs/BENCHMARKS.md, "Thread placement"). At least 1."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):

@@ -24,6 +24,7 @@ from fastapi import Request
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
+from server import sse
 from server.guarded_protocol import GuardedH11Protocol, connection_of
 from server.ticket import Finished, ServerError, Ticket, Tokens
 
@@ -67,7 +68,7 @@ class StreamGuard:
                  headers: Mapping[str, str] | None = None) -> EventSourceResponse:  # fmt: skip
         """The SSE response for `content` (which iterates `events()` and calls `close()` last)."""
         return EventSourceResponse(content, ping=ping_s, headers=headers, background=BackgroundTask(self.aclose),
-                                   data_sender_callable=self.watch)  # fmt: skip
+                                   data_sender_callable=self.watch, sep=sse.SEP)  # fmt: skip
 
     async def events(self) -> AsyncIterator[Tokens | Finished]:
         """The request's events until it ends, or until its connection is closed (nothing more

@@ -108,7 +108,12 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        # gate_up_proj.silu_mul(x) gives silu(gate) * up in one product (engine/models/cpu_linear.py);
+        # set by LlamaForCausalLM.replace_linears.
+        self.fused_act = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_act:
+            return self.down_proj(self.gate_up_proj.silu_mul(x))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.models.fused_decode import FusedDecode
 from engine.models.layers import ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rotate_
 from engine.models.packed_linear import PackedLinear, pack_linears
 from engine.models.rope import rope_inv_freq
@@ -78,12 +79,17 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fused_decode: FusedDecode | None = None  # the C++ layer loop for decode steps (use_cpu_kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         ctx.cos, ctx.sin = self.rotary.lookup(positions)
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
+        fused = self.fused_decode.run(x, ctx) if self.fused_decode is not None else None
+        if fused is not None:
+            x, residual = fused
+        else:
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, ctx)
         return self.norm.add_norm(x, residual)[0]
 
 
@@ -118,15 +124,19 @@ class LlamaForCausalLM(nn.Module):
             return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden)
 
-    def use_cpu_kernels(self, norms: bool) -> None:
+    def use_cpu_kernels(self, norms: bool, fused_decode: bool = True) -> None:
         """Route rotary (and, with norms, every RMSNorm and residual add) through the C++ CPU
         kernels (engine/cpu_kernels.py, loaded by the caller). Rotary is bit-exact in any dtype;
-        the norms' float32 mean sums in another order than PyTorch's, so they are for bf16 only."""
+        the norms' float32 mean sums in another order than PyTorch's, so they are for bf16 only.
+        With fused_decode, decode-only steps run the layer loop in C++ (models/fused_decode.py); call
+        it after the linears are final (pack_weights / replace_linears)."""
         for mod in self.modules():
             if isinstance(mod, LlamaAttention):
                 mod.fused_rotary = True
             elif isinstance(mod, RMSNorm):
                 mod.fused = norms
+        if fused_decode and FusedDecode.available():
+            self.model.fused_decode = FusedDecode(self.model.layers)
 
     def pack_weights(self, batch_hint: int) -> int:
         """Every linear, the logits projection included, to oneDNN's packed layout (CPU bf16; see
@@ -137,6 +147,23 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = PackedLinear(self.model.embed_tokens.weight, None, batch_hint)
             n += 1
         return n
+
+    def replace_linears(self, make) -> None:
+        """Every linear, the logits head included, by make(weight, bias, role) (CPU kernels, INT8:
+        engine/cpu_weights.py). role: "gate_up" for each gated MLP's fused gate/up weight (a module
+        with silu_mul(x) returned there computes silu(gate) * up itself, and the MLP calls it),
+        "lm_head" for the logits head (a tied model's is built from the embedding matrix; the lookup
+        keeps its own), "linear" for the rest."""
+        for mlp in [m for m in self.modules() if isinstance(m, GatedMLP)]:
+            lin = mlp.gate_up_proj
+            mlp.gate_up_proj = make(lin.weight, lin.bias, "gate_up")
+            mlp.fused_act = hasattr(mlp.gate_up_proj, "silu_mul")
+        targets = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
+                   if isinstance(child, nn.Linear)]
+        for parent, name, child in targets:
+            setattr(parent, name, make(child.weight, child.bias, "lm_head" if child is self.lm_head else "linear"))
+        if self.lm_head is None:
+            self.lm_head = make(self.model.embed_tokens.weight, None, "lm_head")
 
     def shard_sizes(self, fused: str) -> list[int]:
         """Row sizes of the shards of a fused parameter, in shard order."""

@@ -36,3 +36,25 @@ def test_compile_switch_compiles_norms_and_mlps(build_model):
 
     res = measure(str(build_model("tiny-llama")), "float32", batch=2, context=8, repeats=2, compile_=True)
     assert res.step_ms > 0 and res.floor_ms > 0 and len(res.step_runs_ms) == 2
+
+
+def test_bandwidth_floor_and_int8(build_model, tmp_path):
+    """The bandwidth floor is the served weight bytes over the measured read bandwidth; INT8 halves
+    the bytes (float32 here: a quarter), and the matmul floor times each product of the step once."""
+    from bench.floor import step_linears
+
+    path = str(build_model("tiny-llama"))
+    res = {}
+    for name, extra in (("plain", []), ("int8", ["--quantization", "int8"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["floor", "--model", path, "--dtype", "float32", "--batch", "2", "--context", "16",
+                     "--repeats", "2", "--json", str(out), *extra]) == 0
+        res[name] = json.loads(out.read_text())[0]
+    for r in res.values():
+        assert r["read_gbps"] > 0 and r["weight_bytes"] > 0
+        assert abs(r["bandwidth_floor_ms"] - r["weight_bytes"] / (r["read_gbps"] * 1e9) * 1e3) < 1e-9
+        assert abs(r["ratio_bandwidth"] - r["step_ms"] / r["bandwidth_floor_ms"]) < 1e-9
+    assert res["int8"]["weight_bytes"] < res["plain"]["weight_bytes"] / 3  # int8 + scales vs float32
+    plain = decode_engine(path, "float32", batch=1, context=8, max_tokens=4)
+    int8 = decode_engine(path, "float32", batch=1, context=8, max_tokens=4, quantization="int8")
+    assert len(step_linears(plain.runner.model)) == len(step_linears(int8.runner.model)) == 2 * 4 + 1

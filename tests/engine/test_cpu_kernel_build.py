@@ -43,3 +43,28 @@ def test_turned_off_and_missing_compiler_say_why(tmp_path):
     assert off.returncode == 3 and "TOKENMILL_CPU_KERNELS=0" in off.stdout
     nocc = _load_in_subprocess({"TOKENMILL_KERNEL_CACHE": str(tmp_path / "empty"), "CXX": "/nonexistent/c++"}, tmp_path)
     assert nocc.returncode == 3 and "no C++ compiler ('/nonexistent/c++' from $CXX)" in nocc.stdout
+
+
+def test_an_optional_source_that_fails_is_left_out(monkeypatch, tmp_path, caplog):
+    """A compiler without the AVX-512 BF16/VNNI intrinsics must not cost the other kernels: the
+    library is built without cpu_gemv.cpp, with a warning, and the engine keeps its oneDNN linears."""
+    import logging
+    import shutil
+
+    import pytest
+
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels.CSRC, csrc)
+    (csrc / "cpu_gemv.cpp").write_text("#error this compiler has no AVX-512 BF16\n")
+    monkeypatch.setattr(cpu_kernels, "CSRC", csrc)
+    monkeypatch.setattr(cpu_kernels, "SOURCES", {"cpu_layers.cpp": ("-ffp-contract=off",), "cpu_gemv.cpp": ()})
+    out = tmp_path / "k" / "lib.so"
+    with caplog.at_level(logging.WARNING, logger="tokenmill.engine"):
+        cpu_kernels._compile(out)
+    assert out.exists()
+    assert any("without cpu_gemv.cpp" in r.getMessage() and "AVX-512 BF16" in r.getMessage() for r in caplog.records)
+    (csrc / "cpu_layers.cpp").write_text("#error broken\n")  # a required source still fails the build
+    with pytest.raises(RuntimeError, match="cpu_layers.cpp"):
+        cpu_kernels._compile(tmp_path / "k2" / "lib.so")

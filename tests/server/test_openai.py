@@ -149,3 +149,18 @@ def test_raw_load_tool_request(srv):
     chunks = [json.loads(d) for d in data[:-1]]
     assert chunks[-1]["usage"]["completion_tokens"] == 10
     assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"]) >= 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+def test_events_split_on_a_blank_line_even_when_reads_coalesce(srv, path):
+    """`vllm bench serve` finds events by splitting its buffer on "\\n\\n": with "\\r\\n" line ends, two
+    events in one read were one unparseable message and the request was lost. Read the whole stream
+    as one buffer (the worst coalescing) and split it that way."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{srv.url}{path}", json=body, timeout=60) as r:
+        raw = r.read().decode()
+    assert "\r" not in raw
+    messages = [m.strip() for m in raw.split("\n\n") if m.strip() and not m.startswith(":")]
+    datas = [line.removeprefix("data: ") for m in messages for line in m.splitlines() if line.startswith("data: ")]
+    parsed = [json.loads(d) for d in datas if d != "[DONE]"]
+    assert len(parsed) >= 8  # one event per token at least, each one whole JSON

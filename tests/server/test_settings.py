@@ -81,6 +81,28 @@ def test_engine_config_and_lane_bounds():
     assert s.lane_bounds()[Lane.BATCH].max_tokens == 123
 
 
+def test_quantization_and_engine_threads(monkeypatch):
+    from server import settings as settings_module
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cfg = parse_settings(["--quantization", "int8", "--engine-threads", "3"]).engine_config("/m")
+    assert (cfg.quantization, cfg.cpu_threads) == ("int8", 3)
+    assert parse_settings([]).engine_config("/m").quantization is None
+    with pytest.raises(SystemExit):
+        parse_settings(["--quantization", "int4"])
+    with pytest.raises(ValidationError, match="engine_threads"):
+        parse_settings(["--engine-threads", "0"])
+    # Default: one core left to the HTTP side (at least one thread), unless OMP_NUM_THREADS says.
+    monkeypatch.setattr(settings_module.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert parse_settings([]).engine_config("/m").cpu_threads == 1
+    monkeypatch.setattr(settings_module.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert parse_settings([]).engine_config("/m").cpu_threads == 7
+    monkeypatch.setattr(settings_module.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert parse_settings([]).engine_config("/m").cpu_threads == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert parse_settings([]).engine_config("/m").cpu_threads == 2
+
+
 def test_help_lists_every_setting_with_its_default(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["serve", "--help"])

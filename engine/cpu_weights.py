@@ -1,0 +1,199 @@
+"""Start-up choice of the linear layers on the CPU (EngineConfig.pack_weights, cpu_gemv, quantization).
+
+- bf16: every linear gets the C++ small-batch kernel (GemvLinear) for the row counts where it
+  measures faster than oneDNN's packed product on this machine (`cpu_gemv="auto"`, timed per weight
+  shape here, a few hundred ms for a 135M model), oneDNN above them; a shape where the kernel never
+  wins stays a plain PackedLinear. `cpu_gemv="on"`: the kernel at every row count (tests); "off",
+  no compiler, or a CPU without AVX-512 BF16 (one log line says which): oneDNN only.
+- INT8 (`quantization="int8"`, any dtype): every linear and the logits head quantized per output
+  channel, the embedding looked up in INT8 (a tied model's in the head's own weight); the kernel
+  for the row counts where it beats dequantizing the weight for PyTorch, the latter above. Without
+  the kernels (same conditions, one log line) the weights stay INT8 and are dequantized per call.
+- float32 without quantization, and CUDA: nothing changes here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.config import EngineConfig
+from engine.models.cpu_linear import (
+    ALWAYS,
+    GemvLinear,
+    Int8Embedding,
+    Int8Linear,
+    kernels_unavailable,
+    measure_max_rows,
+    silu_mul,
+)
+from engine.models.llama import LlamaForCausalLM
+from engine.models.packed_linear import PackedLinear, packing_supported
+from engine.quantization import Int8Weight, group_for, quantize_int8
+
+log = logging.getLogger("tokenmill.engine")
+
+
+@dataclass(frozen=True)
+class WeightsReport:
+    """What prepare_weights did, for the engine's start-up log line and the benchmarks."""
+
+    packed: bool  # oneDNN-packed bf16 layouts in use
+    quantization: str | None  # "int8" or None
+    gemv: str  # the small-batch kernels: "off (why)", or "<rows> x <cols>: up to R rows" per weight shape
+    weight_bytes: int  # bytes of the linear weights (logits head included) one decode step reads
+
+
+def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                    preloaded: Mapping[str, Int8Weight] | None = None) -> WeightsReport:
+    """Replace the model's linears (in place) as the module docstring says; returns what it did.
+
+    preloaded: INT8 weights that arrived quantized (a GGUF Q8_0 tensor through
+    quantization.int8_from_blocks; a fused weight's shards concatenated by rows, as its scales are
+    per row), by the name of the model parameter they stand for ("model.layers.0.self_attn.qkv_proj.weight",
+    "model.embed_tokens.weight"). With quantization "int8" they are used as they are and the rest
+    is quantized here; without it they are refused."""
+    if config.quantization is not None and device.type != "cpu":
+        raise ValueError(f"quantization {config.quantization!r} runs on the CPU only (device is {device})")
+    if preloaded and config.quantization != "int8":
+        raise ValueError("preloaded INT8 weights need quantization='int8'")
+    if config.quantization == "int8":
+        return _int8(model, config, dtype, dict(preloaded or {}))
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return WeightsReport(False, None, "off (bf16 on the CPU only)", _weight_bytes(model))
+    return _bf16(model, config, config.pack_weights and packing_supported(device, dtype))
+
+
+def _bf16(model: LlamaForCausalLM, config: EngineConfig, onednn: bool) -> WeightsReport:
+    reason = "cpu_gemv is 'off'" if config.cpu_gemv == "off" else kernels_unavailable("bf16")
+    if reason is not None:
+        if config.cpu_gemv != "off":
+            log.warning("small-batch linear kernels unavailable (%s); using %s", reason,
+                        "oneDNN's packed linears" if onednn else "F.linear")
+        if onednn:
+            model.pack_weights(batch_hint=config.max_num_seqs)
+        return WeightsReport(onednn, None, f"off ({reason})", _weight_bytes(model))
+    plans: dict[tuple, int] = {}
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None, role: str) -> nn.Module:
+        if plans.get(_key(weight, bias, role == "gate_up")) == 0:  # measured on an earlier layer: never faster
+            return PackedLinear(weight, bias, config.max_num_seqs) if onednn else _plain(weight, bias)
+        lin = GemvLinear(weight, bias, ALWAYS, config.max_num_seqs, role == "gate_up", onednn)
+        lin.max_rows = _planned_rows(plans, lin, role, config, torch.bfloat16)
+        if lin.max_rows:
+            return lin
+        # The kernel never wins on this shape: one layout only.
+        return lin.large if onednn else _plain(weight, bias)
+
+    model.replace_linears(make)
+    return WeightsReport(onednn, None, _plan_text(plans), _weight_bytes(model))
+
+
+def _int8(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype,
+          preloaded: dict[str, Int8Weight]) -> WeightsReport:
+    reason = "cpu_gemv is 'off'" if config.cpu_gemv == "off" else kernels_unavailable("int8")
+    if reason is not None and config.cpu_gemv != "off":
+        log.warning("INT8 kernels unavailable (%s); INT8 weights are dequantized for each product", reason)
+    plans: dict[tuple, int] = {}
+    tied = model.lm_head is None
+    int8_of = _int8_source(model, preloaded, config.quantization_group_size)
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None, role: str) -> nn.Module:
+        lin = Int8Linear(int8_of(weight), bias, ALWAYS, reason is None, role == "gate_up")
+        if reason is None:
+            lin.max_rows = _planned_rows(plans, lin, role, config, dtype)
+        return lin
+
+    model.replace_linears(make)
+    embed = model.model.embed_tokens
+    # Tied: the embedding's rows are the head's; untied: its own INT8 rows, looked up only (plain layout).
+    source = model.lm_head if tied else Int8Linear(int8_of(embed.weight), None, 0, kernel=False)
+    model.model.embed_tokens = Int8Embedding(source, dtype)
+    gemv = f"off ({reason})" if reason is not None else _plan_text(plans)
+    return WeightsReport(False, "int8", gemv, _weight_bytes(model))
+
+
+def _int8_source(model: nn.Module, preloaded: dict[str, Int8Weight],
+                 group_size: int | None) -> Callable[[torch.Tensor], Int8Weight]:
+    """weight -> its INT8 form: the preloaded one for its parameter name, else quantized here."""
+    names = {id(p): name for name, p in model.named_parameters()}  # before any replacement
+    unknown = sorted(set(preloaded) - set(names.values()))
+    if unknown:
+        raise ValueError(f"preloaded INT8 weights for parameters the model does not have: {unknown[:5]}")
+
+    def int8_of(weight: torch.Tensor) -> Int8Weight:
+        name = names.get(id(weight))
+        given = preloaded.get(name) if name else None
+        if given is None:
+            return quantize_int8(weight, group_for(weight.shape[1], group_size))
+        if given.q.shape != weight.shape:
+            raise ValueError(f"preloaded INT8 weight {name!r} is {tuple(given.q.shape)}, the model's {tuple(weight.shape)}")
+        return given
+
+    return int8_of
+
+
+def _planned_rows(plans: dict[tuple, int], lin: GemvLinear | Int8Linear, role: str, config: EngineConfig,
+                  dtype: torch.dtype) -> int:
+    """lin's max_rows: ALWAYS with cpu_gemv "on", else measured once per weight shape (in `plans`)
+    over the row counts it meets: up to max_num_seqs for the logits head (sampled rows only), up to
+    the step's token budget for the others (prefill chunks)."""
+    key = (lin.out_features, lin.in_features, lin.bias is not None, lin.interleave)  # = _key(...)
+    if key not in plans:
+        limit = config.max_num_seqs if role == "lm_head" else max(config.max_num_seqs, config.max_num_batched_tokens)
+        plans[key] = ALWAYS if config.cpu_gemv == "on" else _measure(lin, limit, dtype)
+    return plans[key]
+
+
+def _key(weight: torch.Tensor, bias: torch.Tensor | None, interleave: bool) -> tuple:
+    return (weight.shape[0], weight.shape[1], bias is not None, interleave)
+
+
+def _measure(lin: GemvLinear | Int8Linear, limit: int, dtype: torch.dtype) -> int:
+    """Rows up to which lin's kernel beats its other path (oneDNN, or dequantize + F.linear)."""
+    product = lin._large if isinstance(lin, GemvLinear) else lin._dequantized_linear
+    other = (lambda x: silu_mul(product(x))) if lin.interleave else product
+    kernel = lin.silu_mul if lin.interleave else lin  # lin.max_rows is ALWAYS while it is measured
+    with torch.inference_mode():
+        return measure_max_rows(kernel, other, lin.in_features, dtype, limit)
+
+
+def _plain(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return lin
+
+
+def _plan_text(plans: dict[tuple, int]) -> str:
+    parts = []
+    for (n, k, _, interleave), rows in plans.items():
+        limit = "all" if rows == ALWAYS else str(rows)
+        parts.append(f"{n}x{k}{' (silu)' if interleave else ''}: <= {limit} rows")
+    return "; ".join(parts) or "no linears"
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    """Bytes of the linear weights (the logits head included) a decode step reads."""
+    total = 0
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    # An untied INT8 embedding's rows are looked up, not multiplied: not read whole.
+    lookup_only = embed.source if isinstance(embed, Int8Embedding) and embed.source is not model.lm_head else None
+    inner = {id(m.large) for m in model.modules() if isinstance(m, GemvLinear)}  # counted with their GemvLinear
+    for m in model.modules():
+        if m is lookup_only or id(m) in inner:
+            continue
+        if isinstance(m, (GemvLinear, Int8Linear)):
+            total += m.weight_bytes
+        elif isinstance(m, PackedLinear):
+            total += m.out_features * m.in_features * 2
+        elif isinstance(m, nn.Linear):
+            total += m.weight.numel() * m.weight.element_size()
+    if getattr(model, "lm_head", True) is None:  # tied and unreplaced: the logits read the embedding
+        total += embed.weight.numel() * embed.weight.element_size()
+    return total

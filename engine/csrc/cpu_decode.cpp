@@ -1,0 +1,188 @@
+// The decoder stack of a decode-only step in one call (small batches on the CPU).
+//
+// A decode step of a 30-layer model makes about 400 small calls from Python (norms, linears, rotary,
+// the KV store, the attention kernels, views), each paying the interpreter and the dispatcher: ~2-3 ms
+// a step, a fifth of a batch-1 step. This loop makes the same calls, to the same kernels (the other
+// tokenmill ops, oneDNN's packed linear, ATen), in the same order, from C++, so its results are the
+// Python layers' bit for bit (tests/engine/test_fused_decode.py); engine/models/fused_decode.py decides
+// when it applies and lays out its arguments.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// How one linear runs for this step's row count (engine/models/fused_decode.py picks it).
+enum Kind : int64_t {
+  PLAIN = 0,      // at::linear(x, w, bias)
+  ONEDNN = 1,     // mkldnn::_linear_pointwise(x, packed w, bias)
+  GEMV = 2,       // tokenmill::gemv(x, packed w, scales?, n, k, bias)
+  GEMV_SILU = 3,  // tokenmill::gemv_silu_mul: a gated MLP's gate/up, silu(gate) * up out
+};
+
+// Per layer, SLOTS optional tensors in this order (fused_decode.py LAYER_SLOTS):
+enum Slot : int64_t {
+  IN_NORM = 0, POST_NORM, Q_NORM, K_NORM,
+  QKV_W, QKV_SCALES, QKV_BIAS,
+  O_W, O_SCALES, O_BIAS,
+  GU_W, GU_SCALES, GU_BIAS,
+  DOWN_W, DOWN_SCALES, DOWN_BIAS,
+  SLOTS,
+};
+// Per layer, LINEARS kinds and LINEARS (n, k) pairs: qkv, o, gate/up, down.
+constexpr int64_t LINEARS = 4;
+
+c10::OperatorHandle op(const char* name) {  // by value: the dispatcher hands out a handle, not a reference
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+at::Tensor call1(const c10::OperatorHandle& h, std::vector<c10::IValue> args) {
+  h.callBoxed(&args);
+  return args.empty() ? at::Tensor() : args[0].toTensor();
+}
+
+// Each op resolved on first use (an op of an optional source, or oneDNN's, is only looked up where used).
+#define TOKENMILL_OP(fn, name)                        \
+  const c10::OperatorHandle& fn() {                   \
+    static const c10::OperatorHandle h = op(name);   \
+    return h;                                         \
+  }
+TOKENMILL_OP(gemv_op, "tokenmill::gemv")
+TOKENMILL_OP(gemv_silu_op, "tokenmill::gemv_silu_mul")
+TOKENMILL_OP(rms_norm_op, "tokenmill::rms_norm")
+TOKENMILL_OP(add_rms_norm_op, "tokenmill::add_rms_norm")
+TOKENMILL_OP(rotary_op, "tokenmill::rotary_inplace")
+TOKENMILL_OP(store_op, "tokenmill::paged_store_kv")
+TOKENMILL_OP(scores_op, "tokenmill::paged_decode_scores")
+TOKENMILL_OP(values_op, "tokenmill::paged_decode_values")
+TOKENMILL_OP(onednn_op, "mkldnn::_linear_pointwise")
+#undef TOKENMILL_OP
+
+using Weights = c10::List<c10::optional<at::Tensor>>;
+
+at::Tensor get(const Weights& w, int64_t layer, int64_t slot) {
+  return w.get(layer * SLOTS + slot).value();
+}
+
+c10::IValue opt(const Weights& w, int64_t layer, int64_t slot) {
+  c10::optional<at::Tensor> t = w.get(layer * SLOTS + slot);
+  return t.has_value() ? c10::IValue(*t) : c10::IValue();
+}
+
+// One linear (slots base..base+2: weight, scales, bias); its output, silu(gate) * up for GEMV_SILU.
+at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t layer, int64_t base, int64_t kind, int64_t n,
+                  int64_t k) {
+  const at::Tensor weight = get(w, layer, base);
+  const c10::IValue scales = opt(w, layer, base + 1), bias = opt(w, layer, base + 2);
+  switch (kind) {
+    case PLAIN: {
+      c10::optional<at::Tensor> b = w.get(layer * SLOTS + base + 2);
+      return at::linear(x, weight, b);
+    }
+    case ONEDNN:
+      return call1(onednn_op(), {x, weight, bias, std::string("none"), c10::List<c10::optional<at::Scalar>>(),
+                                 std::string("")});
+    case GEMV:
+      return call1(gemv_op(), {x, weight, scales, n, k, bias});
+    case GEMV_SILU:
+      return call1(gemv_silu_op(), {x, weight, scales, n, k, bias});
+    default:
+      TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
+  }
+}
+
+// RMSNorm as engine/models/layers.py computes it: the fused kernel, or in float32 then scaled.
+at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps, bool fused) {
+  if (fused) return call1(rms_norm_op(), {x.contiguous(), w, eps});
+  const auto dtype = x.scalar_type();
+  const at::Tensor xf = at::rms_norm(x.to(at::kFloat), {x.size(-1)}, c10::nullopt, eps);
+  return w * xf.to(dtype);
+}
+
+// The residual stream after adding x and its norm (layers.py RMSNorm.add_norm): (norm, stream).
+std::pair<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w,
+                                           double eps, bool fused) {
+  if (!residual.defined()) return {norm(x, w, eps, fused), x};
+  if (fused) return {call1(add_rms_norm_op(), {x, residual, w, eps}), residual};
+  const at::Tensor stream = residual + x;
+  return {norm(stream, w, eps, fused), stream};
+}
+
+// RoPE as layers.py rotate(): x * cos + rotate_half(x) * sin.
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  auto halves = x.chunk(2, -1);
+  return x * cos + at::cat({-halves[1], halves[0]}, -1) * sin;
+}
+
+}  // namespace
+
+// x: [B, hidden] (embeddings of B decoding sequences); cos, sin: [B, 1, D]. Returns (x, residual) after
+// the last layer, as LlamaModel's loop leaves them (the final norm is the caller's).
+std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                      const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                                      const at::Tensor& slot_mapping, const at::Tensor& tables, const at::Tensor& lens,
+                                      int64_t block_size, int64_t max_context, double scale, const Weights& weights,
+                                      c10::IntArrayRef kinds, c10::IntArrayRef shapes, int64_t heads, int64_t kv_heads,
+                                      int64_t head_dim, double eps, bool fused_norm, bool qk_norm) {
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == layers &&
+                  static_cast<int64_t>(weights.size()) == layers * SLOTS &&
+                  static_cast<int64_t>(kinds.size()) == layers * LINEARS &&
+                  static_cast<int64_t>(shapes.size()) == layers * LINEARS * 2,
+              "decode_layers: one set of caches, weights, kinds and shapes per layer");
+  const int64_t b = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  at::Tensor residual;  // undefined before layer 0, as LlamaModel's None
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t* kind = kinds.data() + l * LINEARS;
+    const int64_t* nk = shapes.data() + l * LINEARS * 2;
+    auto [h, stream] = add_norm(x, residual, get(weights, l, IN_NORM), eps, fused_norm);
+    residual = stream;
+    // Attention (llama.py LlamaAttention.forward).
+    const at::Tensor qkv = linear(h, weights, l, QKV_W, kind[0], nk[0], nk[1]);  // [B, (H + 2 Hkv) D]
+    const at::Tensor v = qkv.slice(1, q_size + kv_size).view({b, kv_heads, head_dim});
+    at::Tensor q, k;
+    if (qk_norm) {
+      q = norm(qkv.slice(1, 0, q_size).view({b, heads, head_dim}), get(weights, l, Q_NORM), eps, fused_norm);
+      k = norm(qkv.slice(1, q_size, q_size + kv_size).view({b, kv_heads, head_dim}), get(weights, l, K_NORM), eps,
+               fused_norm);
+      q = rotate(q, cos, sin);
+      k = rotate(k, cos, sin);
+    } else {  // q and k side by side: one RoPE in place over [B, H + Hkv, D]
+      at::Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({b, -1, head_dim});
+      call1(rotary_op(), {qk, cos, sin});
+      q = qk.slice(1, 0, heads);
+      k = qk.slice(1, heads);
+    }
+    at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
+    call1(store_op(), {k, v, k_cache, v_cache, slot_mapping, block_size});
+    const at::Tensor scores = call1(scores_op(), {q, k_cache, tables, lens, block_size, max_context, scale});
+    const at::Tensor probs = at::softmax(scores, -1);
+    const at::Tensor attn = call1(values_op(), {probs, v_cache, tables, lens, block_size, heads});  // [B, H, D]
+    h = linear(attn.reshape({b, -1}), weights, l, O_W, kind[1], nk[2], nk[3]);
+    // MLP (layers.py GatedMLP.forward) after the post-attention norm.
+    auto [h2, stream2] = add_norm(h, residual, get(weights, l, POST_NORM), eps, fused_norm);
+    residual = stream2;
+    at::Tensor act;
+    if (kind[2] == GEMV_SILU) {
+      act = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5]);
+    } else {
+      auto gate_up = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5]).chunk(2, -1);
+      act = at::silu(gate_up[0]) * gate_up[1];
+    }
+    x = linear(act, weights, l, DOWN_W, kind[3], nk[6], nk[7]);
+  }
+  return {x, residual};
+}
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, int block_size, int max_context, float scale, Tensor?[] weights, "
+        "int[] kinds, int[] shapes, int heads, int kv_heads, int head_dim, float eps, bool fused_norm, "
+        "bool qk_norm) -> Tensor[]");
+  m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
+  // oneDNN-packed weights among the arguments make the dispatcher pick MkldnnCPU: the same function.
+  m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, TORCH_FN(decode_layers));
+}

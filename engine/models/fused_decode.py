@@ -1,0 +1,129 @@
+"""The decoder stack of a decode-only CPU step in one C++ call (engine/csrc/cpu_decode.cpp).
+
+The Python layers make about 13 calls a layer (norms, linears, rotary, the KV store, the attention
+kernels, views), ~400 for a 30-layer model: 2-3 ms of interpreter and dispatcher time a step, a fifth
+of a batch-1 decode step. `FusedDecode` hands the same work to one C++ loop that makes the same calls
+to the same kernels in the same order, so outputs are bit-identical to the Python layers. It applies
+to decode-only steps on the `cpu` attention backend whose linears all run as one kernel each at the
+step's row count (an INT8 weight past its kernel's rows is dequantized in Python: that step keeps the
+Python layers). What each linear runs is decided per row count, once (`_plan`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.models.cpu_linear import GemvLinear, Int8Linear
+from engine.models.layers import ForwardContext
+from engine.models.packed_linear import PackedLinear
+
+# cpu_decode.cpp Kind and Slot: how a linear runs; per layer, the optional tensors in this order.
+PLAIN, ONEDNN, GEMV, GEMV_SILU = 0, 1, 2, 3
+LAYER_SLOTS = ("in_norm", "post_norm", "q_norm", "k_norm", "qkv_w", "qkv_scales", "qkv_bias", "o_w", "o_scales",
+               "o_bias", "gu_w", "gu_scales", "gu_bias", "down_w", "down_scales", "down_bias")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Linear:
+    kind: int
+    weight: torch.Tensor
+    scales: torch.Tensor | None
+    bias: torch.Tensor | None
+    n: int  # out features
+    k: int  # in features
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The C++ call's per-layer arguments for one row count."""
+
+    weights: list[torch.Tensor | None]  # LAYER_SLOTS per layer
+    kinds: list[int]  # qkv, o, gate/up, down per layer
+    shapes: list[int]  # (n, k) of each, per layer
+
+
+class FusedDecode:
+    """Runs LlamaModel's layer loop in C++ for the steps it can (see the module docstring)."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self.layers = layers
+        attn = layers[0].self_attn
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale = attn.scale
+        self.qk_norm = attn.qk_norm
+        self.eps = layers[0].input_layernorm.eps
+        self.fused_norm = layers[0].input_layernorm.fused
+        self._plans: dict[int, _Plan | None] = {}  # row count -> plan (None: the Python layers)
+
+    @staticmethod
+    def available() -> bool:
+        return hasattr(torch.ops.tokenmill, "decode_layers")
+
+    def run(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x, residual) after the last layer, as the Python loop leaves them; None when this step is
+        not one the C++ loop takes. x: [B, hidden] embeddings; ctx.cos/sin set."""
+        meta = ctx.meta
+        if ctx.backend.name != "cpu" or getattr(meta, "prefills", True) or meta.num_decodes != x.shape[0]:
+            return None
+        plan = self._plans.get(x.shape[0], False)
+        if plan is False:
+            plan = self._plans[x.shape[0]] = self._plan(x.shape[0])
+        if plan is None:
+            return None
+        nd = meta.num_decodes
+        k_caches = [k for k, _ in ctx.kv_caches]
+        v_caches = [v for _, v in ctx.kv_caches]
+        out = torch.ops.tokenmill.decode_layers(
+            x, ctx.cos, ctx.sin, k_caches, v_caches, meta.slot_mapping, meta.decode_gather.view(nd, -1),
+            meta.decode_lens, meta.block_size, meta.decode_ctx, self.scale, plan.weights, plan.kinds, plan.shapes,
+            self.heads, self.kv_heads, self.head_dim, self.eps, self.fused_norm, self.qk_norm,
+        )  # fmt: skip
+        return out[0], out[1]
+
+    def _plan(self, rows: int) -> _Plan | None:
+        weights: list[torch.Tensor | None] = []
+        kinds: list[int] = []
+        shapes: list[int] = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.fused_rotary is False and not self.qk_norm:
+                return None  # the in-place rotary kernel is what the C++ loop calls
+            linears = [_linear(attn.qkv_proj, rows, False), _linear(attn.o_proj, rows, False),
+                       _linear(mlp.gate_up_proj, rows, mlp.fused_act), _linear(mlp.down_proj, rows, False)]  # fmt: skip
+            if any(lin is None for lin in linears):
+                return None
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                     attn.q_norm.weight if self.qk_norm else None, attn.k_norm.weight if self.qk_norm else None]
+            weights += norms
+            for lin in linears:
+                weights += [lin.weight, lin.scales, lin.bias]
+                kinds.append(lin.kind)
+                shapes += [lin.n, lin.k]
+        return _Plan(weights, kinds, shapes)
+
+
+def _linear(mod: nn.Module, rows: int, silu: bool) -> _Linear | None:
+    """What `mod` runs for `rows` rows (its forward, or silu_mul when `silu`): GEMV_SILU only for a
+    silu_mul the kernel computes; otherwise the caller applies silu(gate) * up to the output."""
+    if isinstance(mod, Int8Linear):
+        if mod.kernel and mod.interleave == silu and rows <= mod.max_rows:
+            return _Linear(GEMV_SILU if silu else GEMV, mod.q, mod.scales, mod.bias, mod.out_features, mod.in_features)
+        return None  # dequantized for the call: the Python layers
+    if isinstance(mod, GemvLinear):  # forward: the kernel unless interleaved; silu_mul: the kernel
+        if rows <= mod.max_rows and (silu or not mod.interleave):
+            return _Linear(GEMV_SILU if silu else GEMV, mod.packed, None, mod.bias, mod.out_features, mod.in_features)
+        if mod.large is not None:
+            return _plain_or_packed(mod.large)
+        return _Linear(PLAIN, mod.weight, None, mod.bias, mod.out_features, mod.in_features)
+    return _plain_or_packed(mod)
+
+
+def _plain_or_packed(mod: nn.Module) -> _Linear | None:
+    if isinstance(mod, PackedLinear):
+        return _Linear(ONEDNN, mod.packed, None, mod.bias, mod.out_features, mod.in_features)
+    if isinstance(mod, nn.Linear):
+        return _Linear(PLAIN, mod.weight, None, mod.bias, mod.out_features, mod.in_features)
+    return None
