@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
@@ -38,25 +37,14 @@ class Person(BaseModel):
     age: int = Field(ge=0, le=150)
 
 
-@pytest.fixture(scope="module")
-def srv(smollm2_engine):
-    with run_server(make_settings(served_model_name=NAME, max_model_len=2048), smollm2_engine) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-def _chat(srv, content: str, max_tokens: int = 80, **extra: Any) -> httpx.Response:
+def _chat(smollm2_server, content: str, max_tokens: int = 80, **extra: Any) -> httpx.Response:
     body = {"model": NAME, "messages": [{"role": "user", "content": content}], "temperature": 0,
             "max_tokens": max_tokens, **extra}  # fmt: skip
-    return httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=120)
+    return httpx.post(f"{smollm2_server.url}/v1/chat/completions", json=body, timeout=120)
 
 
-def test_parse_with_a_pydantic_model_validates(client):
-    done = client.chat.completions.parse(
+def test_parse_with_a_pydantic_model_validates(smollm2_client):
+    done = smollm2_client.chat.completions.parse(
         model=NAME, messages=[{"role": "user", "content": "Invent a person with a name and an age."}],
         response_format=Person, temperature=0, max_tokens=80,
     )
@@ -66,9 +54,9 @@ def test_parse_with_a_pydantic_model_validates(client):
     assert Person.model_validate_json(choice.message.content) == choice.message.parsed
 
 
-def test_sampled_outputs_validate_too(client):
+def test_sampled_outputs_validate_too(smollm2_client):
     for seed in range(3):
-        done = client.chat.completions.parse(
+        done = smollm2_client.chat.completions.parse(
             model=NAME, messages=[{"role": "user", "content": "Describe a city."}],
             response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA,
                                                                     "strict": True}},  # fmt: skip
@@ -122,24 +110,24 @@ CASES = [
 
 
 @pytest.mark.parametrize("fields, check", CASES, ids=[next(iter(c[0])) + str(i) for i, c in enumerate(CASES)])
-def test_every_field_constrains_the_chat_output(srv, fields, check):
-    r = _chat(srv, "What is the capital of France? Answer briefly.", **fields)
+def test_every_field_constrains_the_chat_output(smollm2_server, fields, check):
+    r = _chat(smollm2_server, "What is the capital of France? Answer briefly.", **fields)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
     check(choice["message"]["content"])
 
 
-def test_completions_and_streams_are_constrained_too(srv):
+def test_completions_and_streams_are_constrained_too(smollm2_server):
     body = {"model": NAME, "prompt": "A phone number:", "max_tokens": 20, "temperature": 0,
             "structured_outputs": {"regex": r"\+33 [0-9]{9}"}}  # fmt: skip
-    r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+    r = httpx.post(f"{smollm2_server.url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     assert re.fullmatch(r"\+33 [0-9]{9}", r.json()["choices"][0]["text"])
     text = ""
     stream_body = {"model": NAME, "messages": [{"role": "user", "content": "A city?"}], "temperature": 0,
                    "max_tokens": 80, "stream": True, "guided_json": CITY_SCHEMA}  # fmt: skip
-    with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json=stream_body, timeout=120) as s:
+    with httpx.stream("POST", f"{smollm2_server.url}/v1/chat/completions", json=stream_body, timeout=120) as s:
         for line in s.iter_lines():
             if line.startswith("data: {"):
                 choice = json.loads(line[6:])["choices"][0]
@@ -159,8 +147,8 @@ BAD_GRAMMARS = [
 
 
 @pytest.mark.parametrize("fields, param", BAD_GRAMMARS, ids=[p for _, p in BAD_GRAMMARS])
-def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field(srv, fields, param):
-    r = _chat(srv, "hi", **fields)
+def test_a_grammar_that_does_not_compile_is_a_400_naming_the_field(smollm2_server, fields, param):
+    r = _chat(smollm2_server, "hi", **fields)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and "does not compile" in error["message"], error
@@ -183,16 +171,16 @@ BAD_SHAPES = [
 
 
 @pytest.mark.parametrize("fields, param", BAD_SHAPES, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_SHAPES)])
-def test_malformed_structured_fields_are_400s_naming_the_field(srv, fields, param):
-    r = _chat(srv, "hi", **fields)
+def test_malformed_structured_fields_are_400s_naming_the_field(smollm2_server, fields, param):
+    r = _chat(smollm2_server, "hi", **fields)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
 
 
-def test_text_response_format_and_ignored_options_change_nothing(srv):
-    plain = _chat(srv, "Say hi.", max_tokens=8)
+def test_text_response_format_and_ignored_options_change_nothing(smollm2_server):
+    plain = _chat(smollm2_server, "Say hi.", max_tokens=8)
     for extra in ({"response_format": {"type": "text"}}, {"guided_decoding_backend": "xgrammar"}):
-        r = _chat(srv, "Say hi.", max_tokens=8, **extra)
+        r = _chat(smollm2_server, "Say hi.", max_tokens=8, **extra)
         assert r.status_code == 200 and r.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
     so = StructuredFields(structured_outputs={"regex": "a+", "disable_any_whitespace": True})
     found = requested_grammar(so)
@@ -309,10 +297,10 @@ def test_32_mixed_requests_through_the_server_in_one_batch(real_engine):
         assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"] and got["text"] == want["text"]
 
 
-def test_langchain_with_structured_output(srv):
+def test_langchain_with_structured_output(smollm2_server):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(model=NAME, base_url=f"{srv.url}/v1", api_key="none", temperature=0, max_tokens=80,
+    llm = ChatOpenAI(model=NAME, base_url=f"{smollm2_server.url}/v1", api_key="none", temperature=0, max_tokens=80,
                      max_retries=0)  # fmt: skip
     person = llm.with_structured_output(Person).invoke("Invent a person with a name and an age.")
     assert isinstance(person, Person)

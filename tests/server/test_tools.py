@@ -46,19 +46,8 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
 
 
-@pytest.fixture(scope="module")
-def srv(smollm2_engine):
-    with run_server(make_settings(served_model_name=NAME, max_model_len=2048), smollm2_engine) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-def _ask(client, tool_choice: Any, stream: bool = False, **extra: Any):
-    return client.chat.completions.create(model=NAME, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
+def _ask(smollm2_client, tool_choice: Any, stream: bool = False, **extra: Any):
+    return smollm2_client.chat.completions.create(model=NAME, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
                                           temperature=0, max_tokens=80, stream=stream, **extra)  # fmt: skip
 
 
@@ -88,8 +77,8 @@ def _validate(name: str, arguments: str) -> None:
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
                          ids=["required", "named"])
-def test_enforced_calls_validate_and_stream_the_same(client, tool_choice):
-    done = _ask(client, tool_choice)
+def test_enforced_calls_validate_and_stream_the_same(smollm2_client, tool_choice):
+    done = _ask(smollm2_client, tool_choice)
     choice = done.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     calls = choice.message.tool_calls
@@ -98,13 +87,13 @@ def test_enforced_calls_validate_and_stream_the_same(client, tool_choice):
         _validate(c.function.name, c.function.arguments)
     if isinstance(tool_choice, dict):
         assert [c.function.name for c in calls] == ["get_time"]
-    content, streamed, reason = _reassemble(_ask(client, tool_choice, stream=True))
+    content, streamed, reason = _reassemble(_ask(smollm2_client, tool_choice, stream=True))
     assert streamed == [(c.function.name, c.function.arguments) for c in calls]
     assert reason == "tool_calls" and content == ""
 
 
-def test_parallel_tool_calls_false_allows_one_call(client):
-    done = client.chat.completions.create(
+def test_parallel_tool_calls_false_allows_one_call(smollm2_client):
+    done = smollm2_client.chat.completions.create(
         model=NAME, temperature=0, max_tokens=120, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
         messages=[{"role": "user", "content": "Weather in Paris and the time in Tokyo, please."}],
     )
@@ -113,17 +102,17 @@ def test_parallel_tool_calls_false_allows_one_call(client):
     _validate(calls[0].function.name, calls[0].function.arguments)
 
 
-def test_tool_choice_none_leaves_tools_out_and_parses_nothing(client):
-    none = _ask(client, "none")
-    auto = _ask(client, "auto")
+def test_tool_choice_none_leaves_tools_out_and_parses_nothing(smollm2_client):
+    none = _ask(smollm2_client, "none")
+    auto = _ask(smollm2_client, "auto")
     assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
     assert none.choices[0].message.content
     assert none.usage.prompt_tokens < auto.usage.prompt_tokens  # the tools prompt is not there
 
 
-def test_auto_is_consistent_streamed_or_not(client):
-    done = _ask(client, "auto").choices[0]
-    content, streamed, reason = _reassemble(_ask(client, "auto", stream=True))
+def test_auto_is_consistent_streamed_or_not(smollm2_client):
+    done = _ask(smollm2_client, "auto").choices[0]
+    content, streamed, reason = _reassemble(_ask(smollm2_client, "auto", stream=True))
     calls = done.message.tool_calls or []
     assert streamed == [(c.function.name, c.function.arguments) for c in calls]
     assert reason == done.finish_reason == ("tool_calls" if calls else reason)
@@ -132,7 +121,7 @@ def test_auto_is_consistent_streamed_or_not(client):
         _validate(c.function.name, c.function.arguments)
 
 
-def test_a_history_with_tool_calls_and_results(client, smollm2_engine):
+def test_a_history_with_tool_calls_and_results(smollm2_client, smollm2_engine):
     history = [
         *QUESTION,
         {"role": "assistant", "content": None, "tool_calls": [
@@ -140,7 +129,7 @@ def test_a_history_with_tool_calls_and_results(client, smollm2_engine):
                                                             "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "sunny"}'},
     ]  # fmt: skip
-    done = client.chat.completions.create(model=NAME, messages=history, tools=TOOLS, tool_choice="none",
+    done = smollm2_client.chat.completions.create(model=NAME, messages=history, tools=TOOLS, tool_choice="none",
                                           temperature=0, max_tokens=40)  # fmt: skip
     assert done.choices[0].finish_reason in ("stop", "length") and done.choices[0].message.content
     # What the model was shown: the call in the Hermes format, the result as a tool response.
@@ -170,14 +159,14 @@ BAD = [
 
 
 @pytest.mark.parametrize("fields, param", BAD, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD)])
-def test_bad_tool_fields_are_400s_naming_the_field(srv, fields, param):
+def test_bad_tool_fields_are_400s_naming_the_field(smollm2_server, fields, param):
     body = {"model": NAME, "messages": QUESTION, "max_tokens": 4, **fields}
-    r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(f"{smollm2_server.url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
 
 
-def test_langchain_bind_tools(srv):
+def test_langchain_bind_tools(smollm2_server):
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
 
@@ -186,7 +175,7 @@ def test_langchain_bind_tools(srv):
         """Current weather in a city; unit is celsius or fahrenheit."""
         return "sunny"
 
-    llm = ChatOpenAI(model=NAME, base_url=f"{srv.url}/v1", api_key="none", temperature=0, max_tokens=80,
+    llm = ChatOpenAI(model=NAME, base_url=f"{smollm2_server.url}/v1", api_key="none", temperature=0, max_tokens=80,
                      max_retries=0)  # fmt: skip
     for choice in ("required", "get_weather"):
         message = llm.bind_tools([get_weather], tool_choice=choice).invoke("What is the weather in Paris?")
