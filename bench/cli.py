@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
 and sets `func(args) -> int`. Today: `offline`, `floor`, `quality`, `gemv`, `fused`, `load` (HTTP load test), `sweep`,
-`priority`, `startup`, `swap` (model version swap under load, response cache latency).
+`priority`, `startup`, `swap` (model version swap under load, response cache latency),
+`structured` (what structured outputs cost in throughput and TTFT).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from bench import floor, fused, gemv, load, offline, priority, quality, startup, swap, sweep
+from bench import floor, fused, gemv, load, offline, priority, quality, startup, structured, swap, sweep
 
 
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
@@ -28,6 +29,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     priority.add_parser(subparsers)
     startup.add_parser(subparsers)
     swap.add_parser(subparsers)
+    structured.add_parser(subparsers)
     return parser
 
 

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     for batch in args.batch:
         params = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
         tokens: dict[bool, list[list[int]]] = {False: [], True: []}
-        for f, engine in engines.items():
+        for engine in engines.values():
             for i in range(batch):  # distinct prompts: no prefix sharing between the rows
                 ids = [(1000 + 7 * i + j) % 30000 + 10 for j in range(args.prompt)]
                 engine.add_request(f"b{batch}-{i}", prompt_token_ids=ids, params=params)
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                 outs = engine.step()
                 times[f].append(time.perf_counter() - t)
                 tokens[f].append(sorted((o.request_id, tuple(o.new_token_ids)) for o in outs))
-        for f, engine in engines.items():
+        for engine in engines.values():
             for i in range(batch):
                 engine.abort(f"b{batch}-{i}")
             while engine.has_unfinished():

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from engine.errors import InvalidParam
 from engine.sampling_params import SamplingParams
+from engine.structured import GrammarCompiler, GrammarError, GrammarSpec
 
 __all__ = [
     "Deadline",
@@ -19,6 +20,9 @@ __all__ = [
     "EngineProtocol",
     "EngineStats",
     "FinishReason",
+    "GrammarCompiler",
+    "GrammarError",
+    "GrammarSpec",
     "InvalidParam",
     "PreemptionCause",
     "RequestOutput",
@@ -157,6 +161,12 @@ class EngineProtocol(Protocol):
     @property
     def tokenizer(self) -> Any:
         """A transformers tokenizer; the server copies it before the worker starts."""
+        ...
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """Compiles GrammarSpecs for this model's tokenizer; thread-safe, for the server to call off the
+        engine thread (a request's spec then carries its compiled grammar). None: no grammar backend."""
         ...
 
     def add_request(

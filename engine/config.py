@@ -7,6 +7,7 @@ from dataclasses import dataclass
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine.attention.select_backend
+GRAMMAR_BACKENDS = ("xgrammar", "none")  # engine.structured.make_compiler
 QUANTIZATIONS = (None, "int8")  # engine/quantization.py
 CPU_GEMV = ("auto", "on", "off")  # engine/cpu_weights.py
 
@@ -33,6 +34,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only; the CPU never uses them)
     pack_weights: bool = True  # CPU bf16: linear weights in oneDNN's packed layout (same results, faster)
     tokenizer: str | None = None  # a Hugging Face tokenizer folder used instead of the model's own
+    grammar_backend: str = "xgrammar"  # structured outputs and enforced tool calls; "none": refused (400)
     quantization: str | None = None  # "int8": INT8 weight-only linears (CPU; half the weight bytes); None: dtype
     # INT8 input columns per scale of an output row; None, or a weight whose K it does not divide: one scale per row.
     quantization_group_size: int | None = 64
@@ -65,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
             raise ValueError("tokenizer must be a non-empty path or None")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.cpu_threads is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from engine.api import Deadlines, EngineStats, FinishReason, InvalidParam, RequestOutput, TokenLogprob
@@ -27,6 +27,7 @@ from engine.output_processor import (
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.structured import GrammarCompiler, GrammarError
 from engine.tokenization import chat_prompt_ids, encode_prompt
 
 log = logging.getLogger("tokenmill.engine")
@@ -81,9 +82,12 @@ class EngineCore:
         vocab_size: int,
         eos_token_ids: frozenset[int],
         clock: Callable[[], float] = time.monotonic,
+        grammar_compiler: GrammarCompiler | None = None,
     ) -> None:
         self.model_name = model_name
         self.tokenizer = tokenizer
+        # Compiles GrammarSpecs for this tokenizer; the server uses it off this thread. None: no backend.
+        self.grammar_compiler = grammar_compiler
         self.runner = runner
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
@@ -130,6 +134,7 @@ class EngineCore:
         bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
         if bad:
             raise InvalidParam("logit_bias", f"logit_bias: {bad[0]} is not a token id in [0, {self.vocab_size})")
+        params = self._with_grammar(params)
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -160,6 +165,20 @@ class EngineCore:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise InvalidParam("prompt_token_ids", f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})")
         return ids
+
+    def _with_grammar(self, params: SamplingParams) -> SamplingParams:
+        """params with its grammar compiled by this engine's compiler: the server sends it compiled; a
+        direct caller (offline use, tests) may not, and a grammar of another compiler is recompiled."""
+        spec = params.structured
+        if spec is None or (spec.compiled is not None and spec.compiled.owner is self.grammar_compiler):
+            return params
+        if self.grammar_compiler is None:
+            raise InvalidParam("structured", "structured outputs are off: this engine has no grammar backend")
+        try:
+            compiled = self.grammar_compiler.compile(spec)
+        except GrammarError as exc:
+            raise InvalidParam("structured", f"the {spec.kind} grammar does not compile: {exc}") from None
+        return replace(params, structured=spec.with_compiled(compiled))
 
     def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
         field_name = "prompt" if num_prompt >= self.max_model_len else "max_tokens"

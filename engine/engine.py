@@ -21,6 +21,7 @@ from engine.model_runner import ModelRunner
 from engine.model_source import open_model_source, with_tokenizer
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerConfig
+from engine.structured import make_compiler
 
 __all__ = ["Engine", "GenerationResult"]
 
@@ -71,6 +72,8 @@ class Engine(EngineCore):
             vocab_size=int(self.hf_config.vocab_size),
             eos_token_ids=source.eos_token_ids,
             clock=clock,
+            grammar_compiler=make_compiler(config.grammar_backend, source.tokenizer, int(self.hf_config.vocab_size),
+                                           source.eos_token_ids),  # fmt: skip
         )
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "

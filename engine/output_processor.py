@@ -26,6 +26,8 @@ def token_finish_reason(req: Request, token: int, max_model_len: int) -> FinishR
         return FinishReason.STOP
     if token in p.stop_token_ids:
         return FinishReason.STOP
+    if req.grammar is not None and req.grammar.is_terminated():  # it took a stop token where it may end
+        return FinishReason.STOP
     if req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None

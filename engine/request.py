@@ -54,6 +54,9 @@ class Request:
     prompt_logprobs: list[Any] = field(default_factory=list)
     # -- the sampler's ------------------------------------------------------------------------------------
     generator: Any = None  # torch.Generator drawn from for sampled tokens; None until first used
+    # GrammarMatcher of params.structured, advanced past every sampled token; None until first used.
+    # Kept across preemptions, like the output tokens it has seen (nothing is rolled back).
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.waiting_since = self.arrival_time

@@ -6,14 +6,23 @@ request's own generator, so a seeded request draws the same tokens whatever else
 Logprobs are those of the model's raw distribution (before penalties, logit_bias and temperature).
 A row whose chosen score is not finite (NaN or inf logits) yields no token (None): the engine fails
 that request alone instead of emitting whatever index argmax picks from NaNs.
+
+Rows of requests with a grammar (`params.structured`) are masked first: their matcher (on the request,
+written here only) fills the step's token bitmask, forbidden tokens get -inf, and the matcher advances
+past the token drawn. Other rows are not touched, so they sample bit for bit as without those requests.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from engine.api import TokenLogprob
 from engine.request import Request
+from engine.structured.masks import apply_bitmask, new_bitmask
+
+log = logging.getLogger("tokenmill.engine")
 
 
 class Sampler:
@@ -33,6 +42,34 @@ class Sampler:
     def sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int | None], list[TokenLogprob | None]]:
         """logits: [N, vocab] (model dtype), one row per request in reqs. Returns tokens (None where the
         row was not finite) and logprobs."""
+        constrained = [i for i, r in enumerate(reqs) if r.params.structured is not None]
+        tokens, lps = self._sample(self._masked(logits, reqs, constrained), logits, reqs)
+        for i in constrained:
+            if tokens[i] is not None and not reqs[i].grammar.accept(tokens[i]):
+                log.error("request %s: the grammar refused token %d it allowed", reqs[i].request_id, tokens[i])
+                tokens[i] = None  # fails this request alone, as a non-finite row does
+        return tokens, lps
+
+    def _masked(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> torch.Tensor:
+        """logits as float32 with rows' forbidden tokens at -inf. In place on float32 logits unless a
+        request wants logprobs (they are the model's: `raw` must stay as it was)."""
+        if not rows:
+            return logits
+        bitmask = new_bitmask(len(reqs), logits.shape[1])  # rows of unconstrained requests stay unused
+        for i in rows:
+            req = reqs[i]
+            if req.grammar is None:
+                req.grammar = req.params.structured.compiled.matcher()
+            req.grammar.fill_bitmask(bitmask, i)
+        masked = logits.float()
+        if masked is logits and any(r.params.logprobs is not None for r in reqs):
+            masked = masked.clone()
+        apply_bitmask(masked, bitmask, rows)
+        return masked
+
+    def _sample(self, logits: torch.Tensor, raw: torch.Tensor,
+                reqs: list[Request]) -> tuple[list[int | None], list[TokenLogprob | None]]:  # fmt: skip
+        """logits: [N, vocab] after masks; raw: the model's (logprobs are of its distribution)."""
         if all(r.params.greedy and r.params.logprobs is None and not _needs_processing(r) for r in reqs):
             # Plain greedy batch. The upcast is exact and pays for itself: on CPU, argmax over bf16
             # runs about 4x slower than the copy plus a float32 argmax (bench-135m, 32 x 49152).
@@ -41,7 +78,7 @@ class Sampler:
             return _finite_or_none(best, scores.gather(1, best[:, None])[:, 0]), [None] * len(reqs)
         logits = logits.float()
         want_lp = [r.params.logprobs is not None for r in reqs]
-        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        raw_lp = torch.log_softmax(raw.float(), dim=-1) if any(want_lp) else None
         logits = self._apply_penalties(logits, reqs)
         tokens = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
         chosen = torch.empty(len(reqs), device=logits.device)  # score of each chosen token: finite if sound

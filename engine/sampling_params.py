@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidParam
+from engine.structured.spec import GrammarSpec
 
 # Temperatures below this sample greedily: dividing logits by a smaller one overflows float32 (1e-45
 # turns every logit into inf and the softmax into NaN), and above it the distribution is one-hot anyway.
@@ -44,6 +45,9 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before sampling (greedy too), sorted by token id;
     # logprobs stay those of the model's raw distribution. A dict is accepted and stored sorted.
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # The output's grammar (JSON schema, regex, choice, EBNF, tool calls); None: unconstrained. Hashed by
+    # its kind and source only (the compiled grammar it carries is not part of eq/hash).
+    structured: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers, store tuples so the object stays hashable.
@@ -84,6 +88,11 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             _check_int("logit_bias", token, lo=0)
             _check_num("logit_bias", bias, *LOGIT_BIAS_RANGE)
+        if self.structured is not None:
+            if not isinstance(self.structured, GrammarSpec):
+                raise InvalidParam("structured", "structured must be a GrammarSpec")
+            if self.min_tokens:  # the grammar alone decides where the output may end
+                raise InvalidParam("min_tokens", "min_tokens cannot be combined with a structured output")
 
     @property
     def greedy(self) -> bool:

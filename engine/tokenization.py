@@ -6,6 +6,7 @@ Chat prompts: only the chat template's own markers become special tokens. Text t
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -26,6 +27,10 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], **render: An
     template's text is split at special tokens. Raises ValueError when message text holds special-token
     text and the template does not place message text verbatim or trimmed (it cannot be kept apart)."""
     specials = _added_tokens(tokenizer)
+    tools = render.get("tools")
+    if any(s in t for t in _template_data(messages, tools) for s in specials):
+        raise ValueError("tools or tool calls contain special-token text, which the chat template would "
+                         "render as markers")
     layout = _layout(tokenizer, messages, render)
     if layout is None:
         if any(s in t for t in message_texts(messages) for s in specials):
@@ -34,6 +39,12 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], **render: An
         return _ids(_render(tokenizer, messages, render, tokenize=True))
     pieces, texts = layout
     return [i for seg in _segments(pieces, texts, specials) for i in _encode_segment(tokenizer, seg, specials)]
+
+
+def _template_data(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[str]:
+    """What the template renders as its own text besides message texts: tools and tool calls (JSON)."""
+    data = [json.dumps(m["tool_calls"], ensure_ascii=False) for m in messages if m.get("tool_calls")]
+    return data + ([json.dumps(tools, ensure_ascii=False)] if tools else [])
 
 
 def _layout(tokenizer: Any, messages: list[dict[str, Any]],
@@ -217,8 +228,6 @@ _SHRINK_NORMALIZERS = {"NFC": 3, "NFKC": 3, "NFD": 3, "NFKD": 3, "Lowercase": 3,
 def _text_shrink_factor(tokenizer: Any) -> int | None:
     """How much the tokenizer's normalizer can shrink text in bytes (NFC composes at most three
     3-byte jamo into one 3-byte syllable), or None when a step may drop text outright."""
-    import json
-
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None

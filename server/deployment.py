@@ -26,8 +26,10 @@ from server.admission import Admission, Lane
 from server.capacity import usable_context
 from server.metrics import ModelInfo, Snapshot, VersionMetrics, VersionSnapshot, memory_probe
 from server.settings import ServerSettings
+from server.structured import GrammarService
 from server.ticket import Collector, Finished, ServerError, Ticket, Tokens
 from server.tokens import PromptCodec
+from server.tools import probe_template
 from server.versions import ModelSpec
 from server.worker import Worker
 
@@ -86,6 +88,10 @@ class Deployment:
         self.kv_cache_bytes: int | None = getattr(engine, "kv_cache_bytes", None)  # the real engine's KV budget
         # copied before the worker owns the engine; the server's --chat-template replaces the model's
         self.codec = PromptCodec(engine.tokenizer, settings.chat_template_text())
+        self.tool_template = probe_template(engine.tokenizer, settings.chat_template_text())  # what it renders of tools
+        self.tool_parser = settings.tool_call_parser
+        # Compiles through this engine's grammar compiler (thread-safe), off the loop and the worker.
+        self.grammars = GrammarService(engine.grammar_compiler, settings.structured_compile_timeout_s)
         self.admission = Admission(settings.lane_bounds())
         self.metrics = metrics
         self.memory = memory_probe(engine)
@@ -216,6 +222,7 @@ class Deployment:
         self.state = VersionState.UNLOADED if self.state is not VersionState.FAILED else self.state
         await asyncio.to_thread(self.worker.stop, _STOP_JOIN_S)
         self.codec.close()
+        self.grammars.close()
         self.memory = _no_memory  # its closure holds the engine
 
     # -- reports -------------------------------------------------------------------------------------

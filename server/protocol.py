@@ -14,6 +14,8 @@ from engine.api import InvalidParam, SamplingParams
 from server.admission import Lane
 from server.chat import render_options
 from server.errors import ApiError, validation_to_api_error
+from server.structured import StructuredFields
+from server.tools import ToolFields
 
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
@@ -97,7 +99,7 @@ class StreamOptions(BaseModel):
     include_usage: Bool | None = None
 
 
-class OpenAIFields(SamplingFields):
+class OpenAIFields(SamplingFields, StructuredFields):
     """What /v1/completions and /v1/chat/completions share, OpenAI names first."""
 
     model_config = ConfigDict(extra="ignore")
@@ -184,11 +186,11 @@ class ChatMessage(BaseModel):
     role: Annotated[str, Field(min_length=1)]
     content: str | list[ContentPart] | None = None  # None: an assistant turn that only calls tools
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # assistant: [{"id", "type", "function": {name, arguments}}]
-    tool_call_id: str | None = None  # tool: the call it answers
+    tool_calls: list[Any] | None = None  # an assistant turn's calls (server/tools.py renders them)
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
 
-class ChatRequest(OpenAIFields):
+class ChatRequest(OpenAIFields, ToolFields):
     """Body of POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -196,8 +198,6 @@ class ChatRequest(OpenAIFields):
     max_completion_tokens: Int | None = None
     logprobs: Bool | None = False
     top_logprobs: Int | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: Bool = True  # end the prompt with the assistant turn's opening
     continue_final_message: Bool = False  # the last message is left open for the model to continue
     chat_template_kwargs: dict[str, Any] | None = None  # template variables (enable_thinking, ...)

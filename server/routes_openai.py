@@ -4,6 +4,8 @@ min_tokens, stop_token_ids, priority, timeout_s, first_token_timeout_s, cache (t
 /generate). `model` may pin a version (`name@version`); every body and chunk carries the version in
 `system_fingerprint`. Several choices (a list of prompts, `n`) are several engine requests
 (server/choices.py); `echo` returns the prompt, with its token log-probabilities when `logprobs` is set.
+Structured outputs (response_format, structured_outputs, guided_*) on both: server/structured.py; tools
+on chat: server/tools.py (each choice parses its own calls).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -29,8 +31,11 @@ from server.gateway import Completed, GenerationRequest
 from server.protocol import ChatRequest, CompletionRequest, OpenAIFields, parse_body
 from server.runtime import Runtime
 from server.serving import MODEL_VERSION_HEADER, cache_scope, picked
+from server.structured import GrammarRequest, requested_grammar, with_grammar
 from server.ticket import Finished, Ticket, Tokens
 from server.tokens import PromptCodec, check_prompt_bytes
+from server.tool_parser import ToolParser
+from server.tools import finish_reason, message_with_calls, plan_tools
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_CHOICES = 1024  # prompts x n in one request
@@ -65,6 +70,7 @@ async def completions(request: Request) -> Response:
                       COMPLETION_DEFAULT_MAX_TOKENS)  # fmt: skip
     if max_tokens == 0 and not body.echo:
         raise ApiError(400, "invalid_request", "max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
+    asked = requested_grammar(body)
     with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
         prompts = await _completion_prompts(dep.codec, dep.max_model_len, body.prompt, max_tokens,
@@ -74,7 +80,8 @@ async def completions(request: Request) -> Response:
         extra: dict[str, Any] = {"logit_bias": body.bias()}
         if body.echo and (body.logprobs is not None or max_tokens == 0):  # max_tokens 0: the engine runs the prompt
             extra["prompt_logprobs"] = body.logprobs or 0
-        params = body.sampling_params(max_tokens, body.logprobs, **extra)
+        spec = await dep.grammars.compile(asked) if asked is not None else None
+        params = with_grammar(body.sampling_params(max_tokens, body.logprobs, **extra), spec)
         shape = _CompletionShape(lease, slot.name, f"cmpl-{uuid.uuid4().hex}", body.choices_per_prompt,
                                  prompts if body.echo else None)  # fmt: skip
         handles = await _start(rt, request, body, [ids for ids, _ in prompts], params, shape, lease)
@@ -88,17 +95,17 @@ async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatRequest)
     body.check_unsupported()
     body.check_chat_fields()
-    if body.tools:
-        raise ApiError(400, "invalid_request", "tools are not supported", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise ApiError(400, "invalid_request", "only text response_format is supported", param="response_format")
+    output = requested_grammar(body)
     with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
-        messages = template_messages(body.messages, dep.codec.content_format)
+        tools = plan_tools(body, body.messages, template_messages(body.messages, dep.codec.content_format),
+                           dep.tool_template, dep.tool_parser, dep.grammars.compiler is not None)  # fmt: skip
+        grammar = _one_grammar(output, tools.grammar)
+        messages = tools.messages
         asked = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), None)
         check_prompt_bytes(dep.codec, message_texts(messages), max(asked or 1, 1), dep.max_model_len, "messages")
         try:
-            ids = await dep.codec.chat(messages, body.render_options())
+            ids = await dep.codec.chat(messages, body.render_options(), tools.template_tools)
         except ApiError:
             raise
         except Exception as exc:
@@ -108,10 +115,20 @@ async def chat_completions(request: Request) -> Response:
         # cache's when that is smaller (dep.max_model_len is the smaller of the two).
         max_tokens = asked if asked is not None else max(1, dep.max_model_len - len(ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(max_tokens, logprobs, logit_bias=body.bias())
-        shape = _ChatShape(lease, slot.name, f"chatcmpl-{uuid.uuid4().hex}", body.choices_per_prompt)
+        spec = await dep.grammars.compile(grammar) if grammar is not None else None
+        params = with_grammar(body.sampling_params(max_tokens, logprobs, logit_bias=body.bias()), spec)
+        shape = _ChatShape(lease, slot.name, f"chatcmpl-{uuid.uuid4().hex}", body.choices_per_prompt,
+                           tools.new_parser)  # fmt: skip
         handles = await _start(rt, request, body, [ids], params, shape, lease)
     return await _respond(rt, request, body, handles, shape)
+
+
+def _one_grammar(output: GrammarRequest | None, calls: GrammarRequest | None) -> GrammarRequest | None:
+    """The structured output or the tool calls' grammar: one request cannot have both."""
+    if output is not None and calls is not None:
+        raise ApiError(400, "invalid_request", f"{output.param} cannot be combined with tools unless tool_choice "
+                       "is none", param=output.param)  # fmt: skip
+    return output or calls
 
 
 def _truncated(ids: list[int], keep: int | None) -> list[int]:
@@ -190,15 +207,16 @@ async def _stream(streams: ChoiceStreams, shape: _Shape, tickets: list[Ticket], 
             if isinstance(event, Tokens):
                 out = event.output
                 lps = out.logprobs if want_logprobs else None
-                yield _event({**shape.chunk([shape.delta(index, out.text_delta, lps, None, out.prompt_logprobs)]),
-                              **extra})  # fmt: skip
+                choice = shape.delta(index, out.text_delta, lps, None, out.prompt_logprobs)
+                if choice is not None:
+                    yield _event({**shape.chunk([choice]), **extra})
             elif isinstance(event, Finished) and event.error is not None:
                 yield _event({"error": {"message": event.error.message, "type": event.error.kind, "param": None,
                                         "code": event.error.status}})
                 break
             elif isinstance(event, Finished):
                 finished += 1
-                yield _event({**shape.chunk([shape.delta(index, "", None, event.reason, None)]), **extra})
+                yield _event({**shape.chunk([shape.finish_delta(index, event.reason)]), **extra})
         if include_usage and finished == len(tickets):
             yield _event({**shape.chunk([]), "usage": shape.usage(tickets)})
         yield sse.event("[DONE]")
@@ -251,8 +269,15 @@ class _Shape:
         return None
 
     def delta(self, index: int, text: str, lps: list[TokenLogprob] | None, reason: str | None,
-              prompt_lps: list[TokenLogprob | None] | None) -> dict[str, Any]:  # fmt: skip
+              prompt_lps: list[TokenLogprob | None] | None) -> dict[str, Any] | None:  # fmt: skip
+        """A stream choice for one step's text; None: nothing to send for it yet."""
         raise NotImplementedError
+
+    def finish_delta(self, index: int, reason: str) -> dict[str, Any]:
+        """The stream's last choice: its finish_reason (and what was held back)."""
+        choice = self.delta(index, "", None, reason, None)
+        assert choice is not None
+        return choice
 
     def full_choice(self, index: int, done: Completed, want: bool) -> dict[str, Any]:
         raise NotImplementedError
@@ -329,18 +354,43 @@ class _ChatShape(_Shape):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
+    def __init__(self, lease: Lease, model: str, request_id: str, n: int,
+                 new_parser: Callable[[], ToolParser | None] | None = None) -> None:  # fmt: skip
+        super().__init__(lease, model, request_id, n)
+        self._new_parser = new_parser  # a tool-call parser per choice (server/tool_parser.py)
+        self._parsers: dict[int, ToolParser | None] = {}  # choice -> its parser; None: plain text
+
+    def _tools(self, index: int) -> ToolParser | None:
+        if index not in self._parsers:
+            self._parsers[index] = self._new_parser() if self._new_parser is not None else None
+        return self._parsers[index]
+
     def first_chunk(self, index: int) -> dict[str, Any] | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}  # fmt: skip
 
     def delta(self, index: int, text: str, lps: list[TokenLogprob] | None, reason: str | None,
-              prompt_lps: list[TokenLogprob | None] | None) -> dict[str, Any]:  # fmt: skip
-        delta = {"content": text} if reason is None else {}
+              prompt_lps: list[TokenLogprob | None] | None) -> dict[str, Any] | None:  # fmt: skip
+        tools = self._tools(index)
+        if tools is None:
+            delta = {"content": text} if reason is None else {}
+        else:  # content and tool-call pieces as the parser releases them
+            delta = (tools.feed(text) if reason is None else tools.finish()).openai()
+            if reason is not None:
+                reason = finish_reason(reason, tools.calls)
+            elif not delta and lps is None:
+                return None
         return {"index": index, "delta": delta, "logprobs": self._logprobs(lps), "finish_reason": reason}
 
     def full_choice(self, index: int, done: Completed, want: bool) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": done.text},
-                "logprobs": self._logprobs(done.logprobs if want else None), "finish_reason": done.finished.reason}
+        message: dict[str, Any] = {"role": "assistant", "content": done.text}
+        reason = done.finished.reason
+        tools = self._tools(index)
+        if tools is not None:
+            content = tools.feed(done.text).content + tools.finish().content
+            message, reason = message_with_calls(content, tools.calls), finish_reason(reason, tools.calls)
+        return {"index": index, "message": message, "logprobs": self._logprobs(done.logprobs if want else None),
+                "finish_reason": reason}  # fmt: skip
 
     def _logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if lps is None:

@@ -80,6 +80,8 @@ class ServerSettings(BaseSettings):
     )
     enforce_eager: bool = Field(False, description="no CUDA graphs for decode steps (CUDA only)")
     pack_weights: bool = Field(True, description="CPU bf16: linear weights packed for oneDNN (same output, faster)")
+    grammar_backend: Literal["xgrammar", "none"] = Field("xgrammar", description="structured outputs and enforced "
+                                                         "tool calls; none: such requests get a 400")
     quantization: Literal["int8"] | None = Field(None, description="int8: INT8 weight-only linears (CPU; half the weight bytes)")
     engine_threads: int | None = Field(
         None, ge=1, description="CPU: engine compute threads; default: OMP_NUM_THREADS, else one per core but one"
@@ -137,6 +139,13 @@ class ServerSettings(BaseSettings):
     stall_timeout_s: float = Field(60.0, gt=0, description="/health fails when a busy engine has not stepped for this long")
     warmup: bool = Field(True, description="run one short generation before reporting ready")
     sse_ping_s: float = Field(15.0, gt=0, description="keep-alive comment interval on idle streams")
+
+    # -- structured outputs and tools (docs/SERVER.md) ------------------------------------------------
+    structured_compile_timeout_s: float = Field(10.0, gt=0, le=600, description="a request's grammar (JSON "
+                                                "schema, regex, choice, EBNF, tool calls) must compile within "
+                                                "this, else 400; compiled grammars are cached")
+    tool_call_parser: Literal["hermes"] = Field("hermes", description="how tool calls are read back from model "
+                                                "text (hermes: <tool_call>{json}</tool_call>)")
 
     # -- model versions, admin API, response cache, feedback (docs/OPERATIONS.md) --------------------------
     model_version: str | None = Field(None, description="version of --model; default: a fingerprint of its files")
@@ -264,6 +273,7 @@ class ServerSettings(BaseSettings):
             enforce_eager=self.enforce_eager,
             pack_weights=self.pack_weights,
             tokenizer=self.tokenizer,
+            grammar_backend=self.grammar_backend,
             quantization=self.quantization,
             cpu_threads=self.engine_threads or default_engine_threads(),
             show_progress=True,  # a bar on a terminal only (tqdm stays quiet in logs and pipes)

@@ -59,9 +59,12 @@ class PromptCodec:
         """Token ids of `text`; prompts add no special tokens (templates add their own), /tokenize may."""
         return await self._run(len(text), _encode_with_specials if add_special_tokens else encode_prompt, text)
 
-    async def chat(self, messages: list[dict[str, Any]], render: dict[str, Any] | None = None) -> list[int]:
-        """`render`: apply_chat_template's options (server/chat.py render_options)."""
-        fn = functools.partial(chat_prompt_ids, **{**(render or {}), **self._template})
+    async def chat(self, messages: list[dict[str, Any]], render: dict[str, Any] | None = None,
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+        """`render`: apply_chat_template's options (server/chat.py render_options); `tools`: for the
+        chat template's `tools` argument (server/tools.py), when it renders them (only then passed)."""
+        options = {**(render or {}), **({"tools": tools} if tools else {}), **self._template}
+        fn = functools.partial(chat_prompt_ids, **options)
         return await self._run(_chars(messages), fn, messages)
 
     async def _run(self, chars: int, fn, arg) -> list[int]:

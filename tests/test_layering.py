@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE_FORBIDDEN = {"fastapi", "starlette", "sse_starlette", "uvicorn", "prometheus_client", "pydantic_settings",
                     "asyncio", "httpx", "server"}
-SERVER_FORBIDDEN = {"torch", "safetensors"}
+SERVER_FORBIDDEN = {"torch", "safetensors", "xgrammar"}  # xgrammar loads torch
 
 
 def _imports(path: Path) -> set[str]:
@@ -48,7 +48,7 @@ def test_importing_the_server_loads_no_torch():
     import sys
 
     code = ("import sys; import server.app, server.cli, server.worker, engine, engine.api; "
-            "bad = sorted(m for m in ('torch', 'safetensors', 'transformers') if m in sys.modules); "
+            "bad = sorted(m for m in ('torch', 'safetensors', 'transformers', 'xgrammar') if m in sys.modules); "
             "print(','.join(bad)); sys.exit(1 if bad else 0)")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"importing the server loaded {done.stdout.strip()} {done.stderr[-2000:]}"
@@ -58,5 +58,6 @@ def test_engine_api_is_torch_free():
     import subprocess
     import sys
 
-    code = "import sys, engine.api, engine.core, engine.scheduler; sys.exit('torch' in sys.modules)"
+    code = ("import sys, engine.api, engine.core, engine.scheduler, engine.structured; "
+            "sys.exit('torch' in sys.modules or 'xgrammar' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120).returncode == 0

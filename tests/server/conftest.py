@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .helpers import build_real_engine
+from .helpers import build_real_engine, make_settings, run_server
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +36,27 @@ def engine_with(tiny_model_path: str):
         return build_real_engine(tiny_model_path, **config)
 
     return build
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine():
+    """The real SmolLM2-135M-Instruct (its own chat template and tokenizer), float32 on the CPU, lent to
+    one server at a time like `real_engine`."""
+    from .real_model import require_default_model
+
+    return build_real_engine(str(require_default_model()), kv_cache_memory=256 << 20, max_model_len=2048)
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_engine):
+    """A server over `smollm2_engine`, serving it as "smollm2" (one per test module)."""
+    with run_server(make_settings(served_model_name="smollm2", max_model_len=2048), smollm2_engine) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def smollm2_client(smollm2_server):
+    """The openai SDK against `smollm2_server` (no retries: a failure shows as it is)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="none", max_retries=0, timeout=120)
