@@ -182,7 +182,8 @@ class HermesToolParser:
             assert parsed is not None
             call.id, call.name = new_call_id(), parsed[0]
             out.add_call(CallDelta(call.index, call.id, call.name))
-            arguments = parsed[1]
+            head = _HEAD.match(body)  # the arguments as the model wrote them, as a stream sends them
+            arguments = parsed[1] if head is None else body[head.end():][: _arguments_end(body[head.end():], 0)]
         else:
             region = body[call.args_start:]
             arguments = region[: _arguments_end(region, 0)]

@@ -98,8 +98,12 @@ def test_tool_call_history_with_null_content_and_tool_messages(client, hf_tok):
     ]
     r = client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=24)
     assert r.choices[0].finish_reason in ("stop", "length")
-    # SmolLM2's template renders content only: the null content is "", the tool turn a "tool" turn.
-    rendered = [{**m, "content": m["content"] or ""} for m in messages]
+    # SmolLM2's template renders content only, so the server writes the call in the Hermes form as the
+    # assistant's text (the null content is "") and the result as a user turn (server/tools.py).
+    rendered = [messages[0], messages[1],
+                {"role": "assistant", "content": '<tool_call>\n{"name": "get_capital", "arguments": {"country": '
+                                                 '"France"}}\n</tool_call>'},
+                {"role": "user", "content": "<tool_response>\nParis\n</tool_response>"}]  # fmt: skip
     assert r.usage.prompt_tokens == hf_count(hf_tok, rendered)
 
 
