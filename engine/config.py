@@ -25,7 +25,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of device memory the process may use (CUDA only)
     max_num_seqs: int = 64  # most requests running at once
     max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
-    aging_s: float = 10.0  # a waiting request gains one priority level per this many seconds (0: off)
+    aging_s: float = 60.0  # a waiting request gains one priority level per this many seconds (0: off); docs/ENGINE.md
+    # a prompt chunk of a request outranked by another in the same step: at most this many tokens (None: no cap)
+    outranked_chunk_tokens: int | None = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0  # seed of the engine's default generator (requests without a seed)
@@ -59,6 +61,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.outranked_chunk_tokens is not None:
+            _positive("outranked_chunk_tokens", self.outranked_chunk_tokens)
         if isinstance(self.aging_s, bool) or not isinstance(self.aging_s, (int, float)) or not self.aging_s >= 0:
             raise ValueError(f"aging_s must be a number >= 0, got {self.aging_s!r}")
         if self.max_model_len is not None:

@@ -53,6 +53,10 @@ class SchedulerConfig:
     max_num_seqs: int  # most requests running at once
     max_num_batched_tokens: int  # token budget of one step
     aging_s: float = 0.0  # seconds of waiting per priority level gained (engine/ordering.py); 0: off
+    # A prompt chunk of a request in a step that also runs a more important request: at most this
+    # many tokens (None: the whole budget), so that step, and the more important request's next token,
+    # is not held up by a long low-priority prefill (the step's time grows with its tokens).
+    outranked_chunk_tokens: int | None = 256
 
 
 class Scheduler:
@@ -135,6 +139,7 @@ class _StepPlanner:
         self.out = out
         self.budget = sched.config.max_num_batched_tokens
         self.preempted_now: set[str] = set()  # preempted in this step: not started again in it
+        self.best: int | None = None  # the most important effective priority scheduled so far this step
 
     def plan(self) -> None:
         running = sorted(self.s.running, key=self._key)
@@ -160,7 +165,7 @@ class _StepPlanner:
     def _continue(self, req: Request) -> None:
         """Schedule req's next chunk, preempting the least important running requests (maybe req
         itself) while KV blocks are short."""
-        n = min(req.num_tokens - req.num_computed_tokens, self.budget)
+        n = self._chunk(req, req.num_tokens - req.num_computed_tokens)
         while not self.s.blocks.allocate(req, n):
             victim = max(self.s.running, key=lambda r: self.policy.victim_key(r, self.now))
             self._preempt(victim, PreemptionCause.KV)
@@ -178,7 +183,7 @@ class _StepPlanner:
             return False
         # A request that wants prompt log-probabilities runs its whole prompt: cached blocks have no logits.
         cached = [] if req.needs_prompt_logprobs else self.s.blocks.find_cached_prefix(req)
-        n = min(req.num_tokens - len(cached) * self.s.blocks.block_size, self.budget)
+        n = self._chunk(req, req.num_tokens - len(cached) * self.s.blocks.block_size)
         while not self._fits(req, cached, n):
             if not self._preempt_for(req, PreemptionCause.KV):
                 return False
@@ -216,6 +221,15 @@ class _StepPlanner:
         return True
 
     # -- bookkeeping --------------------------------------------------------------------------------
+    def _chunk(self, req: Request, left: int) -> int:
+        """How many of req's `left` tokens run this step: what the budget allows, and for a prompt
+        chunk of a request that a request already in this step outranks, `outranked_chunk_tokens`."""
+        n = min(left, self.budget)
+        cap = self.s.config.outranked_chunk_tokens
+        if n > 1 and cap is not None and self.best is not None and self.best < self.policy.effective_priority(req, self.now):
+            n = min(n, cap)
+        return n
+
     def _schedule(self, req: Request, n: int) -> None:
         start = req.num_computed_tokens
         ends = start + n == req.num_tokens
@@ -223,6 +237,8 @@ class _StepPlanner:
         self.out.scheduled.append(ScheduledRequest(req, start, n, sample=ends and req.params.max_tokens > 0))
         self.budget -= n
         req.budget_deferred = False
+        eff = self.policy.effective_priority(req, self.now)
+        self.best = eff if self.best is None else min(self.best, eff)
 
     def _preempt(self, victim: Request, cause: PreemptionCause) -> None:
         """Preempt victim; the tokens it was given in this step go back into the budget."""

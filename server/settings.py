@@ -117,7 +117,9 @@ class ServerSettings(BaseSettings):
     short_request_tokens: int = Field(
         512, ge=1, description="without `priority`, prompt + max_tokens at most this goes interactive"
     )
-    aging_s: float = Field(10.0, ge=0, description="each this many seconds of waiting lifts a request one lane (0: off)")
+    outranked_chunk_tokens: int | None = Field(
+        256, ge=1, description="prompt tokens per step of a request outranked by another running one (none: no cap)")
+    aging_s: float = Field(60.0, ge=0, description="each this many seconds of waiting lifts a request one lane (0: off)")
     interactive_max_queued_requests: int = Field(64, ge=1, description="interactive lane bound, requests")
     interactive_max_queued_tokens: int = Field(65536, ge=1, description="interactive lane bound, tokens")
     interactive_queue_timeout_s: PositiveSeconds = Field(30.0, description="longest interactive queue wait")
@@ -265,6 +267,7 @@ class ServerSettings(BaseSettings):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             aging_s=self.aging_s,
+            outranked_chunk_tokens=self.outranked_chunk_tokens,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,

@@ -84,8 +84,14 @@ def test_budget_a_long_batch_prefill_yields_the_step_to_an_interactive_request()
     assert fake_step(s) == {"long-batch": 2048}
     s.add(make_request("vip", 16, priority=0, arrival=1, max_tokens=4))
     steps = fake_step(s)
-    assert steps["vip"] == 16 and steps["long-batch"] == 2048 - 16  # vip first; the rest of the budget after
+    # vip first; the batch prefill gets the rest of the budget, but no more than outranked_chunk_tokens
+    # (256): the step that makes vip's first token is not a 2048-token step.
+    assert steps["vip"] == 16 and steps["long-batch"] == 256
     assert s.requests["vip"].num_output_tokens == 1  # its first token came one step after it arrived
+    for _ in range(3):  # vip's decodes: the cap holds while it runs
+        assert fake_step(s, finish=True) == {"vip": 1, "long-batch": 256}
+    assert "vip" not in s.requests  # it reached max_tokens
+    assert fake_step(s)["long-batch"] == 2048  # alone again: the whole budget
     # A prompt as long as the budget takes the whole step: the batch prefill waits one step, counted once.
     s.add(make_request("big-vip", 2048, priority=0, arrival=2, max_tokens=1))
     steps = fake_step(s)
