@@ -17,7 +17,7 @@ class EngineConfig:
     """Everything the engine needs besides the model's own config (config.json or GGUF metadata)."""
 
     model: str  # a Hugging Face folder, a .gguf file, or a folder holding one .gguf (engine/model_source.py)
-    dtype: str = "auto"  # auto: the checkpoint's torch_dtype on CUDA, float32 on CPU unless bf16 checkpoint
+    dtype: str = "auto"  # auto: the checkpoint's torch_dtype on CUDA; CPU: bf16 for a bf16 checkpoint, or a quantized GGUF on a bf16 CPU, else float32
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int | None = None  # tokens per KV block; None: 32 on CPU (cheaper gathers), 16 on CUDA
     kv_cache_memory: int | None = None  # bytes of KV cache (CPU default 1 GiB; on CUDA overrides utilization)

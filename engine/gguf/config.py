@@ -74,6 +74,9 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
         "pad_token_id": gf.get("tokenizer.ggml.padding_token_id"),
         "dtype": _float_dtype(gf),
         "torch_dtype": _float_dtype(gf),
+        # quantized matrices: `dtype=auto` may serve them in bf16 on a CPU with bf16 instructions
+        "tokenmill_quantized": any(t.tensor_type not in (Q.F32, Q.F16, Q.BF16) for t in gf.tensors
+                                   if len(t.shape) > 1),
     }
     if arch.model_type in ("llama", "mistral"):
         fields["attention_bias"] = "blk.0.attn_q.bias" in names

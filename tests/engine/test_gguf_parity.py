@@ -93,3 +93,16 @@ def test_f32_file_serves_exactly_like_its_source_folder(build_model, gguf_dir):
     b = make_engine(path).generate(case.prompts, params)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert [[x.logprob for x in r.logprobs] for r in a] == [[x.logprob for x in r.logprobs] for r in b]
+
+
+@pytest.mark.parametrize("qtype", ["F32", "BF16", "Q8_0", "Q4_1"])
+def test_auto_dtype_serves_quantized_files_in_bf16_where_the_cpu_has_it(build_model, gguf_dir, qtype):
+    from engine.model_source import open_model_source
+    from engine.setup import cpu_has_bf16, resolve_dtype
+
+    source = open_model_source(str(gguf_path(build_model, gguf_dir, "tiny-llama", qtype)))
+    got = resolve_dtype("auto", source.hf_config, torch.device("cpu"))
+    quantized = qtype.startswith("Q")
+    want = torch.bfloat16 if qtype == "BF16" or (quantized and cpu_has_bf16()) else torch.float32
+    assert got == want
+    assert resolve_dtype("float32", source.hf_config, torch.device("cpu")) == torch.float32  # asked for: kept
