@@ -24,7 +24,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # exact number of KV blocks; overrides both budgets (tests, tuning)
     gpu_memory_utilization: float = 0.9  # fraction of device memory the process may use (CUDA only)
     max_num_seqs: int = 64  # most requests running at once
-    max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
+    max_num_batched_tokens: int | None = None  # token budget of one step (decodes + prefill chunks); None: 512 CPU, 2048 CUDA
     aging_s: float = 60.0  # a waiting request gains one priority level per this many seconds (0: off); docs/ENGINE.md
     # a prompt chunk of a request outranked by another in the same step: at most this many tokens (None: no cap)
     outranked_chunk_tokens: int | None = 256
@@ -60,7 +60,8 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _positive("max_num_seqs", self.max_num_seqs)
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens is not None:
+            _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.outranked_chunk_tokens is not None:
             _positive("outranked_chunk_tokens", self.outranked_chunk_tokens)
         if isinstance(self.aging_s, bool) or not isinstance(self.aging_s, (int, float)) or not self.aging_s >= 0:

@@ -34,6 +34,7 @@ from engine.models.cpu_linear import (
 from engine.models.llama import LlamaForCausalLM
 from engine.models.packed_linear import PackedLinear, packing_supported
 from engine.quantization import Int8Weight, group_for, quantize_int8
+from engine.setup import resolve_step_budget
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -144,7 +145,8 @@ def _planned_rows(plans: dict[tuple, int], lin: GemvLinear | Int8Linear, role: s
     the step's token budget for the others (prefill chunks)."""
     key = (lin.out_features, lin.in_features, lin.bias is not None, lin.interleave)  # = _key(...)
     if key not in plans:
-        limit = config.max_num_seqs if role == "lm_head" else max(config.max_num_seqs, config.max_num_batched_tokens)
+        budget = resolve_step_budget(config.max_num_batched_tokens, torch.device("cpu"))  # CPU weights
+        limit = config.max_num_seqs if role == "lm_head" else max(config.max_num_seqs, budget)
         plans[key] = ALWAYS if config.cpu_gemv == "on" else _measure(lin, limit, dtype)
     return plans[key]
 

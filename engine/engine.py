@@ -3,6 +3,7 @@ them to `EngineCore` (engine/core.py), which does everything else (schedule, run
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -33,9 +34,11 @@ class Engine(EngineCore):
         source = open_model_source(config.model)  # a HF folder or a GGUF file; every check before loading
         if config.tokenizer is not None:
             source = with_tokenizer(source, config.tokenizer)
-        self.config = config
         self.hf_config = source.hf_config
         self.device = setup.resolve_device(config.device)
+        budget = setup.resolve_step_budget(config.max_num_batched_tokens, self.device)
+        config = dataclasses.replace(config, max_num_batched_tokens=budget)
+        self.config = config
         if self.device.type == "cuda":  # an engine freed earlier in this process (an unloaded model version)
             torch.cuda.empty_cache()  # leaves its blocks cached: give them back before measuring free memory
         setup.apply_cpu_threads(config.cpu_threads, self.device)

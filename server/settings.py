@@ -69,7 +69,8 @@ class ServerSettings(BaseSettings):
     kv_cache_memory: int | None = Field(None, gt=0, description="KV cache size in bytes (accepts 512MiB, 2GiB)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="share of GPU memory to use (CUDA)")
     max_num_seqs: int = Field(64, ge=1, description="most requests running in the engine at once")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="token budget of one engine step")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="token budget of one engine step (none: 512 on CPU, 2048 on CUDA)")
     max_model_len: int | None = Field(None, ge=1, description="context length (4096, 4k = 4000, 4K = 4096); "
                                       "default: the model's")
     block_size: int | None = Field(None, ge=1, description="tokens per KV block; default 32 on CPU, 16 on CUDA")
