@@ -2,7 +2,7 @@
 
 Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
 and sets `func(args) -> int`. Today: `offline`, `floor`, `quality`, `gemv`, `fused`, `load` (HTTP load test), `sweep`,
-`priority`, `startup`, `swap` (model version swap under load, response cache latency),
+`priority`, `long-prompt`, `startup`, `swap` (model version swap under load, response cache latency),
 `structured` (what structured outputs cost in throughput and TTFT).
 """
 
@@ -13,7 +13,20 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from bench import floor, fused, gemv, load, offline, priority, quality, startup, structured, swap, sweep
+from bench import (
+    floor,
+    fused,
+    gemv,
+    load,
+    long_prompt,
+    offline,
+    priority,
+    quality,
+    startup,
+    structured,
+    swap,
+    sweep,
+)
 
 
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
@@ -27,6 +40,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     load.add_parser(subparsers)
     sweep.add_parser(subparsers)
     priority.add_parser(subparsers)
+    long_prompt.add_parser(subparsers)
     startup.add_parser(subparsers)
     swap.add_parser(subparsers)
     structured.add_parser(subparsers)

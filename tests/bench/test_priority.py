@@ -50,3 +50,15 @@ def test_a_mixed_phase_reports_lanes_queue_waits_and_preemptions(server):
     verdict = _verdict(0.01, {"mixed": report, "one_lane": report})
     assert verdict["throughput_ratio"] == 1.0 and verdict["throughput_target_met"]
     assert "interactive" in format_report({**verdict, "idle_ttft_s": 0.01, "phases": {"mixed": report}})
+
+
+def test_long_prompt_reports_both_first_tokens(server, tmp_path):
+    import json
+
+    from bench.cli import main
+
+    out = tmp_path / "long.json"
+    assert main(["long-prompt", "--base-url", server, "--prompt-tokens", "300", "--delay", "0.05", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["long_status"] == 200 and res["long_prompt_tokens"] >= 300
+    assert res["idle_ttft_s"] > 0 and res["ttft_behind_long_s"] > 0 and res["long_s"] > 0
