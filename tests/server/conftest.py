@@ -60,3 +60,20 @@ def smollm2_client(smollm2_server):
     import openai
 
     return openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def srv(real_engine):
+    """A server with the test settings over `real_engine`, one per module (a module that needs other
+    settings or another engine defines its own `srv`)."""
+    with run_server(make_settings(), real_engine) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    """The openai SDK against `srv` (no retries: a failure shows as it is)."""
+    import openai
+
+    with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c

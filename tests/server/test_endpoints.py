@@ -13,22 +13,8 @@ import pytest
 
 from engine import SamplingParams
 
-from .helpers import make_settings, run_server
-
 MODEL = "tiny-llama"
 PROMPT = "import os\nimport sys\n"
-
-
-@pytest.fixture(scope="module")
-def srv(real_engine):
-    with run_server(make_settings(), real_engine) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

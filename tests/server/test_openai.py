@@ -11,24 +11,12 @@ import pytest
 
 from engine import SamplingParams
 
-from .helpers import make_settings, metric, run_server
+from .helpers import metric
 
 PROMPT = "import os\nimport sys\n"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
 GREEDY = {"temperature": 0.0, "max_tokens": 16}
 IGNORE_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def srv(real_engine):
-    with run_server(make_settings(), real_engine) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import httpx
-import openai
 import pytest
 import torch
 
@@ -18,18 +17,6 @@ PROMPT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibon
 PROMPTS = ["import os\n", "class Foo:\n", "print('hello')\n"]
 MODEL = "tiny-llama"
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def srv(real_engine):
-    with run_server(make_settings(), real_engine) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
