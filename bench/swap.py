@@ -20,12 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -37,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from bench.sweep import REPO_ROOT, _wait_ready
+from bench.sweep import server_command
 from bench.workloads import resolve_model
 
 ADMIN_KEY = "bench-admin"
@@ -105,22 +101,9 @@ def free_port() -> int:
 def versioned_server(name: str, path_a: Path, port: int, extra: list[str], log_path: Path,
                      ready_timeout_s: float = 600.0) -> Iterator[tuple[str, int]]:  # fmt: skip
     """`python -m server` serving `name@a` with the admin API and the response cache on; yields (URL, pid)."""
-    cmd = [sys.executable, "-m", "server", "--models", f"{name}@a={path_a}", "--host", "127.0.0.1",
-           "--port", str(port), "--admin-api-keys", ADMIN_KEY, *extra]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            _wait_ready(proc, url, ready_timeout_s)
-            yield url, proc.pid
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    args = ["--models", f"{name}@a={path_a}", "--admin-api-keys", ADMIN_KEY, *extra]
+    with server_command(args, port, log_path, ready_timeout_s) as served:
+        yield served
 
 
 class Clients:

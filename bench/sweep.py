@@ -62,15 +62,24 @@ def knee_of(points: Sequence[dict], latency: str = "e2e_s", stat: str = "p50") -
 def server_process(model: Path, port: int, max_num_seqs: int, dtype: str, extra: Sequence[str],
                    log_path: Path, ready_timeout_s: float = 600.0) -> Iterator[str]:
     """Start `python -m server` on 127.0.0.1:port and yield its URL once /health is 200; SIGTERM on exit."""
-    cmd = [sys.executable, "-m", "server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--max-num-seqs", str(max_num_seqs), "--dtype", dtype, *extra]
+    cmd = ["--model", str(model), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype, *extra]
+    with server_command(cmd, port, log_path, ready_timeout_s) as (url, _pid):
+        yield url
+
+
+@contextmanager
+def server_command(args: Sequence[str], port: int, log_path: Path,
+                   ready_timeout_s: float = 600.0) -> Iterator[tuple[str, int]]:  # fmt: skip
+    """`python -m server ARGS` on 127.0.0.1:port (this checkout first on PYTHONPATH, output to
+    log_path); yields (URL, pid) once /health is 200; SIGTERM on exit, a kill after 60 s."""
+    cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_ready(proc, url, ready_timeout_s)
-            yield url
+            yield url, proc.pid
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

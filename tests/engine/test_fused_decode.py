@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine import EngineConfig
+from engine.api import SamplingParams
 from engine.models.fused_decode import FusedDecode
 
 from .helpers import TINY_PRESETS, make_case, make_engine, require_cpu_kernels
@@ -37,8 +39,6 @@ def _run(path, fused: bool, dtype: str, overrides: dict, case):
             return out
 
         model.fused_decode.run = counted
-    from engine.api import SamplingParams
-
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, logprobs=2) for m in case.max_tokens]
     results = engine.generate(case.prompts, params)
     tokens = [r.token_ids for r in results]
@@ -62,7 +62,5 @@ def test_fused_decode_matches_the_python_layers(build_model, preset, variant):
 
 def test_fused_decode_can_be_turned_off():
     with pytest.raises(ValueError, match="fused_decode must be a bool"):
-        from engine import EngineConfig
-
         EngineConfig(model="x", fused_decode="yes")  # type: ignore[arg-type]
     assert FusedDecode.available()
