@@ -61,7 +61,7 @@ class Engine(EngineCore):
             num_blocks = spec.num_blocks_for(setup.kv_budget_bytes(config, self.device, peak))
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small for one KV block")
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, rows_kernel=backend.name == "cpu")  # cpu: the C++ kernels loaded
         kv = allocate_kv_cache(spec, num_blocks, self.device, backend)
         self.kv_cache_bytes = num_blocks * spec.bytes_per_block
         graphs = self._capture_graphs(model, backend, kv, buckets) if use_graphs else None

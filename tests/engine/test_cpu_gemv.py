@@ -129,11 +129,19 @@ def test_int8_sums_cannot_overflow():
 
 
 def test_int8_takes_minus_128():
+    g = torch.Generator().manual_seed(11)
     q = torch.tensor([[-128, 127, -1, 5]], dtype=torch.int8).repeat(20, 1)
-    w = int8_from_blocks(q, torch.rand(20, 2, dtype=torch.float16) + 0.5)
+    w = int8_from_blocks(q, torch.rand(20, 2, generator=g, dtype=torch.float16) + 0.5)
     packed, scales = ops.gemv_pack_int8(w.q, w.scales, False)
-    x = torch.randn(3, 4)
-    _close(ops.gemv(x, packed, scales, 20, 4, None), x.double() @ w.dequantize(torch.float64).T, 2e-4)
+    wd = w.dequantize(torch.float64)
+    for _ in range(50):
+        x = torch.randn(3, 4, generator=g)
+        err = (ops.gemv(x, packed, scales, 20, 4, None).double() - x.double() @ wd.T).abs()
+        # The activations go to int16 (one step: max|x| / 32767 per row): each output is off by at most
+        # half a step per weight, plus float32 rounding. A bound on the sum, not on the output's size,
+        # which cancellation can make as small as it likes.
+        bound = 0.5 * x.abs().amax(-1, keepdim=True).double() / 32767 * wd.abs().sum(-1) + 1e-5
+        assert (err <= bound).all(), float((err / bound).max())
 
 
 @pytest.mark.parametrize("interleave", [False, True])

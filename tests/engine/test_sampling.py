@@ -72,6 +72,28 @@ def test_same_seed_same_draws_regardless_of_batch():
     assert a[0] == b
 
 
+def test_draws_follow_the_tempered_distribution():
+    # 4000 requests in one batch, each with its own seed: the empirical frequencies match
+    # softmax(logits / T) within 4 standard errors, and a zero-probability token is never drawn.
+    probs = torch.tensor([0.5, 0.25, 0.0, 0.15, 0.1])
+    n, temp = 4000, 0.7
+    logits = torch.log(probs).repeat(n, 1)
+    reqs = [_req(f"d{i}", temperature=temp, seed=i) for i in range(n)]
+    tokens, _ = Sampler().sample(logits, reqs)
+    counts = torch.bincount(torch.tensor(tokens), minlength=5).double() / n
+    want = torch.softmax(torch.log(probs).double() / temp, -1)
+    assert counts[2] == 0
+    assert torch.all((counts - want).abs() <= 4 * torch.sqrt(want * (1 - want) / n) + 1e-9), (counts, want)
+
+
+def test_inverse_cdf_never_lands_past_the_last_token_with_mass():
+    from engine.sampler import _inverse_cdf
+
+    probs = torch.tensor([[0.3, 0.7, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
+    u = torch.tensor([1.0 - 1e-12, 0.0, 0.9999999])  # the first rounds to 1.0 in float32
+    assert _inverse_cdf(probs, u).tolist() == [1, 3, 0]
+
+
 def test_repetition_penalty_discourages_seen_tokens():
     logits = torch.tensor([[2.0, 1.9, -1.0]])
     r = _req(temperature=0.0, repetition_penalty=2.0)
