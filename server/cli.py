@@ -115,13 +115,14 @@ def serve(args: argparse.Namespace) -> int:
     guard = connection_guard(settings)
     from server.app import create_app
     from server.default_model import with_default_model
+    from server.fresh_thread import call_in_fresh_thread
     from server.runtime import build_engine
 
     settings = with_default_model(settings)
     engine = None
     if settings.model or not (settings.models or settings.models_dir):  # one model: load it before binding
         try:
-            engine = build_engine(settings)
+            engine = call_in_fresh_thread(build_engine, settings)  # not on this thread: server/fresh_thread.py
         except (ValueError, OSError) as exc:  # GGUFError is a ValueError: "FILE: problem"
             print(f"tokenmill serve: cannot load the model: {exc}", file=sys.stderr)
             return 2

@@ -23,6 +23,7 @@ from engine.api import EngineProtocol
 from server import memory_check
 from server.deployment import Deployment, Probe, VersionState
 from server.errors import ApiError
+from server.fresh_thread import in_fresh_thread
 from server.registry import ModelSlot
 from server.versions import ModelSpec, check_version, fingerprint, startup_specs, version_folder
 
@@ -115,7 +116,7 @@ class Rollout:
         started = time.perf_counter()
         failure = None
         try:
-            engine = await asyncio.to_thread(self._loader, spec, kv_bytes)
+            engine = await in_fresh_thread(self._loader, spec, kv_bytes)  # server/fresh_thread.py: why
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
         if failure is not None:
@@ -283,11 +284,11 @@ async def initial_versions(
     if specs:
         loaded = []
         for spec in specs:
-            built = await asyncio.to_thread(loader, spec, None)
+            built = await in_fresh_thread(loader, spec, None)
             loaded.append((spec, built, {built.model_name, spec.path}))
         return loaded
     if engine is None:
-        engine = await asyncio.to_thread(build_default, settings)
+        engine = await in_fresh_thread(build_default, settings)
     source = settings.model or getattr(getattr(engine, "config", None), "model", None)
     version: str = settings.model_version or ""
     if not version:

@@ -85,7 +85,8 @@ class ServerSettings(BaseSettings):
                                                          "tool calls; none: such requests get a 400")
     quantization: Literal["int8"] | None = Field(None, description="int8: INT8 weight-only linears (CPU; half the weight bytes)")
     engine_threads: int | None = Field(
-        None, ge=1, description="CPU: engine compute threads; default: OMP_NUM_THREADS, else one per core but one"
+        None, ge=1, description="CPU: engine compute threads; default: OMP_NUM_THREADS, else one per core "
+        "(but one above 4 cores)"
     )
 
     # -- HTTP ----------------------------------------------------------------------------------------
@@ -362,9 +363,12 @@ def _check_api_key(key: str) -> None:
 
 
 def default_engine_threads() -> int:
-    """OMP_NUM_THREADS when set, else one thread per core this process may run on but one: that core
-    stays free for the event loop, tokenization and HTTP, which otherwise stall the engine's OpenMP
-    barriers (docs/BENCHMARKS.md, "Thread placement"). At least 1."""
+    """OMP_NUM_THREADS when set, else one thread per core this process may run on, but one core left to
+    the event loop, tokenization and HTTP above 4 cores. On 2 cores both threads pay: the engine is
+    bound by memory bandwidth, which a second core nearly doubles, while the HTTP side needs a few
+    percent of a core (docs/BENCHMARKS.md, "Thread placement"; measured on 2 cores only, the rule above
+    4 is the cautious choice, not a measurement). The engine's OpenMP team must be the process's only
+    one for this to hold: server/fresh_thread.py."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
@@ -372,7 +376,7 @@ def default_engine_threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, cores - 1)
+    return cores if cores <= 4 else cores - 1
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):

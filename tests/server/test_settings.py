@@ -92,15 +92,17 @@ def test_quantization_and_engine_threads(monkeypatch):
         parse_settings(["--quantization", "int4"])
     with pytest.raises(ValidationError, match="engine_threads"):
         parse_settings(["--engine-threads", "0"])
-    # Default: one core left to the HTTP side (at least one thread), unless OMP_NUM_THREADS says.
+    # Default: every core up to 4, then one left to the HTTP side, unless OMP_NUM_THREADS says.
     monkeypatch.setattr(settings_module.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert parse_settings([]).engine_config("/m").cpu_threads == 1
+    assert parse_settings([]).engine_config("/m").cpu_threads == 2
+    monkeypatch.setattr(settings_module.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    assert parse_settings([]).engine_config("/m").cpu_threads == 4
     monkeypatch.setattr(settings_module.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     assert parse_settings([]).engine_config("/m").cpu_threads == 7
     monkeypatch.setattr(settings_module.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert parse_settings([]).engine_config("/m").cpu_threads == 1
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert parse_settings([]).engine_config("/m").cpu_threads == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert parse_settings([]).engine_config("/m").cpu_threads == 3
 
 
 def test_help_lists_every_setting_with_its_default(capsys):
