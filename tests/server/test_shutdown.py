@@ -57,13 +57,14 @@ def test_sigterm_drains_streams_and_exits_zero(tiny_model_path):
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_") or k == "TOKENMILL_MODEL_CACHE"}
     cmd = [sys.executable, "-m", "server", "--model", tiny_model_path, "--port", str(port), "--device", "cpu",
-           "--kv-cache-memory", "64MiB", "--drain-timeout-s", "2", "--log-level", "warning"]
+           "--kv-cache-memory", "64MiB", "--drain-timeout-s", "0.5", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until(lambda: _status(f"{url}/health") == 200 or proc.poll() is not None, 120, 0.1, "server ready")
         assert proc.poll() is None, proc.stdout.read()
         body = {"prompt": "def main():", "ignore_eos": True}
-        # The tiny model decodes at ~3-30 ms per step here: 10 tokens fit in the 2 s drain, 2000 do not.
+        # The tiny model decodes ~1,000 tokens a second here (2 engine threads): 10 tokens fit in the 0.5 s
+        # drain, 2000 do not.
         short = [StreamReader(f"{url}/generate", {**body, "max_tokens": 10}) for _ in range(2)]
         long = StreamReader(f"{url}/generate", {**body, "max_tokens": 2000})
         for reader in (*short, long):
@@ -105,7 +106,7 @@ def test_sigterm_with_stalled_readers_exits_zero_within_the_drain_deadline(tiny_
     """Clients that stopped reading (and one that reads) must not hold the process: at drain_timeout_s
     the requests left are aborted, the reading client gets its `error` event, the stalled connections
     are reset, and the process exits 0 within drain_timeout_s + 2 s."""
-    drain_s = 2.0
+    drain_s = 1.0  # the reading stream decodes ~700 tokens a second here: 2000 do not fit in 0.4 + 1 s
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_") or k == "TOKENMILL_MODEL_CACHE"}
@@ -130,7 +131,7 @@ def test_sigterm_with_stalled_readers_exits_zero_within_the_drain_deadline(tiny_
         reading = StreamReader(f"{url}/generate", {"prompt": "def main():", "max_tokens": 2000, "ignore_eos": True})
         reading.start()
         assert reading.first_token.wait(60)
-        time.sleep(1.0)  # the stalled streams fill their buffers within ~100 tokens
+        time.sleep(0.4)  # the stalled streams fill their buffers within ~100 tokens
 
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
