@@ -47,9 +47,9 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
 
 
-def _ask(smollm2_client, tool_choice: Any, stream: bool = False, **extra: Any):
+def _ask(smollm2_client, tool_choice: Any, stream: bool = False, max_tokens: int = 80, **extra: Any):
     return smollm2_client.chat.completions.create(model=NAME, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
-                                          temperature=0, max_tokens=80, stream=stream, **extra)  # fmt: skip
+                                          temperature=0, max_tokens=max_tokens, stream=stream, **extra)  # fmt: skip
 
 
 def _reassemble(chunks) -> tuple[str, list[tuple[str, str]], str | None]:
@@ -94,14 +94,16 @@ def test_enforced_calls_validate_and_stream_the_same(smollm2_client, tool_choice
 
 
 def test_each_of_n_choices_parses_its_own_calls(smollm2_client):
-    """n=2 sampled choices with enforced calls: each has its own parser, streamed or not."""
-    done = _ask(smollm2_client, "required", n=2, seed=3, extra_body={"temperature": 0.8})
+    """n=2 sampled choices with enforced calls: each has its own parser, streamed or not. Sampled
+    arguments can run long (a 135M model at temperature 0.8): room for them to close."""
+    sampled = dict(n=2, seed=3, max_tokens=400, extra_body={"temperature": 0.8})
+    done = _ask(smollm2_client, "required", **sampled)
     assert [c.index for c in done.choices] == [0, 1]
     for choice in done.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
         for c in choice.message.tool_calls:
             _validate(c.function.name, c.function.arguments)
-    chunks = list(_ask(smollm2_client, "required", stream=True, n=2, seed=3, extra_body={"temperature": 0.8}))
+    chunks = list(_ask(smollm2_client, "required", stream=True, **sampled))
     for index, choice in enumerate(done.choices):
         mine = [ch.model_copy(update={"choices": [c for c in ch.choices if c.index == index]}) for ch in chunks]
         _, streamed, reason = _reassemble(mine)
