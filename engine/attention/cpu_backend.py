@@ -1,7 +1,7 @@
 """CPU attention with this repository's C++ decode kernels (engine/csrc/cpu_attention.cpp).
 
-Decode attention reads the paged cache in place: one kernel computes the scores q k^T straight from
-the cache blocks, PyTorch's softmax normalises them, a second kernel sums p v from the blocks. The
+Decode attention reads the paged cache in place: one kernel computes, per (sequence, KV head), the
+scores q k^T straight from the cache blocks, their softmax, and the sum p v from the V blocks. The
 reference backend instead copies every decode's context out of the cache in every layer before its
 batched matmuls; on CPU that copy is as costly as the matmuls themselves.
 
@@ -41,12 +41,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return kk, v_cache.index_select(1, p.gather)
 
     def _decode(self, q, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
-        nd, heads, _ = q.shape
+        nd = q.shape[0]
         tables = meta.decode_gather.view(nd, -1)  # [nd, width] block ids (padding: block 0, never read)
-        scores = torch.ops.tokenmill.paged_decode_scores(
-            q, k_cache, tables, meta.decode_lens, meta.block_size, meta.decode_ctx, scale
-        )  # float32 [nd, heads, decode_ctx], -inf past each context
-        probs = torch.softmax(scores, dim=-1)
-        return torch.ops.tokenmill.paged_decode_values(
-            probs, v_cache, tables, meta.decode_lens, meta.block_size, heads
+        # Scores, softmax and values per (sequence, KV head) in one kernel (one parallel region a layer).
+        return torch.ops.tokenmill.paged_decode_attention(
+            q, k_cache, v_cache, tables, meta.decode_lens, meta.block_size, meta.decode_ctx, scale
         )  # [nd, heads, d] in the cache's dtype

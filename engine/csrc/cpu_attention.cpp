@@ -1,6 +1,9 @@
 // Paged decode attention for the CPU, in two products that read the paged KV cache in place (no
-// gather copy; K and V each read once per layer). The softmax between them runs in PyTorch.
-// Registered as torch.ops.tokenmill.paged_decode_scores and torch.ops.tokenmill.paged_decode_values.
+// gather copy; K and V each read once per layer). Registered as torch.ops.tokenmill.paged_decode_scores
+// and torch.ops.tokenmill.paged_decode_values (the softmax between them in PyTorch), and as one op,
+// torch.ops.tokenmill.paged_decode_attention: both products and the softmax per work item, one
+// parallel region a layer instead of three and no [num_seqs, heads, context] tensors (what the
+// engine runs; the two-op form stays as the reference the fused one is tested against).
 //
 // Cache layout, per layer (engine/attention/cpu_backend.py): both tensors are allocated
 // [kv_heads, num_blocks * block_size, D], but K is used as [kv_heads, num_blocks, D, block_size]
@@ -25,6 +28,7 @@
 
 namespace {
 
+using tokenmill::exp_nonpositive;
 using tokenmill::to_float;
 
 struct Shapes {
@@ -99,11 +103,30 @@ inline bool block_scores_fixed(const float* qf, const T* kb, int64_t D, int64_t 
   }
 }
 
+// One (sequence s, KV head h) item's scores: rows[g * stride + t] = scale * q[s, h * G + g] . k_t for
+// t < ctx. qf: [G, D] and tmp: [G, bs] scratch.
+template <typename T>
+void item_scores(const at::Tensor& q, const T* kp, const int64_t* table, int64_t s, int64_t h, int64_t ctx,
+                 const Shapes& sh, float scale, float* qf, float* tmp, float* rows, int64_t stride) {
+  const T* qp = q.data_ptr<T>();
+  const int64_t D = sh.dim, G = sh.group, bs = sh.block_size;
+  for (int64_t g = 0; g < G; ++g)  // q rows may be strided (a view into the fused QKV output)
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qp[s * q.stride(0) + (h * G + g) * q.stride(1) + d]) * scale;
+  const T* kh = kp + h * sh.head_slots * D;
+  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
+    const int64_t n = std::min(bs, ctx - t0);
+    const T* kb = kh + table[t0 / bs] * bs * D;  // [D, bs]
+    const bool done = (bs == 32 && block_scores_fixed<T, 32>(qf, kb, D, G, tmp)) ||
+                      (bs == 16 && block_scores_fixed<T, 16>(qf, kb, D, G, tmp));
+    if (!done) block_scores_any<T>(qf, kb, D, bs, G, tmp);
+    for (int64_t g = 0; g < G; ++g) std::copy(tmp + g * bs, tmp + g * bs + n, rows + g * stride + t0);
+  }
+}
+
 // scores[s, h * group + g, t] = scale * q[s, h * group + g] . k_t for t < ctx_s; -inf beyond.
 template <typename T>
 void scores_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& tables_t,
                  const at::Tensor& lens_t, at::Tensor& out, const Shapes& sh, float scale) {
-  const T* qp = q.data_ptr<T>();
   const T* kp = k_cache.data_ptr<T>();
   const int64_t* tables = tables_t.data_ptr<int64_t>();
   const int64_t* lens = lens_t.data_ptr<int64_t>();
@@ -114,19 +137,8 @@ void scores_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / sh.kv_heads, h = item % sh.kv_heads;
       const int64_t ctx = std::min(lens[s], width_ctx);
-      for (int64_t g = 0; g < G; ++g)  // q rows may be strided (a view into the fused QKV output)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qp[s * q.stride(0) + (h * G + g) * q.stride(1) + d]) * scale;
       float* orow = op + (s * sh.heads + h * G) * width_ctx;  // [G, width_ctx]
-      const T* kh = kp + h * sh.head_slots * D;
-      for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
-        const int64_t n = std::min(bs, ctx - t0);
-        const T* kb = kh + tables[s * sh.width + t0 / bs] * bs * D;  // [D, bs]
-        const bool done = (bs == 32 && block_scores_fixed<T, 32>(qf.data(), kb, D, G, tmp.data())) ||
-                          (bs == 16 && block_scores_fixed<T, 16>(qf.data(), kb, D, G, tmp.data()));
-        if (!done) block_scores_any<T>(qf.data(), kb, D, bs, G, tmp.data());
-        for (int64_t g = 0; g < G; ++g)
-          std::copy(tmp.begin() + g * bs, tmp.begin() + g * bs + n, orow + g * width_ctx + t0);
-      }
+      item_scores<T>(q, kp, tables + s * sh.width, s, h, ctx, sh, scale, qf.data(), tmp.data(), orow, width_ctx);
       for (int64_t g = 0; g < G; ++g)
         std::fill(orow + g * width_ctx + ctx, orow + (g + 1) * width_ctx, -std::numeric_limits<float>::infinity());
     }
@@ -191,6 +203,17 @@ inline bool sum_values_fixed(const float* prow, int64_t p_stride, const T* vh, c
   }
 }
 
+// One (sequence, KV head h) item's sums acc[g] = sum_t p[g][t] v_t, t < ctx; p rows `stride` apart.
+template <typename T>
+void item_values(const float* prow, int64_t stride, const T* vp, const int64_t* table, int64_t h, int64_t ctx,
+                 const Shapes& sh, float* acc) {
+  const int64_t D = sh.dim, G = sh.group, bs = sh.block_size;
+  const T* vh = vp + h * sh.head_slots * D;
+  const bool done = (D == 64 && sum_values_fixed<T, 64>(prow, stride, vh, table, bs, ctx, G, acc)) ||
+                    (D == 128 && sum_values_fixed<T, 128>(prow, stride, vh, table, bs, ctx, G, acc));
+  if (!done) sum_values_any<T>(prow, stride, vh, table, bs, ctx, G, D, acc);
+}
+
 // out[s, h * group + g] = sum_t probs[s, h * group + g, t] * v_t over t < ctx_s.
 template <typename T>
 void values_impl(const at::Tensor& probs, const at::Tensor& v_cache, const at::Tensor& tables_t,
@@ -200,19 +223,64 @@ void values_impl(const at::Tensor& probs, const at::Tensor& v_cache, const at::T
   const int64_t* tables = tables_t.data_ptr<int64_t>();
   const int64_t* lens = lens_t.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  const int64_t D = sh.dim, G = sh.group, bs = sh.block_size, width_ctx = probs.size(2);
+  const int64_t D = sh.dim, G = sh.group, width_ctx = probs.size(2);
   at::parallel_for(0, sh.num_seqs * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(G * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / sh.kv_heads, h = item % sh.kv_heads;
       const int64_t ctx = std::min(lens[s], width_ctx);
       const float* prow = pp + (s * sh.heads + h * G) * width_ctx;  // [G, width_ctx]
-      const T* vh = vp + h * sh.head_slots * D;
+      item_values<T>(prow, width_ctx, vp, tables + s * sh.width, h, ctx, sh, acc.data());
+      T* o = op + (s * sh.heads + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+// softmax over each of the G rows' first ctx entries, in place (max, exp(x - max), times 1 / sum, as
+// PyTorch's CPU softmax orders it; exp by the vectorised polynomial).
+inline void rows_softmax(float* rows, int64_t stride, int64_t G, int64_t ctx) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* r = rows + g * stride;
+    float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+    for (int64_t t = 0; t < ctx; ++t) mx = r[t] > mx ? r[t] : mx;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < ctx; ++t) {
+      r[t] = exp_nonpositive(r[t] - mx);
+      sum += r[t];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < ctx; ++t) r[t] *= inv;
+  }
+}
+
+// out[s, h * group + g] = softmax(scale q k^T) v per (sequence, KV head) item: the scores into a
+// [G, context] scratch row, the softmax there, the values from it. A sequence with no context gets 0.
+template <typename T>
+void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& tables_t, const at::Tensor& lens_t, at::Tensor& out, const Shapes& sh,
+                    float scale, int64_t max_context) {
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tables = tables_t.data_ptr<int64_t>();
+  const int64_t* lens = lens_t.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t D = sh.dim, G = sh.group, bs = sh.block_size;
+  at::parallel_for(0, sh.num_seqs * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), tmp(G * bs), rows(G * max_context), acc(G * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / sh.kv_heads, h = item % sh.kv_heads;
+      const int64_t ctx = std::min(lens[s], max_context);
       const int64_t* table = tables + s * sh.width;
-      const bool done =
-          (D == 64 && sum_values_fixed<T, 64>(prow, width_ctx, vh, table, bs, ctx, G, acc.data())) ||
-          (D == 128 && sum_values_fixed<T, 128>(prow, width_ctx, vh, table, bs, ctx, G, acc.data()));
-      if (!done) sum_values_any<T>(prow, width_ctx, vh, table, bs, ctx, G, D, acc.data());
+      std::fill(acc.begin(), acc.end(), 0.f);
+      if (ctx > 0) {
+        item_scores<T>(q, kp, table, s, h, ctx, sh, scale, qf.data(), tmp.data(), rows.data(), max_context);
+        rows_softmax(rows.data(), max_context, G, ctx);
+        item_values<T>(rows.data(), max_context, vp, table, h, ctx, sh, acc.data());
+      }
       T* o = op + (s * sh.heads + h * G) * D;
       for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
     }
@@ -298,6 +366,25 @@ at::Tensor paged_decode_values(const at::Tensor& probs, const at::Tensor& v_cach
   return out;
 }
 
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                                  int64_t max_context, double scale) {
+  // q: [num_seqs, heads, D]. Returns [num_seqs, heads, D] in the cache's dtype.
+  const Shapes sh = check(q, k_cache, block_tables, context_lens, block_size);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.is_contiguous(),
+              "paged decode: k_cache and v_cache must match");
+  TORCH_CHECK(max_context >= 0, "paged decode: max_context must be >= 0");
+  auto out = at::empty({sh.num_seqs, sh.heads, sh.dim}, v_cache.options());
+  if (q.scalar_type() == at::kFloat) {
+    attention_impl<float>(q, k_cache, v_cache, block_tables, context_lens, out, sh, static_cast<float>(scale), max_context);
+  } else {
+    attention_impl<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, sh, static_cast<float>(scale),
+                                  max_context);
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
@@ -307,7 +394,10 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
         "int block_size, int heads) -> Tensor");
   m.def("paged_store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "int block_size) -> ()");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, int block_size, int max_context, float scale) -> Tensor");
   m.impl("paged_decode_scores", c10::DispatchKey::CPU, TORCH_FN(paged_decode_scores));
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
   m.impl("paged_store_kv", c10::DispatchKey::CPU, TORCH_FN(paged_store_kv));
   m.impl("paged_decode_values", c10::DispatchKey::CPU, TORCH_FN(paged_decode_values));
 }

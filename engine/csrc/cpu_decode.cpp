@@ -56,8 +56,7 @@ TOKENMILL_OP(rms_norm_op, "tokenmill::rms_norm")
 TOKENMILL_OP(add_rms_norm_op, "tokenmill::add_rms_norm")
 TOKENMILL_OP(rotary_op, "tokenmill::rotary_inplace")
 TOKENMILL_OP(store_op, "tokenmill::paged_store_kv")
-TOKENMILL_OP(scores_op, "tokenmill::paged_decode_scores")
-TOKENMILL_OP(values_op, "tokenmill::paged_decode_values")
+TOKENMILL_OP(attention_op, "tokenmill::paged_decode_attention")
 TOKENMILL_OP(onednn_op, "mkldnn::_linear_pointwise")
 #undef TOKENMILL_OP
 
@@ -158,9 +157,8 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
     }
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     call1(store_op(), {k, v, k_cache, v_cache, slot_mapping, block_size});
-    const at::Tensor scores = call1(scores_op(), {q, k_cache, tables, lens, block_size, max_context, scale});
-    const at::Tensor probs = at::softmax(scores, -1);
-    const at::Tensor attn = call1(values_op(), {probs, v_cache, tables, lens, block_size, heads});  // [B, H, D]
+    const at::Tensor attn =
+        call1(attention_op(), {q, k_cache, v_cache, tables, lens, block_size, max_context, scale});  // [B, H, D]
     h = linear(attn.reshape({b, -1}), weights, l, O_W, kind[1], nk[2], nk[3]);
     // MLP (layers.py GatedMLP.forward) after the post-attention norm.
     auto [h2, stream2] = add_norm(h, residual, get(weights, l, POST_NORM), eps, fused_norm);

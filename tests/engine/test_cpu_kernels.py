@@ -79,6 +79,30 @@ def test_decode_only_step_matches_the_reference_backend(dtype):
     torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_attention_matches_the_two_products_and_softmax(heads, kv_heads, head_dim, block_size, dtype):
+    # paged_decode_attention (what the engine runs) against scores -> torch.softmax -> values, the same
+    # products with PyTorch's softmax between them: float32 to its rounding, bf16 to one output ulp.
+    g = torch.Generator().manual_seed(heads * 100 + block_size)
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size + 2, 37, 0])  # 0: no context, zeros
+    width = int((lens.max() + block_size - 1) // block_size)
+    blocks = torch.randperm(len(lens) * width + 3, generator=g)[: len(lens) * width].view(len(lens), width)
+    slots = (len(lens) * width + 3) * block_size
+    k_cache = torch.randn(kv_heads, slots, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(kv_heads, slots, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    ctx, scale = int(lens.max()), head_dim**-0.5
+    ops = torch.ops.tokenmill
+    got = ops.paged_decode_attention(q, k_cache, v_cache, blocks, lens, block_size, ctx, scale)
+    probs = torch.softmax(ops.paged_decode_scores(q, k_cache, blocks, lens, block_size, ctx, scale), -1)
+    want = ops.paged_decode_values(probs, v_cache, blocks, lens, block_size, heads)
+    assert got.dtype == dtype and got.shape == (len(lens), heads, head_dim)
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+    tol = {torch.float32: 2e-6, torch.bfloat16: 2**-7}[dtype]
+    torch.testing.assert_close(got[:-1].float(), want[:-1].float(), rtol=tol, atol=tol)
+
+
 def test_kernels_reject_bad_input():
     q = torch.randn(2, 4, 32)
     cache = torch.randn(2, 64, 32)
@@ -89,6 +113,8 @@ def test_kernels_reject_bad_input():
         torch.ops.tokenmill.paged_decode_scores(q, cache, tables.int(), lens, 32, 64, 1.0)
     with pytest.raises(RuntimeError, match="block_size"):
         torch.ops.tokenmill.paged_decode_scores(q, cache, tables, lens, 7, 64, 1.0)
+    with pytest.raises(RuntimeError, match="must match"):
+        torch.ops.tokenmill.paged_decode_attention(q, cache, cache[:, :32].contiguous(), tables, lens, 32, 64, 1.0)
 
 
 @pytest.mark.parametrize("block_size,num_blocks", [(4, 160), (32, 32)])
