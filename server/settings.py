@@ -6,6 +6,7 @@ command-line flags. It builds the engine's `EngineConfig` and the lanes' bounds 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import types
@@ -376,7 +377,26 @@ def default_engine_threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:  # a container limited to N CPUs sees every host core in its affinity mask
+        cores = min(cores, quota)
     return cores if cores <= 4 else cores - 1
+
+
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" or "max <period>"
+
+
+def cgroup_cpu_quota(path: str | None = None) -> int | None:
+    """The CPUs this process's cgroup may use (quota / period, rounded up), None when unlimited or
+    unknown (no cgroup v2, a malformed file). `docker run --cpus 2` and a Kubernetes CPU limit set it."""
+    try:
+        with open(path or CGROUP_CPU_MAX) as f:
+            quota, period = f.read().split()[:2]
+        if quota == "max":
+            return None
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):
