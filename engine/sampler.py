@@ -79,8 +79,7 @@ class Sampler:
         """logits: [N, vocab] after masks; raw: the model's (logprobs are of its distribution)."""
         want_lp = [r.params.logprobs is not None for r in reqs]
         raw_lp = torch.log_softmax(raw.float(), dim=-1) if any(want_lp) else None
-        if any(_needs_processing(r) for r in reqs):
-            logits = self._apply_penalties(logits.float(), reqs)
+        logits = self._apply_penalties(logits, reqs)
         fast = [i for i, r in enumerate(reqs) if self._rows_kernel and (r.params.greedy or not _filters(r))]
         if len(fast) == len(reqs):  # the common case: no row copies
             tokens, chosen = self._kernel_rows(logits, reqs)
@@ -128,10 +127,11 @@ class Sampler:
         return torch.rand(1, generator=self.generator(req))
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """logits unchanged when no row needs penalties, else a float32 copy with them applied."""
         rows = [i for i, r in enumerate(reqs) if _needs_processing(r)]
         if not rows:
             return logits
-        logits = logits.clone()
+        logits = logits.float() if logits.dtype != torch.float32 else logits.clone()  # a copy either way
         for i in rows:
             _penalise_row(logits[i], reqs[i])
         return logits
@@ -203,11 +203,11 @@ def _filters(r: Request) -> bool:
 
 def _filter(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Zero the probabilities that top-k, top-p or min-p exclude. probs: [n, vocab]."""
+    if not any(_filters(r) for r in reqs):
+        return probs
     top_k = [r.params.top_k for r in reqs]
     top_p = [r.params.top_p for r in reqs]
     min_p = [r.params.min_p for r in reqs]
-    if all(k == 0 for k in top_k) and all(p >= 1.0 for p in top_p) and all(m == 0 for m in min_p):
-        return probs
     dev, vocab = probs.device, probs.shape[1]
     sorted_p, order = probs.sort(dim=-1, descending=True)
     keep = torch.ones_like(sorted_p, dtype=torch.bool)

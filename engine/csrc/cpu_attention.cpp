@@ -1,9 +1,8 @@
-// Paged decode attention for the CPU, in two products that read the paged KV cache in place (no
-// gather copy; K and V each read once per layer). Registered as torch.ops.tokenmill.paged_decode_scores
-// and torch.ops.tokenmill.paged_decode_values (the softmax between them in PyTorch), and as one op,
-// torch.ops.tokenmill.paged_decode_attention: both products and the softmax per work item, one
-// parallel region a layer instead of three and no [num_seqs, heads, context] tensors (what the
-// engine runs; the two-op form stays as the reference the fused one is tested against).
+// Paged decode attention for the CPU, reading the paged KV cache in place (no gather copy; K and V
+// each read once per layer): per work item the scores q k^T, their softmax and the sum p v, in one
+// op, torch.ops.tokenmill.paged_decode_attention (one parallel region a layer, no [num_seqs, heads,
+// context] tensors; the scores, PyTorch's softmax and the values as three ops cost two more regions).
+// The KV store is torch.ops.tokenmill.paged_store_kv.
 //
 // Cache layout, per layer (engine/attention/cpu_backend.py): both tensors are allocated
 // [kv_heads, num_blocks * block_size, D], but K is used as [kv_heads, num_blocks, D, block_size]
@@ -123,28 +122,6 @@ void item_scores(const at::Tensor& q, const T* kp, const int64_t* table, int64_t
   }
 }
 
-// scores[s, h * group + g, t] = scale * q[s, h * group + g] . k_t for t < ctx_s; -inf beyond.
-template <typename T>
-void scores_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& tables_t,
-                 const at::Tensor& lens_t, at::Tensor& out, const Shapes& sh, float scale) {
-  const T* kp = k_cache.data_ptr<T>();
-  const int64_t* tables = tables_t.data_ptr<int64_t>();
-  const int64_t* lens = lens_t.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t D = sh.dim, G = sh.group, bs = sh.block_size, width_ctx = out.size(2);
-  at::parallel_for(0, sh.num_seqs * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), tmp(G * bs);  // tmp: [G, bs] scores of one block
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / sh.kv_heads, h = item % sh.kv_heads;
-      const int64_t ctx = std::min(lens[s], width_ctx);
-      float* orow = op + (s * sh.heads + h * G) * width_ctx;  // [G, width_ctx]
-      item_scores<T>(q, kp, tables + s * sh.width, s, h, ctx, sh, scale, qf.data(), tmp.data(), orow, width_ctx);
-      for (int64_t g = 0; g < G; ++g)
-        std::fill(orow + g * width_ctx + ctx, orow + (g + 1) * width_ctx, -std::numeric_limits<float>::infinity());
-    }
-  });
-}
-
 // One sequence-head's sum over its context: acc[g] = sum_t p[g][t] v_t, V blocks token-major [bs, D].
 // Each V row is widened once for the G query rows; G and D compile-time constants keep the G x D
 // accumulators in registers.
@@ -212,29 +189,6 @@ void item_values(const float* prow, int64_t stride, const T* vp, const int64_t* 
   const bool done = (D == 64 && sum_values_fixed<T, 64>(prow, stride, vh, table, bs, ctx, G, acc)) ||
                     (D == 128 && sum_values_fixed<T, 128>(prow, stride, vh, table, bs, ctx, G, acc));
   if (!done) sum_values_any<T>(prow, stride, vh, table, bs, ctx, G, D, acc);
-}
-
-// out[s, h * group + g] = sum_t probs[s, h * group + g, t] * v_t over t < ctx_s.
-template <typename T>
-void values_impl(const at::Tensor& probs, const at::Tensor& v_cache, const at::Tensor& tables_t,
-                 const at::Tensor& lens_t, at::Tensor& out, const Shapes& sh) {
-  const float* pp = probs.data_ptr<float>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int64_t* tables = tables_t.data_ptr<int64_t>();
-  const int64_t* lens = lens_t.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const int64_t D = sh.dim, G = sh.group, width_ctx = probs.size(2);
-  at::parallel_for(0, sh.num_seqs * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(G * D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / sh.kv_heads, h = item % sh.kv_heads;
-      const int64_t ctx = std::min(lens[s], width_ctx);
-      const float* prow = pp + (s * sh.heads + h * G) * width_ctx;  // [G, width_ctx]
-      item_values<T>(prow, width_ctx, vp, tables + s * sh.width, h, ctx, sh, acc.data());
-      T* o = op + (s * sh.heads + h * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
-    }
-  });
 }
 
 // softmax over each of the G rows' first ctx entries, in place (max, exp(x - max), times 1 / sum, as
@@ -337,35 +291,6 @@ void paged_store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
   }
 }
 
-at::Tensor paged_decode_scores(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_tables,
-                               const at::Tensor& context_lens, int64_t block_size, int64_t max_context,
-                               double scale) {
-  // q: [num_seqs, heads, D]. Returns float32 [num_seqs, heads, max_context] (-inf past each length).
-  const Shapes sh = check(q, k_cache, block_tables, context_lens, block_size);
-  auto out = at::empty({sh.num_seqs, sh.heads, max_context}, q.options().dtype(at::kFloat));
-  if (q.scalar_type() == at::kFloat) {
-    scores_impl<float>(q, k_cache, block_tables, context_lens, out, sh, static_cast<float>(scale));
-  } else {
-    scores_impl<c10::BFloat16>(q, k_cache, block_tables, context_lens, out, sh, static_cast<float>(scale));
-  }
-  return out;
-}
-
-at::Tensor paged_decode_values(const at::Tensor& probs, const at::Tensor& v_cache, const at::Tensor& block_tables,
-                               const at::Tensor& context_lens, int64_t block_size, int64_t heads) {
-  // probs: float32 [num_seqs, heads, max_context]. Returns [num_seqs, heads, D] in the cache's dtype.
-  TORCH_CHECK(probs.scalar_type() == at::kFloat && probs.dim() == 3 && probs.is_contiguous() && probs.size(1) == heads,
-              "paged decode: probs must be contiguous float32 [num_seqs, heads, context]");
-  auto out = at::empty({probs.size(0), heads, v_cache.size(2)}, v_cache.options());
-  const Shapes sh = check(out, v_cache, block_tables, context_lens, block_size);
-  if (v_cache.scalar_type() == at::kFloat) {
-    values_impl<float>(probs, v_cache, block_tables, context_lens, out, sh);
-  } else {
-    values_impl<c10::BFloat16>(probs, v_cache, block_tables, context_lens, out, sh);
-  }
-  return out;
-}
-
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
                                   int64_t max_context, double scale) {
@@ -388,16 +313,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("paged_decode_scores(Tensor q, Tensor k_cache, Tensor block_tables, Tensor context_lens, int block_size, "
-        "int max_context, float scale) -> Tensor");
-  m.def("paged_decode_values(Tensor probs, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-        "int block_size, int heads) -> Tensor");
   m.def("paged_store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "int block_size) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, int block_size, int max_context, float scale) -> Tensor");
-  m.impl("paged_decode_scores", c10::DispatchKey::CPU, TORCH_FN(paged_decode_scores));
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
   m.impl("paged_store_kv", c10::DispatchKey::CPU, TORCH_FN(paged_store_kv));
-  m.impl("paged_decode_values", c10::DispatchKey::CPU, TORCH_FN(paged_decode_values));
 }

@@ -81,40 +81,46 @@ def test_decode_only_step_matches_the_reference_backend(dtype):
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_decode_attention_matches_the_two_products_and_softmax(heads, kv_heads, head_dim, block_size, dtype):
-    # paged_decode_attention (what the engine runs) against scores -> torch.softmax -> values, the same
-    # products with PyTorch's softmax between them: float32 to its rounding, bf16 to one output ulp.
+def test_paged_decode_attention_on_shuffled_blocks_matches_float64(heads, kv_heads, head_dim, block_size, dtype):
+    # The op alone, on the cpu layout: contexts ending inside, at and past a block, shuffled block
+    # tables, and a sequence with no context (zeros).
     g = torch.Generator().manual_seed(heads * 100 + block_size)
-    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size + 2, 37, 0])  # 0: no context, zeros
-    width = int((lens.max() + block_size - 1) // block_size)
+    lens = [1, block_size, block_size + 1, 3 * block_size + 2, 37, 0]
+    width = (max(lens) + block_size - 1) // block_size
     blocks = torch.randperm(len(lens) * width + 3, generator=g)[: len(lens) * width].view(len(lens), width)
     slots = (len(lens) * width + 3) * block_size
-    k_cache = torch.randn(kv_heads, slots, head_dim, generator=g).to(dtype)
+    k_cache = torch.randn(kv_heads, slots, head_dim, generator=g).to(dtype)  # used as [kvh, blocks, D, bs]
     v_cache = torch.randn(kv_heads, slots, head_dim, generator=g).to(dtype)
     q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
-    ctx, scale = int(lens.max()), head_dim**-0.5
-    ops = torch.ops.tokenmill
-    got = ops.paged_decode_attention(q, k_cache, v_cache, blocks, lens, block_size, ctx, scale)
-    probs = torch.softmax(ops.paged_decode_scores(q, k_cache, blocks, lens, block_size, ctx, scale), -1)
-    want = ops.paged_decode_values(probs, v_cache, blocks, lens, block_size, heads)
+    scale = head_dim**-0.5
+    got = torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, blocks, torch.tensor(lens), block_size,
+                                                     max(lens), scale)  # fmt: skip
     assert got.dtype == dtype and got.shape == (len(lens), heads, head_dim)
-    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
-    tol = {torch.float32: 2e-6, torch.bfloat16: 2**-7}[dtype]
-    torch.testing.assert_close(got[:-1].float(), want[:-1].float(), rtol=tol, atol=tol)
+    k_tok = k_cache.double().view(kv_heads, -1, head_dim, block_size).transpose(2, 3)  # [kvh, blocks, bs, D]
+    v_tok = v_cache.double().view(kv_heads, -1, block_size, head_dim)
+    for s, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(got[s], torch.zeros_like(got[s]))
+            continue
+        k = k_tok[:, blocks[s]].reshape(kv_heads, -1, head_dim)[:, :n].repeat_interleave(heads // kv_heads, 0)
+        v = v_tok[:, blocks[s]].reshape(kv_heads, -1, head_dim)[:, :n].repeat_interleave(heads // kv_heads, 0)
+        p = torch.softmax(torch.einsum("hd,htd->ht", q[s].double(), k) * scale, -1)
+        assert rel_err(got[s], torch.einsum("ht,htd->hd", p, v)) < TOL[dtype], s
 
 
 def test_kernels_reject_bad_input():
     q = torch.randn(2, 4, 32)
     cache = torch.randn(2, 64, 32)
     tables, lens = torch.zeros(2, 2, dtype=torch.long), torch.tensor([3, 5])
+    attention = torch.ops.tokenmill.paged_decode_attention
     with pytest.raises(RuntimeError, match="dtype"):
-        torch.ops.tokenmill.paged_decode_scores(q.to(torch.bfloat16), cache, tables, lens, 32, 64, 1.0)
+        attention(q.to(torch.bfloat16), cache, cache, tables, lens, 32, 64, 1.0)
     with pytest.raises(RuntimeError, match="int64"):
-        torch.ops.tokenmill.paged_decode_scores(q, cache, tables.int(), lens, 32, 64, 1.0)
+        attention(q, cache, cache, tables.int(), lens, 32, 64, 1.0)
     with pytest.raises(RuntimeError, match="block_size"):
-        torch.ops.tokenmill.paged_decode_scores(q, cache, tables, lens, 7, 64, 1.0)
+        attention(q, cache, cache, tables, lens, 7, 64, 1.0)
     with pytest.raises(RuntimeError, match="must match"):
-        torch.ops.tokenmill.paged_decode_attention(q, cache, cache[:, :32].contiguous(), tables, lens, 32, 64, 1.0)
+        attention(q, cache, cache[:, :32].contiguous(), tables, lens, 32, 64, 1.0)
 
 
 @pytest.mark.parametrize("block_size,num_blocks", [(4, 160), (32, 32)])
