@@ -350,36 +350,41 @@ void unpack_rows(const T* packed, const float* scales, const Geometry& g, const 
 // INT8 -> bf16 for even K, vectorised (the large-batch path dequantizes every call): per block and
 // column pair, 32 weights widened, scaled per row and group, rounded to bf16, and scattered as 16
 // 32-bit pairs into their rows.
-TM_AVX512 void unpack_int8_bf16(const int8_t* packed, const float* scales, const Geometry& g, const RowMap& map,
-                                uint16_t* out) {
+// One block of 16 rows (a lambda would not carry the target attribute: on a CPU without AVX-512 the
+// file then fails to compile, and the whole library loses these kernels).
+TM_AVX512 void unpack_int8_block(const int8_t* packed, const float* scales, const Geometry& g, const RowMap& map,
+                                 uint16_t* out, int64_t blk) {
   const int64_t kp = g.k2 / 2, group = g.groups == 1 ? g.k2 : 2 * g.group_pairs;
   const __m512i lo_lanes = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i hi_lanes = _mm512_add_epi32(lo_lanes, _mm512_set1_epi32(8));
+  alignas(64) int32_t row_unit[16];  // first 32-bit unit of each lane's output row
+  __mmask16 valid = 0;
+  for (int l = 0; l < 16; ++l) {
+    const int64_t r = map.half ? (blk % 2) * map.half + (blk / 2) * 16 + l : blk * 16 + l;
+    const bool ok = map.half ? (blk / 2) * 16 + l < map.half : r < g.n;
+    row_unit[l] = ok ? static_cast<int32_t>(r * kp) : 0;
+    valid |= ok ? static_cast<__mmask16>(1u << l) : 0;
+  }
+  if (!valid) return;
+  const __m512i rows = _mm512_load_si512(row_unit);
+  uint32_t* units = reinterpret_cast<uint32_t*>(out);
+  for (int64_t p = 0; p < kp; ++p) {
+    const int8_t* src = packed + (blk * kp + p) * 32;
+    const __m512 sc = _mm512_loadu_ps(scales + (blk * g.groups + 2 * p / group) * 16);
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))),
+                                    _mm512_permutexvar_ps(lo_lanes, sc));
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)))),
+                                    _mm512_permutexvar_ps(hi_lanes, sc));
+    const __m512i pairs = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    _mm512_mask_i32scatter_epi32(units, valid, _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int32_t>(p))),
+                                 pairs, 4);
+  }
+}
+
+void unpack_int8_bf16(const int8_t* packed, const float* scales, const Geometry& g, const RowMap& map,
+                      uint16_t* out) {
   at::parallel_for(0, g.nb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      alignas(64) int32_t row_unit[16];  // first 32-bit unit of each lane's output row
-      __mmask16 valid = 0;
-      for (int l = 0; l < 16; ++l) {
-        const int64_t r = map.half ? (blk % 2) * map.half + (blk / 2) * 16 + l : blk * 16 + l;
-        const bool ok = map.half ? (blk / 2) * 16 + l < map.half : r < g.n;
-        row_unit[l] = ok ? static_cast<int32_t>(r * kp) : 0;
-        valid |= ok ? static_cast<__mmask16>(1u << l) : 0;
-      }
-      if (!valid) continue;
-      const __m512i rows = _mm512_load_si512(row_unit);
-      uint32_t* units = reinterpret_cast<uint32_t*>(out);
-      for (int64_t p = 0; p < kp; ++p) {
-        const int8_t* src = packed + (blk * kp + p) * 32;
-        const __m512 sc = _mm512_loadu_ps(scales + (blk * g.groups + 2 * p / group) * 16);
-        const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))),
-                                        _mm512_permutexvar_ps(lo_lanes, sc));
-        const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)))),
-                                        _mm512_permutexvar_ps(hi_lanes, sc));
-        const __m512i pairs = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-        _mm512_mask_i32scatter_epi32(units, valid, _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int32_t>(p))),
-                                     pairs, 4);
-      }
-    }
+    for (int64_t blk = b0; blk < b1; ++blk) unpack_int8_block(packed, scales, g, map, out, blk);
   });
 }
 
