@@ -6,7 +6,6 @@ command-line flags. It builds the engine's `EngineConfig` and the lanes' bounds 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import types
@@ -25,7 +24,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, default_engine_threads
 from server.admission import Lane, LaneBounds
 from server.connections import ConnectionLimits, default_max_connections
 from server.versions import ModelEntry, check_version, parse_entries
@@ -361,42 +360,6 @@ def _check_api_key(key: str) -> None:
         raise ValueError("API keys must not be empty (unset the setting to run without authentication)")
     if key != key.strip() or any(c.isspace() for c in key):
         raise ValueError("API keys must not contain whitespace")
-
-
-def default_engine_threads() -> int:
-    """OMP_NUM_THREADS when set, else one thread per core this process may run on, but one core left to
-    the event loop, tokenization and HTTP above 4 cores. On 2 cores both threads pay: the engine is
-    bound by memory bandwidth, which a second core nearly doubles, while the HTTP side needs a few
-    percent of a core (docs/BENCHMARKS.md, "Thread placement"; measured on 2 cores only, the rule above
-    4 is the cautious choice, not a measurement). The engine's OpenMP team must be the process's only
-    one for this to hold: server/fresh_thread.py."""
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 1
-    quota = cgroup_cpu_quota()
-    if quota is not None:  # a container limited to N CPUs sees every host core in its affinity mask
-        cores = min(cores, quota)
-    return cores if cores <= 4 else cores - 1
-
-
-CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" or "max <period>"
-
-
-def cgroup_cpu_quota(path: str | None = None) -> int | None:
-    """The CPUs this process's cgroup may use (quota / period, rounded up), None when unlimited or
-    unknown (no cgroup v2, a malformed file). `docker run --cpus 2` and a Kubernetes CPU limit set it."""
-    try:
-        with open(path or CGROUP_CPU_MAX) as f:
-            quota, period = f.read().split()[:2]
-        if quota == "max":
-            return None
-        return max(1, math.ceil(int(quota) / int(period)))
-    except (OSError, ValueError, ZeroDivisionError):
-        return None
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):
