@@ -118,7 +118,7 @@ def _free_port() -> int:
 
 def _default_models() -> list[str]:
     from bench.workloads import real_model_folder
-    from server.default_model import DEFAULT_MODEL, default_model_file
+    from server.config.default_model import DEFAULT_MODEL, default_model_file
 
     gguf = default_model_file()
     if gguf is None:

@@ -136,7 +136,7 @@ def test_background_load_in_models_dir_one_at_a_time_then_promote(tmp_path):
             assert httpx.delete(versions_url(srv, "/salt-5"), headers=ADMIN).status_code == 204
             wait_until(lambda: "salt-5" not in srv.runtime.models.slot("fake-model").versions, what="removed")
             assert len(built) == 2  # one engine per load, none built twice
-            # Each on a thread of its own that has ended (server/fresh_thread.py: OpenMP teams).
+            # Each on a thread of its own that has ended (server/serving/fresh_thread.py: OpenMP teams).
             for t in threads:
                 t.join(5)
             assert len(set(threads)) == 2 and not any(t.is_alive() for t in threads)

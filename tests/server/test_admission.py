@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.admission import Admission, Lane, LaneBounds
+from server.config.lanes import Lane, LaneBounds
+from server.serving.admission import Admission
 
 BIG = LaneBounds(max_requests=100, max_tokens=10_000)
 

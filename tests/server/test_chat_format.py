@@ -1,4 +1,4 @@
-"""server/chat.py on its own: messages to the template's dicts (parts kept or joined, null content,
+"""server/prompt/chat.py on its own: messages to the template's dicts (parts kept or joined, null content,
 tool calls with decoded arguments, tool messages), render options, and a template that renders tool
 calls (Hermes style, as Qwen's) seeing them."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from server.chat import PARTS, STRING, render_options, template_messages
-from server.errors import ApiError
-from server.protocol import ChatMessage
+from server.http.errors import ApiError
+from server.prompt.chat import ChatMessage, render_options, template_messages
+from server.prompt.codec import PARTS, STRING
 
 from .fake_engine import FakeTokenizer
 

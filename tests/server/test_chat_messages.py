@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from server.chat import PARTS, STRING, probe_content_format
+from server.prompt.codec import PARTS, STRING, probe_content_format
 
 from .helpers import build_real_engine, make_settings, run_server
 from .real_model import QUESTION, require_default_model
@@ -99,7 +99,7 @@ def test_tool_call_history_with_null_content_and_tool_messages(client, hf_tok):
     r = client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=24)
     assert r.choices[0].finish_reason in ("stop", "length")
     # SmolLM2's template renders content only, so the server writes the call in the Hermes form as the
-    # assistant's text (the null content is "") and the result as a user turn (server/tools.py).
+    # assistant's text (the null content is "") and the result as a user turn (server/prompt/tools.py).
     rendered = [messages[0], messages[1],
                 {"role": "assistant", "content": '<tool_call>\n{"name": "get_capital", "arguments": {"country": '
                                                  '"France"}}\n</tool_call>'},

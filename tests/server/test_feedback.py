@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from server.feedback import AlreadyRated, FeedbackStore, RequestRecord, RequestRecords
+from server.ops.feedback import AlreadyRated, FeedbackStore, RequestRecord, RequestRecords
 
 from .fake_versions import VersionedFakeEngine, fake_loader
 from .helpers import make_settings, metric, run_server

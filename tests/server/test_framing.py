@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from server.framing import HeadScanner, framing_problem
+from server.http.framing import HeadScanner, framing_problem
 
 from .helpers import HOST, make_settings, run_server
 

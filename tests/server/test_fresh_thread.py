@@ -1,4 +1,4 @@
-"""Engines are built on a thread that ends with the build (server/fresh_thread.py): the helpers, and
+"""Engines are built on a thread that ends with the build (server/serving/fresh_thread.py): the helpers, and
 every place the server builds one (startup in the app, `tokenmill serve`, admin loads)."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from server import cli, runtime
-from server.fresh_thread import call_in_fresh_thread, in_fresh_thread
-from server.rollout import initial_versions
+from server import cli
+from server.serving import loading
+from server.serving.fresh_thread import call_in_fresh_thread, in_fresh_thread
+from server.serving.loading import initial_versions
 
 from .helpers import make_settings
 
@@ -93,7 +94,7 @@ def test_the_app_builds_its_engine_on_a_thread_that_has_ended(tiny_model_path):
 
 def test_tokenmill_serve_builds_the_engine_off_the_main_thread(monkeypatch, tiny_model_path):
     threads: list[threading.Thread] = []
-    monkeypatch.setattr(runtime, "build_engine", _recorder(threads, error=ValueError("cannot parse")))
+    monkeypatch.setattr(loading, "build_engine", _recorder(threads, error=ValueError("cannot parse")))
     assert cli.main(["serve", "--model", tiny_model_path, "--port", "0"]) == 2
     threads[0].join(5)
     assert len(threads) == 1 and threads[0] is not threading.main_thread() and not threads[0].is_alive()

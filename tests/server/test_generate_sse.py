@@ -11,7 +11,7 @@ import pytest
 from httpx_sse import connect_sse
 
 from engine import SamplingParams
-from server.tokens import PromptCodec
+from server.prompt.codec import PromptCodec
 
 from .helpers import make_settings, metric, run_server
 

@@ -8,9 +8,9 @@ import platform
 
 import pytest
 
-from server import memory_check
-from server.memory_check import MemoryNeed, MemoryRoom
-from server.metrics import DeviceMemory, memory_probe
+from server.ops import memory_check
+from server.ops.memory import DeviceMemory, memory_probe
+from server.ops.memory_check import MemoryNeed, MemoryRoom
 
 GIB = 1 << 30
 

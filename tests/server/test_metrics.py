@@ -14,20 +14,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.api import Deadline, EngineStats
 from engine.sampling_params import SamplingParams
-from server.admission import Lane
-from server.metrics import (
+from server.config.lanes import Lane
+from server.ops.memory import DeviceMemory, memory_probe
+from server.ops.metrics import (
     REASONS,
     STATUSES,
-    DeviceMemory,
     ModelInfo,
     ServerMetrics,
     Snapshot,
     VersionMetrics,
     VersionSnapshot,
-    memory_probe,
 )
-from server.runtime import request_status
-from server.ticket import Collector, ServerError, Ticket
+from server.serving.accounting import request_status
+from server.serving.ticket import Collector, ServerError, Ticket
 
 from .helpers import Background, ControlledEngine, make_settings, park_filler, run_server, wait_until
 

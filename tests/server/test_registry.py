@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from server.deployment import Lease, VersionState
-from server.errors import ApiError
-from server.registry import ModelRegistry, ModelSlot
-from server.versions import ModelSpec
+from server.config.versions import ModelSpec
+from server.http.errors import ApiError
+from server.serving.deployment import Lease, VersionState
+from server.serving.registry import ModelRegistry, ModelSlot
 
 
 class FakeDeployment:

@@ -14,7 +14,7 @@ import pytest
 from httpx_sse import connect_sse
 
 from engine.api import SamplingParams
-from server.response_cache import CachedResponse, CachedStep, CacheKey, ResponseCache
+from server.serving.response_cache import CachedResponse, CachedStep, CacheKey, ResponseCache
 
 from .fake_versions import VersionedFakeEngine, fake_loader
 from .helpers import make_settings, metric, run_server, wait_until

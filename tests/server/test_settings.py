@@ -10,8 +10,9 @@ from pydantic import ValidationError
 
 from engine.config import EngineConfig
 from server import cli
-from server.admission import Lane
-from server.settings import ServerSettings, parse_settings
+from server.config.flags import parse_settings
+from server.config.lanes import Lane
+from server.config.settings import ServerSettings
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

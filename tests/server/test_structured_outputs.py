@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from engine.structured import GrammarSpec
-from server.structured import StructuredFields, requested_grammar
+from server.prompt.structured import StructuredFields, requested_grammar
 
 from .fake_engine import FakeEngine
 from .helpers import ControlledEngine, make_settings, run_server, wait_until

@@ -20,10 +20,11 @@ from engine.core import ModelRunnerOutput
 from engine.scheduler import SchedulerOutput
 from engine.testing.make_model import ensure_model
 from engine.tokenization import chat_prompt_ids
-from server.chat import STRING, template_messages
-from server.protocol import ChatMessage, ChatRequest
-from server.tool_parser import HermesToolParser
-from server.tools import TemplateSupport, plan_tools, probe_template
+from server.api.protocol import ChatRequest
+from server.prompt.chat import ChatMessage, template_messages
+from server.prompt.codec import STRING
+from server.prompt.tool_parser import HermesToolParser
+from server.prompt.tools import TemplateSupport, plan_tools, probe_template
 
 from .fake_engine import EOS_ID, OFFSET, FakeEngine
 from .helpers import make_settings, run_server

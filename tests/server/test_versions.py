@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from server.settings import ServerSettings, parse_settings
-from server.versions import ModelEntry, ModelSpec, fingerprint, parse_entries, split_ref, startup_specs
+from server.config.flags import parse_settings
+from server.config.settings import ServerSettings
+from server.config.versions import ModelEntry, ModelSpec, fingerprint, parse_entries, split_ref, startup_specs
 
 
 def test_refs_and_specs():
