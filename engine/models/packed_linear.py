@@ -10,6 +10,8 @@ change. float32 is left alone: there oneDNN's packed kernel rounds differently f
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -20,7 +22,19 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
         and dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and _cpu_packs_bf16()
     )
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_packs_bf16() -> bool:
+    """oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU (a Zen 3, say)
+    refuses it at the first weight. Asked once by packing a tiny weight: torch has no public flag."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):

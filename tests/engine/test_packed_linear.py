@@ -10,7 +10,7 @@ from engine.models.packed_linear import PackedLinear, pack_linears, packing_supp
 from tests.engine.helpers import make_case, make_engine, run_all
 
 pytestmark = pytest.mark.skipif(
-    not packing_supported(torch.device("cpu"), torch.bfloat16), reason="this torch build has no oneDNN"
+    not packing_supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 packing here (no oneDNN, or a CPU without AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"
 )
 
 
