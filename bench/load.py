@@ -82,7 +82,7 @@ def request_body(req: LoadRequest, cfg: LoadConfig) -> dict:
     return body
 
 
-# Error types the server streams when a deadline passed (server/ticket.py kinds).
+# Error types the server streams when a deadline passed (server/serving/ticket.py kinds).
 SERVER_TIMEOUT_ERRORS = ("queue_timeout:",)
 
 

@@ -32,7 +32,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch, transformers
 from engine.loader import load_model, peak_rss_bytes, rss_bytes
-from engine.model_source import open_model_source
+from engine.model_open import open_model_source
 rss0 = rss_bytes()
 t1 = time.perf_counter()
 src = open_model_source(sys.argv[1])
@@ -118,7 +118,7 @@ def _free_port() -> int:
 
 def _default_models() -> list[str]:
     from bench.workloads import real_model_folder
-    from server.default_model import DEFAULT_MODEL, default_model_file
+    from server.config.default_model import DEFAULT_MODEL, default_model_file
 
     gguf = default_model_file()
     if gguf is None:

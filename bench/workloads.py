@@ -146,8 +146,8 @@ def real_model_folder() -> Path:
 
     from engine.gguf.convert import convert
     from engine.testing.make_model import default_cache_dir
-    from server.default_model import DEFAULT_MODEL as SMOLLM2
-    from server.default_model import default_model_file
+    from server.config.default_model import DEFAULT_MODEL as SMOLLM2
+    from server.config.default_model import default_model_file
 
     out = default_cache_dir() / DEFAULT_MODEL
     if (out / "model.safetensors").is_file() and (out / "config.json").is_file():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -16,7 +18,7 @@ CPU_GEMV = ("auto", "on", "off")  # engine/cpu_weights.py
 class EngineConfig:
     """Everything the engine needs besides the model's own config (config.json or GGUF metadata)."""
 
-    model: str  # a Hugging Face folder, a .gguf file, or a folder holding one .gguf (engine/model_source.py)
+    model: str  # a Hugging Face folder, a .gguf file, or a folder holding one .gguf (engine/model_open.py)
     dtype: str = "auto"  # auto: the checkpoint's torch_dtype on CUDA; CPU: bf16 for a bf16 checkpoint, or a quantized GGUF on a bf16 CPU, else float32
     device: str = "auto"  # auto: cuda when available, else cpu
     block_size: int | None = None  # tokens per KV block; None: 32 on CPU (cheaper gathers), 16 on CUDA
@@ -92,3 +94,40 @@ class EngineConfig:
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+# -- engine threads (what `cpu_threads` defaults to in the server) -------------------------------------
+def default_engine_threads() -> int:
+    """OMP_NUM_THREADS when set, else one thread per core this process may run on, but one core left to
+    the event loop, tokenization and HTTP above 4 cores. On 2 cores both threads pay: the engine is
+    bound by memory bandwidth, which a second core nearly doubles, while the HTTP side needs a few
+    percent of a core (docs/BENCHMARKS.md, "Thread placement"; measured on 2 cores only, the rule above
+    4 is the cautious choice, not a measurement). The engine's OpenMP team must be the process's only
+    one for this to hold: server/serving/fresh_thread.py."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:  # a container limited to N CPUs sees every host core in its affinity mask
+        cores = min(cores, quota)
+    return cores if cores <= 4 else cores - 1
+
+
+CGROUP_CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" or "max <period>"
+
+
+def cgroup_cpu_quota(path: str | None = None) -> int | None:
+    """The CPUs this process's cgroup may use (quota / period, rounded up), None when unlimited or
+    unknown (no cgroup v2, a malformed file). `docker run --cpus 2` and a Kubernetes CPU limit set it."""
+    try:
+        with open(path or CGROUP_CPU_MAX) as f:
+            quota, period = f.read().split()[:2]
+        if quota == "max":
+            return None
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError, ZeroDivisionError):
+        return None

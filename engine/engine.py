@@ -18,8 +18,8 @@ from engine.cpu_weights import prepare_weights
 from engine.cuda_graphs import DecodeGraphRunner, graph_buckets, graphs_enabled
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model
+from engine.model_open import open_model_source, with_tokenizer
 from engine.model_runner import ModelRunner
-from engine.model_source import open_model_source, with_tokenizer
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerConfig
 from engine.structured import make_compiler

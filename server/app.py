@@ -13,26 +13,24 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from server import (
-    routes_admin,
-    routes_feedback,
-    routes_generate,
-    routes_openai,
-    routes_ops,
-    routes_responses,
-    routes_tgi,
-    routes_tokens,
-)
-from server.auth import AdminKeyMiddleware, ApiKeyMiddleware
-from server.body_limit import BodyLimitMiddleware
-from server.connection_metrics import ConnectionCollector
-from server.default_model import with_default_model
-from server.error_log import ErrorLogMiddleware
-from server.errors import install_error_handlers
-from server.feedback import FeedbackStore
-from server.rollout import VersionLoader, initial_versions
-from server.runtime import Runtime, build_engine, load_version
-from server.settings import ServerSettings
+from server.api import admin as routes_admin
+from server.api import feedback as routes_feedback
+from server.api import generate as routes_generate
+from server.api import openai as routes_openai
+from server.api import ops as routes_ops
+from server.api import responses as routes_responses
+from server.api import tgi as routes_tgi
+from server.api import tokenize as routes_tokens
+from server.config.default_model import with_default_model
+from server.config.settings import ServerSettings
+from server.http.auth import AdminKeyMiddleware, ApiKeyMiddleware
+from server.http.body_limit import BodyLimitMiddleware
+from server.http.error_log import ErrorLogMiddleware
+from server.http.errors import install_error_handlers
+from server.ops.connection_metrics import ConnectionCollector
+from server.ops.feedback import FeedbackStore
+from server.serving.loading import VersionLoader, build_engine, initial_versions, load_version
+from server.serving.runtime import Runtime
 
 
 def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoader | None = None) -> FastAPI:

@@ -2,7 +2,7 @@
 `tokenmill convert FILE.gguf OUT_DIR` (a GGUF file to a Hugging Face folder).
 
 `serve MODEL` is `serve --model MODEL`, as `vllm serve MODEL`; vLLM's flags whose meaning we have are
-settings under the same names, and any other flag is refused up front (server/vllm_flags.py).
+settings under the same names, and any other flag is refused up front (server/config/vllm_flags.py).
 
 `serve` loads the model before it binds the port: a model that cannot be loaded (a bad path, a bad
 GGUF file, an unsupported architecture) ends it with one line on stderr naming the file and the
@@ -31,10 +31,11 @@ from types import FrameType
 import uvicorn
 from pydantic import ValidationError
 
-from server.connections import FD_RESERVE, ConnectionGuard, raise_open_files_limit
-from server.http_server import GuardedServer, guarded_config
-from server.settings import ServerSettings, add_flags, settings_from_flags
-from server.vllm_flags import flag_problems
+from server.config.flags import add_flags, settings_from_flags
+from server.config.settings import ServerSettings
+from server.config.vllm_flags import flag_problems
+from server.http.connections import FD_RESERVE, ConnectionGuard, raise_open_files_limit
+from server.http.guarded_server import GuardedServer, guarded_config
 
 SUBCOMMANDS = ("serve", "bench", "convert")
 log = logging.getLogger("tokenmill.server")
@@ -114,15 +115,15 @@ def serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_prompts)
     guard = connection_guard(settings)
     from server.app import create_app
-    from server.default_model import with_default_model
-    from server.fresh_thread import call_in_fresh_thread
-    from server.runtime import build_engine
+    from server.config.default_model import with_default_model
+    from server.serving.fresh_thread import call_in_fresh_thread
+    from server.serving.loading import build_engine
 
     settings = with_default_model(settings)
     engine = None
     if settings.model or not (settings.models or settings.models_dir):  # one model: load it before binding
         try:
-            engine = call_in_fresh_thread(build_engine, settings)  # not on this thread: server/fresh_thread.py
+            engine = call_in_fresh_thread(build_engine, settings)  # not on this thread: server/serving/fresh_thread.py
         except (ValueError, OSError) as exc:  # GGUFError is a ValueError: "FILE: problem"
             print(f"tokenmill serve: cannot load the model: {exc}", file=sys.stderr)
             return 2

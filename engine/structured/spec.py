@@ -11,7 +11,7 @@ Tool calls use the Hermes format, one call per tag, calls separated by a newline
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-The grammar (engine) and the parser (server/tools.py) share the strings below, so they cannot drift.
+The grammar (engine) and the parser (server/prompt/tools.py) share the strings below, so they cannot drift.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def test_startup_reports_load_time_and_memory(build_model, tmp_path):
 def test_default_model_is_converted_once(build_model, tmp_path, monkeypatch):
     gguf = write_gguf(build_model("tiny-llama"), tmp_path / "real.gguf", "Q4_1")
     monkeypatch.setenv("TOKENMILL_MODEL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("server.default_model.default_model_file", lambda: gguf)
+    monkeypatch.setattr("server.config.default_model.default_model_file", lambda: gguf)
     folder = workloads.resolve_model(workloads.DEFAULT_MODEL)
     assert folder == tmp_path / "cache" / workloads.DEFAULT_MODEL
     assert (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file()
@@ -45,7 +45,7 @@ def test_default_model_is_converted_once(build_model, tmp_path, monkeypatch):
 
 def test_default_model_has_bench_135m_shape():
     """The benchmarks switched from bench-135m to the real model: same shape, so same cost per token."""
-    from server.default_model import default_model_file
+    from server.config.default_model import default_model_file
 
     path = default_model_file()
     if path is None:

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import yaml
 
-from server.settings import ENV_PREFIX, ServerSettings
+from server.config.settings import ENV_PREFIX, ServerSettings
 
 from .conftest import DEPLOY, REPO, find_tool, load_yaml
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from server.settings import ServerSettings
+from server.config.settings import ServerSettings
 
 from .conftest import REPO, find_tool, run
 

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import yaml
 
-from server.settings import ServerSettings
+from server.config.settings import ServerSettings
 
 from .conftest import DEPLOY, find_tool, load_yaml, run
 

@@ -11,8 +11,9 @@ import sys
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.api import EngineStats
-from server.admission import Lane
-from server.metrics import CacheStats, DeviceMemory, ModelInfo, ServerMetrics, Snapshot, VersionSnapshot
+from server.config.lanes import Lane
+from server.ops.memory import DeviceMemory
+from server.ops.metrics import CacheStats, ModelInfo, ServerMetrics, Snapshot, VersionSnapshot
 
 from .conftest import DASHBOARD, DEPLOY, PROM, REPO, RULE_FILES, load_yaml, rules, run
 

@@ -17,7 +17,7 @@ from engine.gguf.config import hf_config
 from engine.gguf.reader import open_gguf
 from engine.gguf.tensors import gguf_name, hf_name, permute, unpermute
 from engine.gguf.tokenizer import eos_token_ids, load_tokenizer
-from engine.model_source import open_model_source
+from engine.model_open import open_model_source
 from engine.testing.make_gguf import quantize_q4_k
 
 from .gguf_helpers import gguf_path

@@ -75,7 +75,7 @@ def test_preloaded_int8_weights_are_used_as_they_are(build_model):
     from engine import EngineConfig
     from engine.cpu_weights import prepare_weights
     from engine.loader import load_model
-    from engine.model_source import open_model_source
+    from engine.model_open import open_model_source
     from engine.models.cpu_linear import Int8Embedding, Int8Linear
 
     path = build_model("tiny-llama")

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from server.app import create_app
-from server.connections import ConnectionGuard
-from server.http_server import GuardedServer, guarded_config
-from server.settings import ServerSettings
+from server.config.settings import ServerSettings
+from server.http.connections import ConnectionGuard
+from server.http.guarded_server import GuardedServer, guarded_config
 
 HOST = "127.0.0.1"
 TEST_MAX_MODEL_LEN = 1024

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from server.default_model import DEFAULT_MODEL, default_model_file
+from server.config.default_model import DEFAULT_MODEL, default_model_file
 
 QUESTION = "What is the capital of France?"
 

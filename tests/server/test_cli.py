@@ -14,7 +14,7 @@ import pytest
 from server.cli import build_parsers, main, serve_settings
 
 from .helpers import wait_until
-from .test_shutdown import ROOT, _status, free_port
+from .serving.test_shutdown import ROOT, _status, free_port
 
 
 def settings(*argv: str):

@@ -1,0 +1,132 @@
+"""Error bodies and exception handlers: every failure is JSON naming what went wrong, never a bare 500.
+
+Native routes answer `{"error": {"type", "message", "param"?, ...}}`; `/v1/*` routes answer the
+OpenAI shape `{"error": {"message", "type", "param", "code"}}`; the TGI routes (`POST /`,
+`/generate_stream`) TGI's `{"error": "...", "error_type": "validation"|"overloaded"|...}`, which
+Hugging Face's client turns into its typed errors. Schema errors on native routes are 422, malformed
+JSON is 400; OpenAI routes answer 400 for both, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any, cast
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("tokenmill.server")
+
+_MAX_LISTED_ERRORS = 5
+# Pydantic names the member of a union that failed ("str", "list[int]", "literal['a','b']") in `loc`.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
+
+
+class ApiError(Exception):
+    """Raised by routes: becomes a JSON error response with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        type: str,
+        message: str,
+        param: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        accounted: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type
+        self.message = message
+        self.param = param
+        self.headers = dict(headers or {})
+        self.extra = dict(extra or {})
+        # the request was already counted and logged as an admitted request (a 429 from its lane, or a
+        # failure the worker reported): the error log (server/http/error_log.py) counts it, logs no second line
+        self.accounted = accounted
+
+
+TGI_PATHS = ("/", "/generate_stream")
+_TGI_TYPES = {"invalid_request": "validation", "overloaded": "overloaded", "unauthorized": "authorization"}
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def error_body(path: str, status: int, type: str, message: str, param: str | None = None,
+               extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    if path in TGI_PATHS:
+        return {"error": message, "error_type": _TGI_TYPES.get(type, type)}
+    if is_openai_path(path):
+        type = "invalid_request_error" if type == "invalid_request" else type
+        return {"error": {"message": message, "type": type, "param": param, "code": status, **(extra or {})}}
+    body: dict[str, Any] = {"type": type, "message": message}
+    if param is not None:
+        body["param"] = param
+    return {"error": {**body, **(extra or {})}}
+
+
+ERROR_SCOPE_KEY = "tokenmill.error"  # the ApiError a response answered, for server/http/error_log.py
+
+
+def error_response(path: str, err: ApiError, scope: MutableMapping[str, Any] | None = None) -> JSONResponse:
+    """The error's JSON response; `scope` (the request's ASGI scope) records which error it was."""
+    if scope is not None:
+        scope[ERROR_SCOPE_KEY] = err
+    body = error_body(path, err.status, err.type, err.message, err.param, err.extra)
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    app.add_exception_handler(Exception, _on_unexpected)
+
+
+# Handlers take `Exception` (what Starlette's signature promises) and narrow it: each is registered for
+# one exception class only.
+async def _on_api_error(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(request.url.path, cast(ApiError, exc), request.scope)
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    errors = cast(RequestValidationError, exc).errors()
+    return error_response(request.url.path, validation_to_api_error(request.url.path, errors), request.scope)
+
+
+def validation_to_api_error(path: str, errors: Sequence[Any]) -> ApiError:
+    """Pydantic errors -> one ApiError naming the first bad field and listing a few."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
+        return ApiError(400, "invalid_request", f"malformed JSON body: {detail}".rstrip(": "))
+    parts, first_param = [], None
+    for e in errors[:_MAX_LISTED_ERRORS]:
+        loc = [str(p) for p in e.get("loc", ()) if p != "body" and not _UNION_TAG.match(str(p))]
+        param = ".".join(loc) or "body"
+        first_param = first_param or param
+        parts.append(f"{param}: {e.get('msg', 'invalid')}")
+    parts = list(dict.fromkeys(parts))  # union members repeat the same complaint
+    if len(errors) > _MAX_LISTED_ERRORS:
+        parts.append(f"and {len(errors) - _MAX_LISTED_ERRORS} more")
+    status = 400 if is_openai_path(path) else 422
+    return ApiError(status, "invalid_request", "; ".join(parts), param=first_param)
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    exc = cast(StarletteHTTPException, exc)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    err = ApiError(exc.status_code, kind, str(exc.detail), headers=exc.headers)
+    return error_response(request.url.path, err, request.scope)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path)
+    err = ApiError(500, "internal_error", f"internal error: {type(exc).__name__}")
+    return error_response(request.url.path, err, request.scope)

@@ -1,0 +1,487 @@
+"""Prometheus metrics: the one place where server events and engine stats become `tokenmill_*` series.
+
+Each app has its own CollectorRegistry (no global default registry). Names follow vLLM's where one
+exists (`vllm:num_requests_running` -> `tokenmill_num_requests_running`) so dashboards map 1:1.
+Every series but the process-wide ones (process_*, device memory) carries `model` and `version`: one
+`VersionMetrics` per loaded model version binds them. Three sources feed it:
+
+- each version's worker thread, per request (`observe_finished`, `observe_token_gap`) and per engine
+  step (`observe_step`: step time by phase, tokens per step); prometheus_client metrics are thread-safe;
+- the event loop, for requests refused at admission (`observe_rejected`), response cache hits and
+  misses, feedback ratings and rollout events;
+- a collector that reads, at scrape time, each loaded version's latest `EngineStats` (cumulative engine
+  counters become real counters: an engine never resets them), its lanes and rollout state, the
+  response cache's size, and device memory.
+
+Every admitted request is counted when it ends, whatever the outcome (timeouts and client aborts
+included), and its queue time, end-to-end latency and lengths are observed too. Series of a version
+that was unloaded stay (counters keep their last value); its scrape-time gauges go.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.api import EngineStats, PreemptionCause
+from server.config.lanes import Lane
+from server.ops.feedback import RATINGS
+from server.ops.memory import DeviceMemory
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Label `status` of tokenmill_requests_total; `reason` says more (see REASONS).
+STATUSES = ("ok", "rejected", "timeout", "cancelled", "error")
+REASONS = {
+    "ok": ("stop", "length"),  # the engine's finish reason
+    "rejected": ("queue_requests", "queue_tokens", "invalid_request"),  # 429 (lane full), engine said 400
+    "timeout": ("queue", "first_token", "total"),  # which deadline passed
+    "cancelled": ("client", "shutdown", "slow_client"),  # client went away; shut down; stopped reading
+    "error": ("engine_error", "worker_died"),
+}
+PHASES = ("prefill", "decode", "mixed")  # label `phase` of the step histogram
+
+# Seconds, from a sub-millisecond CPU step to a request of several minutes. Edges at 1 s and 2 s keep
+# the alert thresholds (queue wait p99 > 1 s, TTFT p99 > 2 s) exact.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.4, 0.5, 0.75, 1.0,
+                   1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                     0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LENGTH_BUCKETS = tuple(float(2**i) for i in range(18))  # 1 .. 131072 tokens
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the engine-side collector reads at scrape time, for one loaded model version."""
+
+    stats: EngineStats
+    lanes: dict[Lane, tuple[int, int]]  # lane -> (queued requests, queued tokens)
+    worker_alive: bool
+    memory: DeviceMemory | None = None  # process-wide: read from the first version only
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Labels of tokenmill_model_info, for one loaded model version."""
+
+    model: str
+    dtype: str
+    device: str
+    version: str  # the model's version (the build's is tokenmill_model_info's `server_version`)
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class VersionSnapshot:
+    """One loaded version at scrape time: who it is, its rollout state, its engine."""
+
+    info: ModelInfo
+    state: str  # loading, ready, draining (server/serving/deployment.py VersionState)
+    role: str  # promoted, canary, previous or candidate (server/serving/registry.py)
+    canary_weight: int  # share of new requests (0-100) when it is the canary, else 0
+    snapshot: Snapshot
+    seconds_since_last_step: float
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Response cache contents of one version at scrape time."""
+
+    model: str
+    version: str
+    entries: int
+    bytes: int
+
+
+class ServerMetrics:
+    """Counters and histograms the server feeds, plus engine gauges read at scrape time. Every series but
+    the process-wide ones (process_*, device memory) carries `model` and `version`."""
+
+    def __init__(
+        self,
+        server_version: str,
+        versions: Callable[[], list[VersionSnapshot]],
+        clock: Callable[[], float] = time.monotonic,
+        cache_stats: Callable[[], list[CacheStats]] = list,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.server_version = server_version
+        self.clock = clock
+        self._versions: dict[tuple[str, str], VersionMetrics] = {}
+        mv = ["model", "version"]
+        self.requests = Counter(
+            "tokenmill_requests", "Requests that ended (admitted or refused), by lane, status and reason.",
+            [*mv, "lane", "status", "reason"], registry=r,
+        )  # fmt: skip
+        self.rejections = Counter(
+            "tokenmill_request_rejections", "Requests refused with 429 because their lane was full, by the bound hit.",
+            [*mv, "lane", "reason"], registry=r,
+        )  # fmt: skip
+        self.finished = Counter(
+            "tokenmill_request_success", "Requests the engine finished normally, by finish reason (vLLM's name).",
+            [*mv, "finished_reason"], registry=r,
+        )  # fmt: skip
+        self.ttft = _histogram(r, "tokenmill_time_to_first_token_seconds", "Arrival to first token.", [*mv, "lane"])
+        self.queue_time = _histogram(
+            r, "tokenmill_request_queue_time_seconds",
+            "Arrival until the request left its lane (started, or ended while queued).", [*mv, "lane"],
+        )  # fmt: skip
+        self.e2e = _histogram(
+            r, "tokenmill_e2e_request_latency_seconds", "Arrival to the end, every outcome but 429.",
+            [*mv, "lane", "status"],
+        )  # fmt: skip
+        self.prefill_time = _histogram(
+            r, "tokenmill_request_prefill_time_seconds", "Start in the engine to first token.", [*mv, "lane"]
+        )
+        self.decode_time = _histogram(
+            r, "tokenmill_request_decode_time_seconds", "First token to the end of the request.", [*mv, "lane"]
+        )
+        self.token_gap = _histogram(
+            r, "tokenmill_inter_token_latency_seconds", "Time between two consecutive tokens of a request.",
+            [*mv, "lane"], TOKEN_GAP_BUCKETS,
+        )  # fmt: skip
+        self.prompt_len = _histogram(
+            r, "tokenmill_request_prompt_tokens", "Prompt length of admitted requests.", [*mv, "lane"], LENGTH_BUCKETS
+        )
+        self.generation_len = _histogram(
+            r, "tokenmill_request_generation_tokens", "Tokens generated per admitted request (partial ones too).",
+            [*mv, "lane"], LENGTH_BUCKETS,
+        )  # fmt: skip
+        self.step_time = _histogram(
+            r, "tokenmill_engine_step_duration_seconds",
+            "Wall time of one engine step (schedule, model, update), by phase.", [*mv, "phase"], STEP_BUCKETS,
+        )  # fmt: skip
+        self.step_tokens = _histogram(
+            r, "tokenmill_iteration_tokens", "Tokens (prompt chunks + decodes) in one engine step.", mv, LENGTH_BUCKETS
+        )
+        self.cache_hits = Counter("tokenmill_response_cache_hits", "Deterministic requests answered from the "
+                                  "response cache.", mv, registry=r)  # fmt: skip
+        self.cache_misses = Counter("tokenmill_response_cache_misses", "Cacheable requests not found in the "
+                                    "response cache (they ran in the engine).", mv, registry=r)  # fmt: skip
+        self.cache_evictions = Counter("tokenmill_response_cache_evictions", "Response cache entries dropped "
+                                       "before their TTL (LRU, byte bound).", mv, registry=r)  # fmt: skip
+        self.feedback = Counter("tokenmill_feedback_ratings", "Ratings received on POST /v1/feedback, by rating.",
+                                [*mv, "rating"], registry=r)  # fmt: skip
+        self.http_errors = Counter(
+            "tokenmill_http_errors", "Error answers (status >= 400: invalid, refused, unknown path, 5xx) by "
+            "endpoint (route path), status and reason (the error type).", ["endpoint", "status", "reason"],
+            registry=r,
+        )  # fmt: skip
+        self.version_events = Counter(
+            "tokenmill_model_version_events", "Rollout events: loaded, load_failed, probe_failed, promoted, "
+            "rolled_back, unloaded.", [*mv, "event"], registry=r,
+        )  # fmt: skip
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        r.register(_EngineCollector(self, versions, cache_stats))
+
+    def clock_wall(self) -> float:
+        """Wall-clock seconds (the value of vllm:lora_requests_info)."""
+        return time.time()
+
+    def version(self, model: str, version: str) -> VersionMetrics:
+        """The series of one model version (created at 0 on first use; kept after it unloads)."""
+        key = (model, version)
+        if key not in self._versions:
+            self._versions[key] = VersionMetrics(self, model, version)
+        return self._versions[key]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class VersionMetrics:
+    """What one model version's worker and routes observe, with its `model` and `version` labels bound."""
+
+    def __init__(self, metrics: ServerMetrics, model: str, version: str) -> None:
+        self._m = metrics
+        self.labels = (model, version)
+        self._clock = metrics.clock
+        self.last_step_at = self._clock()  # of the last engine step that ran; from creation until the first
+        m, mv = metrics, self.labels
+        # Children resolved once: the worker observes these per step and per token.
+        self._step_by_phase = {phase: m.step_time.labels(*mv, phase) for phase in PHASES}
+        self._step_tokens = m.step_tokens.labels(*mv)
+        self._gap_by_lane = {lane: m.token_gap.labels(*mv, lane.label) for lane in Lane}
+        self.cache_hits = m.cache_hits.labels(*mv)
+        self.cache_misses = m.cache_misses.labels(*mv)
+        self.cache_evictions = m.cache_evictions.labels(*mv)
+        self._create_series()
+
+    def _create_series(self) -> None:
+        """Every lane's series exist at 0 from the start: rate() then counts a lane's first requests too
+        (a series that appears with a value has no earlier sample to rise from), and shows 0, not nothing."""
+        m, mv = self._m, self.labels
+        for lane in Lane:
+            label = lane.label
+            for status, reasons in REASONS.items():
+                for reason in reasons:
+                    m.requests.labels(*mv, label, status, reason)
+                if status != "rejected":
+                    m.e2e.labels(*mv, label, status)
+            for reason in REASONS["rejected"][:2]:
+                m.rejections.labels(*mv, label, reason)
+            for histogram in (m.ttft, m.queue_time, m.prefill_time, m.decode_time, m.prompt_len, m.generation_len):
+                histogram.labels(*mv, label)
+        for reason in REASONS["ok"]:
+            m.finished.labels(*mv, reason)
+        for rating in RATINGS:
+            m.feedback.labels(*mv, str(rating))
+
+    # -- worker thread -----------------------------------------------------------------------------------
+    def observe_step(self, stats: EngineStats) -> None:
+        """An engine step ran; `stats` is read right after it."""
+        self.last_step_at = self._clock()
+        prefill, decode = stats.last_step_prefill_tokens, stats.last_step_decode_tokens
+        phase = "mixed" if prefill and decode else ("prefill" if prefill else "decode")
+        self._step_by_phase[phase].observe(stats.last_step_time_s)
+        self._step_tokens.observe(stats.last_step_tokens)
+
+    def observe_token_gap(self, lane: Lane, seconds: float) -> None:
+        """A request got a token `seconds` after its previous one."""
+        self._gap_by_lane[lane].observe(seconds)
+
+    def observe_finished(self, lane: Lane, status: str, reason: str, lengths: tuple[int, int],
+                         timing: dict[str, float | None]) -> None:  # fmt: skip
+        """An admitted request ended, any outcome. `lengths`: (prompt, generated) tokens; `timing`: seconds
+        since arrival of start (`queue_s`), first token (`ttft_s`) and end (`e2e_s`), None if it never came."""
+        m, mv, label = self._m, self.labels, lane.label
+        m.requests.labels(*mv, label, status, reason).inc()
+        if status == "ok":
+            m.finished.labels(*mv, reason).inc()
+        queue_s, ttft_s, e2e_s = timing.get("queue_s"), timing.get("ttft_s"), timing.get("e2e_s")
+        waited = queue_s if queue_s is not None else e2e_s  # never started: it waited until it ended
+        if waited is not None:
+            m.queue_time.labels(*mv, label).observe(waited)
+        if ttft_s is not None:
+            m.ttft.labels(*mv, label).observe(ttft_s)
+            if queue_s is not None:
+                m.prefill_time.labels(*mv, label).observe(max(ttft_s - queue_s, 0.0))
+            if e2e_s is not None:
+                m.decode_time.labels(*mv, label).observe(max(e2e_s - ttft_s, 0.0))
+        if e2e_s is not None:
+            m.e2e.labels(*mv, label, status).observe(e2e_s)
+        m.prompt_len.labels(*mv, label).observe(lengths[0])
+        m.generation_len.labels(*mv, label).observe(lengths[1])
+
+    # -- event loop --------------------------------------------------------------------------------------
+    def observe_rejected(self, lane: Lane, reason: str) -> None:
+        """A request was refused at admission with 429 (`reason`: queue_requests or queue_tokens)."""
+        self._m.requests.labels(*self.labels, lane.label, "rejected", reason).inc()
+        self._m.rejections.labels(*self.labels, lane.label, reason).inc()
+
+    def observe_feedback(self, rating: int) -> None:
+        self._m.feedback.labels(*self.labels, str(rating)).inc()
+
+    def observe_event(self, event: str) -> None:
+        """A rollout event of this version (loaded, promoted, ...)."""
+        self._m.version_events.labels(*self.labels, event).inc()
+
+    def seconds_since_last_step(self) -> float:
+        return max(self._clock() - self.last_step_at, 0.0)
+
+
+def _histogram(registry: CollectorRegistry, name: str, doc: str, labels: list[str],
+               buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:  # fmt: skip
+    return Histogram(name, doc, labels, buckets=buckets, registry=registry)
+
+
+class _EngineCollector(Collector):
+    """Per loaded version: engine stats, lane depth and rollout state, read when scraped; the response
+    cache's size; device memory once (it is the process's)."""
+
+    def __init__(self, metrics: ServerMetrics, versions: Callable[[], list[VersionSnapshot]],
+                 cache_stats: Callable[[], list[CacheStats]]) -> None:  # fmt: skip
+        self._metrics = metrics
+        self._versions = versions
+        self._cache_stats = cache_stats
+
+    def collect(self) -> Iterator[Metric]:
+        versions = self._versions()
+        families = _VersionFamilies()
+        for v in versions:
+            families.add(v, self._metrics.server_version)
+        yield from families.all()
+        yield from router_families(versions, self._metrics.clock_wall())
+        yield from _cache_gauges(self._cache_stats())
+        memory = next((v.snapshot.memory for v in versions if v.snapshot.memory is not None), None)
+        yield from _memory_gauges(memory)
+
+
+_MV = ["model", "version"]
+
+
+class _VersionFamilies:
+    """The scrape-time families, one sample per loaded version (and lane or cause)."""
+
+    def __init__(self) -> None:
+        g = GaugeMetricFamily
+        self.gauges = {
+            "running": g("tokenmill_num_requests_running", "Requests in the engine's running batch.", labels=_MV),
+            "waiting": g("tokenmill_num_requests_waiting", "Preempted requests waiting to resume (those never "
+                         "scheduled yet are tokenmill_queue_depth, by lane; all of them: "
+                         "tokenmill_requests_waiting).", labels=_MV),
+            "all_waiting": g("tokenmill_requests_waiting", "Every request admitted and not running: queued in a "
+                             "lane (never scheduled yet) or preempted (vllm:num_requests_waiting).", labels=_MV),
+            "usage": g("tokenmill_kv_cache_usage_ratio", "Share of KV blocks held by requests (0-1).", labels=_MV),
+            "usage_perc": g("tokenmill_kv_cache_usage_perc", "Same as tokenmill_kv_cache_usage_ratio (vLLM's name; "
+                            "0-1).", labels=_MV),
+            "used": g("tokenmill_kv_blocks_used", "KV blocks held by requests.", labels=_MV),
+            "capacity": g("tokenmill_kv_blocks_capacity", "KV blocks in the cache (used + free).", labels=_MV),
+            "since": g("tokenmill_seconds_since_last_step", "Seconds since the engine last ran a step (since "
+                       "start when it never did); grows while idle too.", labels=_MV),
+            "alive": g("tokenmill_worker_alive", "1 while the engine worker thread runs.", labels=_MV),
+            "weight": g("tokenmill_canary_weight", "Share of new requests (0-100) sent to a canary version.",
+                        labels=_MV),
+        }  # fmt: skip
+        self.info = g("tokenmill_model_info", "A loaded model version and the build serving it (value 1).",
+                      labels=[*_MV, "dtype", "device", "server_version", "max_model_len"])  # fmt: skip
+        self.cache_config = g("tokenmill_cache_config_info", "The KV cache of a loaded version (value 1): tokens "
+                              "per block and blocks (vllm:cache_config_info).",
+                              labels=[*_MV, "block_size", "num_gpu_blocks"])  # fmt: skip
+        self.state = g("tokenmill_model_version", "A loaded model version's state (loading, ready, draining) and "
+                       "role (promoted, canary, previous, candidate); value 1.",
+                       labels=[*_MV, "state", "role"])  # fmt: skip
+        self.depth = g("tokenmill_queue_depth", "Requests waiting in an admission lane.", labels=[*_MV, "lane"])
+        self.tokens = g("tokenmill_queue_tokens", "Tokens (prompt + max) queued in a lane.", labels=[*_MV, "lane"])
+        self.preemptions = CounterMetricFamily(
+            "tokenmill_preemptions", "Running requests that gave way to more important ones, by the victim's "
+            "lane and cause: slots (max_num_seqs), kv (KV blocks), budget (the step's token budget).",
+            labels=[*_MV, "lane", "cause"],
+        )  # fmt: skip
+        self.counters = {
+            name: CounterMetricFamily(name, doc, labels=_MV) for name, doc in _ENGINE_COUNTERS.items()
+        }
+
+    def add(self, v: VersionSnapshot, server_version: str) -> None:
+        mv = [v.info.model, v.info.version]
+        st = v.snapshot.stats
+        values = {"running": st.running, "waiting": st.waiting_preempted, "usage": st.kv_cache_usage,
+                  "all_waiting": waiting_total(v.snapshot),
+                  "usage_perc": st.kv_cache_usage, "used": st.kv_blocks_used, "capacity": st.kv_blocks_total,
+                  "since": v.seconds_since_last_step, "alive": int(v.snapshot.worker_alive),
+                  "weight": v.canary_weight}  # fmt: skip
+        for key, value in values.items():
+            self.gauges[key].add_metric(mv, value)
+        i = v.info
+        self.info.add_metric([*mv, i.dtype, i.device, server_version, str(i.max_model_len)], 1)
+        self.cache_config.add_metric([*mv, str(st.block_size), str(st.kv_blocks_total)], 1)
+        self.state.add_metric([*mv, v.state, v.role], 1)
+        for lane, (requests, queued_tokens) in v.snapshot.lanes.items():
+            self.depth.add_metric([*mv, lane.label], requests)
+            self.tokens.add_metric([*mv, lane.label], queued_tokens)
+        counts = {(lane.label, cause.value): 0 for lane in Lane for cause in PreemptionCause}
+        for (priority, cause), n in st.preemptions_by.items():
+            counts[(lane_label(priority), cause.value)] = n
+        for labels, n in sorted(counts.items()):
+            self.preemptions.add_metric([*mv, *labels], n)
+        for name, value in (("tokenmill_prompt_tokens", st.prompt_tokens),
+                            ("tokenmill_generation_tokens", st.generation_tokens),
+                            ("tokenmill_num_preemptions", st.preemptions),
+                            ("tokenmill_prefix_cache_queries", st.prefix_cache_queries),
+                            ("tokenmill_prefix_cache_hits", st.prefix_cache_hits),
+                            ("tokenmill_engine_steps", st.steps)):  # fmt: skip
+            self.counters[name].add_metric(mv, value)
+
+    def all(self) -> Iterator[Metric]:
+        yield from self.gauges.values()
+        yield self.info
+        yield self.cache_config
+        yield self.state
+        yield self.depth
+        yield self.tokens
+        yield self.preemptions
+        yield from self.counters.values()
+
+
+_ENGINE_COUNTERS = {
+    "tokenmill_prompt_tokens": "Prompt tokens computed by the engine (prefill work: prefix-cache hits excluded, "
+    "recomputation after preemption included).",
+    "tokenmill_generation_tokens": "Tokens sampled by the engine.",
+    "tokenmill_num_preemptions": "Requests preempted by the engine.",
+    "tokenmill_prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "tokenmill_prefix_cache_hits": "Prompt tokens found in the prefix cache.",
+    "tokenmill_engine_steps": "Engine steps run.",
+}
+
+
+def waiting_total(snapshot: Snapshot) -> int:
+    """Requests admitted and not running: queued in a lane (admitted, never scheduled) + preempted."""
+    return sum(requests for requests, _ in snapshot.lanes.values()) + snapshot.stats.waiting_preempted
+
+
+def router_families(versions: list[VersionSnapshot], now: float) -> Iterator[Metric]:
+    """The Gateway API Inference Extension's model-server protocol under vLLM's names, one series per
+    `model_name` (the versions of one model summed: a router balances replicas, not versions).
+    `vllm:lora_requests_info` has no adapters (tokenmill serves none); its value is the time, as vLLM's."""
+    g = GaugeMetricFamily
+    waiting = g("vllm:num_requests_waiting", "Requests admitted and not running (lanes + preempted).",
+                labels=["model_name"])  # fmt: skip
+    running = g("vllm:num_requests_running", "Requests in the engine's running batch.", labels=["model_name"])
+    usage = g("vllm:kv_cache_usage_perc", "Share of KV blocks held by requests (0-1).", labels=["model_name"])
+    config = g("vllm:cache_config_info", "KV cache configuration (value 1).",
+               labels=["model_name", "block_size", "num_gpu_blocks"])  # fmt: skip
+    lora = g("vllm:lora_requests_info", "LoRA adapters running and waiting (none); value: the time.",
+             labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])  # fmt: skip
+    by_name: dict[str, list[VersionSnapshot]] = {}
+    for v in versions:
+        by_name.setdefault(v.info.model, []).append(v)
+    for name, group in by_name.items():
+        stats = [v.snapshot.stats for v in group]
+        waiting.add_metric([name], sum(waiting_total(v.snapshot) for v in group))
+        running.add_metric([name], sum(st.running for st in stats))
+        total = sum(st.kv_blocks_total for st in stats)
+        usage.add_metric([name], sum(st.kv_blocks_used for st in stats) / total if total else 0.0)
+        head = next((v for v in group if v.role == "promoted"), group[0]).snapshot.stats
+        config.add_metric([name, str(head.block_size), str(head.kv_blocks_total)], 1)
+        lora.add_metric([name, "0", "", ""], now)
+    yield from (waiting, running, usage, config, lora)
+
+
+def _cache_gauges(stats: list[CacheStats]) -> Iterator[Metric]:
+    entries = GaugeMetricFamily("tokenmill_response_cache_entries", "Responses held in the response cache.",
+                                labels=_MV)  # fmt: skip
+    size = GaugeMetricFamily("tokenmill_response_cache_bytes", "Estimated bytes held by the response cache "
+                             "(what its byte bound counts).", labels=_MV)  # fmt: skip
+    for s in stats:
+        entries.add_metric([s.model, s.version], s.entries)
+        size.add_metric([s.model, s.version], s.bytes)
+    yield entries
+    yield size
+
+
+def lane_label(priority: int) -> str:
+    """The lane name of an engine priority (a priority no lane maps to keeps its number)."""
+    try:
+        return Lane(priority).label
+    except ValueError:
+        return str(priority)
+
+
+def _memory_gauges(memory: DeviceMemory | None) -> Iterator[Metric]:
+    if memory is None:
+        return
+    used = GaugeMetricFamily("tokenmill_device_memory_used_bytes", "Device memory in use: CUDA memory "
+                             "reserved by this process, or the process RSS on CPU.", labels=["device"])  # fmt: skip
+    total = GaugeMetricFamily("tokenmill_device_memory_total_bytes", "Device memory: the GPU's, or on CPU the "
+                              "host's (or the cgroup limit when lower).", labels=["device"])  # fmt: skip
+    used.add_metric([memory.device], memory.used_bytes)
+    total.add_metric([memory.device], memory.total_bytes)
+    yield used
+    yield total

@@ -1,0 +1,66 @@
+"""From a parsed request to what answers it, shared by every generation route: pick the model version
+(a lease on it, server/serving/registry.py), look the request up in the response cache, and either
+replay the stored result (server/serving/replay.py `ReplayHandle`: the same events a generation sends,
+from memory) or admit it to that version's engine (`RequestHandle`), recording the result when it may
+be cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from server.serving.gateway import GenerationRequest, admit
+from server.serving.handle import Handle
+from server.serving.replay import ReplayHandle
+from server.serving.response_cache import Recorder
+
+if TYPE_CHECKING:
+    from server.serving.deployment import Lease
+    from server.serving.registry import ModelSlot
+    from server.serving.runtime import Runtime
+
+
+@contextlib.contextmanager
+def picked(rt: Runtime, model: str | None) -> Iterator[tuple[ModelSlot, Lease]]:
+    """The slot `model` names and a lease on the version that serves this request. The lease is released
+    when the block raises; otherwise the handle built in the block owns it. Raises ApiError 404/503."""
+    slot, lease = rt.models.acquire(model)
+    try:
+        yield slot, lease
+    except BaseException:
+        lease.release()
+        raise
+
+
+def cache_scope(rt: Runtime, request: Request, user: str | None) -> str:
+    """Whose response-cache entries a request may see: its API key's (unless response_cache_scope is
+    global) and its `user`'s; "" when neither applies (shared)."""
+    parts = []
+    if rt.settings.response_cache_scope == "api_key" and rt.settings.accepted_api_keys():
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        parts.append(f"key:{token.strip()}")
+    if user:
+        parts.append(f"user:{user}")
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32] if parts else ""
+
+
+def start(rt: Runtime, lease: Lease, req: GenerationRequest) -> Handle:
+    """A handle that answers `req` on the leased version: from the response cache when it holds this exact
+    request, else admitted to the engine. Takes over the lease. Raises ApiError as admit() does."""
+    dep = lease.deployment
+    key = rt.cache.key(dep.name, dep.version, req.scope, req.prompt_token_ids, req.params, req.cache)
+    if key is not None:
+        hit = rt.cache.get(key)
+        if hit is not None:
+            dep.metrics.cache_hits.inc()
+            return ReplayHandle(rt, lease, req, hit)
+        dep.metrics.cache_misses.inc()
+    handle = admit(rt, lease, req)
+    if key is not None:
+        handle.recorder = Recorder(rt.cache, key)
+    return handle

@@ -1,0 +1,204 @@
+"""The route side of a request's life in an engine: admission (lane, bounds, 429) on the model version
+the route picked (its lease), then its events (`RequestHandle`, a server/serving/handle.py Handle).
+Runs on the event loop only. Whether the server accepts requests at all is checked once per request,
+before any of this (server/api/respond.py `generation`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from engine.api import SamplingParams
+from server.config.lanes import Lane
+from server.http.errors import ApiError
+from server.serving.handle import Completed
+from server.serving.ticket import Collector, Event, Finished, ServerError, Started, Ticket, Tokens
+from server.serving.worker import DuplicateRequestId, WorkerUnavailable
+
+if TYPE_CHECKING:
+    from server.serving.deployment import Lease
+    from server.serving.response_cache import Recorder
+    from server.serving.runtime import Runtime
+
+_POLL_S = 0.25  # how often a waiting non-streaming request checks for a disconnected client
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated, tokenized request, ready for a lane."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lane: Lane | None = None  # the client's `priority`; None: chosen by size
+    timeout_s: float | None = None
+    first_token_timeout_s: float | None = None
+    cache: bool = True  # the client's `cache` field: False never reads or writes the response cache
+    scope: str = ""  # whose cache entries it may see (server/serving/dispatch.py cache_scope)
+
+
+def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHandle:
+    """Check the request against the context length of the version the route picked (`lease`), pick its
+    lane and queue it there. Raises ApiError: 400 (empty or too long), 409 (request_id in flight),
+    429 (lane full), 503 (not serving)."""
+    dep = lease.deployment
+    n, max_tokens, max_len = len(req.prompt_token_ids), req.params.max_tokens, dep.max_model_len
+    if n == 0:
+        raise ApiError(400, "invalid_request", "prompt must not be empty", param="prompt")
+    if n + max_tokens > max_len:
+        raise ApiError(
+            400, "invalid_request",
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the context length "
+            f"max_model_len ({max_len})",
+            param="prompt" if n >= max_len else "max_tokens",
+        )  # fmt: skip
+    lane = req.lane if req.lane is not None else runtime.lane_for_size(n + max_tokens)
+    defaults = runtime.settings.lane_deadlines(lane)
+    ticket = Ticket(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        params=req.params,
+        lane=lane,
+        collector=Collector(asyncio.get_running_loop()),
+        queue_timeout_s=defaults.queue_s,
+        first_token_timeout_s=req.first_token_timeout_s or defaults.first_token_s,
+        timeout_s=req.timeout_s or defaults.total_s,
+    )
+    try:
+        rejection = dep.worker.submit(ticket)
+    except DuplicateRequestId as exc:
+        raise ApiError(409, "conflict", str(exc), param="request_id") from None
+    except WorkerUnavailable as exc:
+        raise ApiError(503, "unhealthy", str(exc), headers={"Retry-After": "5"}) from None
+    if rejection is not None:
+        runtime.accounting.rejected(dep, ticket, rejection)
+        raise ApiError(
+            429, "overloaded",
+            f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
+            headers={"Retry-After": str(rejection.retry_after_s)},
+            extra={"lane": lane.label},
+            accounted=True,  # counted and logged by accounting.rejected
+        )  # fmt: skip
+    return RequestHandle(runtime, ticket, lease)
+
+
+def start_error(error: ServerError) -> ApiError:
+    """The HTTP answer for a request that failed before anything was sent."""
+    headers = {"Retry-After": "1"} if error.status == 503 else None
+    return ApiError(error.status, error.kind, error.message, param=error.param, headers=headers, accounted=True)
+
+
+class RequestHandle:
+    """An admitted request as a route sees it. close() it exactly when the response is done:
+    it aborts the request if it has not finished (client gone, handler failed), and releases the
+    route's lease on its model version."""
+
+    cached = False  # answered by the engine (server/serving/replay.py ReplayHandle answers from the cache)
+
+    def __init__(self, runtime: Runtime, ticket: Ticket, lease: Lease) -> None:
+        self.runtime = runtime
+        self.ticket = ticket
+        self.lease = lease
+        self.worker = lease.deployment.worker
+        self.version = lease.deployment.version
+        self.finished: Finished | None = None
+        self.recorder: Recorder | None = None  # set when the result may go to the response cache
+        self._closed = False
+        runtime.open_responses += 1
+
+    @property
+    def request_id(self) -> str:
+        return self.ticket.request_id
+
+    async def next_event(self, timeout: float) -> Event | None:
+        """The next event, or None after `timeout` seconds without one."""
+        if self.finished is not None:
+            return self.finished
+        try:
+            event = await asyncio.wait_for(self.ticket.collector.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            if not self.worker.thread_running:  # no event will ever come
+                event = Finished("error", ServerError("worker_died", "the engine worker is not running", 503))
+            else:
+                return None
+        if isinstance(event, Finished):
+            self.finished = event
+        if self.recorder is not None:
+            self.recorder.observe(event, self.ticket)
+        return event
+
+    async def wait_started(self, hold_s: float, request: Request | None = None) -> bool:
+        """True once the engine scheduled the request; False if it is still queued after `hold_s`.
+        Raises ApiError when it failed first (queue timeout, invalid for the engine, shutdown) or the
+        client left (the request is then aborted)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + hold_s
+        while True:
+            event = await self.next_event(max(0.0, min(_POLL_S, end - loop.time())))
+            if isinstance(event, Finished):
+                self.close()
+                raise start_error(event.error or ServerError("aborted", "the request was aborted", 503))
+            if event is not None:  # Started; it always comes before any Tokens
+                return True
+            if request is not None and await request.is_disconnected():
+                self.close()
+                raise ApiError(499, "client_disconnected", "the client closed the connection")
+            if loop.time() >= end:
+                return False
+
+    async def events(self) -> AsyncIterator[Tokens | Finished]:
+        """Tokens events, then one Finished."""
+        while True:
+            event = await self.next_event(timeout=1.0)
+            if event is None or isinstance(event, Started):
+                continue
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    async def collect(self, request: Request) -> Completed:
+        """Wait for the whole output (non-streaming). Aborts when the client goes away.
+        Raises ApiError when the request failed."""
+        done = Completed(self.ticket, Finished("abort"))
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + _POLL_S
+        try:
+            while True:
+                event = await self.next_event(_POLL_S)
+                if loop.time() >= next_check:  # tokens may keep coming: check on a clock, not when idle
+                    next_check = loop.time() + _POLL_S
+                    if await request.is_disconnected():
+                        raise ApiError(499, "client_disconnected", "the client closed the connection")
+                if isinstance(event, Tokens):
+                    done.token_ids.extend(event.output.new_token_ids)
+                    done.text += event.output.text_delta
+                    done.logprobs.extend(event.output.logprobs or [])
+                    if event.output.prompt_logprobs is not None:
+                        done.prompt_logprobs = event.output.prompt_logprobs
+                elif isinstance(event, Finished):
+                    done.finished = event
+                    break
+        finally:
+            self.close()
+        if done.finished.error is not None:
+            raise start_error(done.finished.error)
+        return done
+
+    async def aclose(self) -> None:
+        """close() for Starlette background tasks (a sync one would run on a thread pool)."""
+        self.close()
+
+    def close(self, error: ServerError | None = None) -> None:
+        """`error`: why it is aborted if it has not finished (None: the client went away)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.runtime.open_responses -= 1
+        if self.finished is None:
+            self.worker.abort(self.request_id, error)
+        self.lease.release()

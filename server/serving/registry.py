@@ -1,0 +1,168 @@
+"""Which loaded version serves a request: one `ModelSlot` per model name holds its loaded versions, the
+promoted one, the previous one (kept for rollback while loaded) and a canary with its weight.
+
+Routing happens before admission: a request's `model` field names a slot (or pins `name@version`), the
+slot picks a version, and the route holds a lease on it (server/serving/deployment.py). The canary split is
+deterministic: of every 100 consecutive requests, exactly `weight` go to the canary (a credit counter,
+not a coin), so the share is exact on any window and reproducible in tests. Plain bookkeeping on the
+event loop: loading, draining and unloading engines is server/serving/rollout.py's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.config.versions import ModelSpec, split_ref
+from server.http.errors import ApiError
+from server.serving.deployment import Deployment, Lease, VersionState
+
+_FAILED_KEPT = 8  # failed loads listed per name (the newest)
+
+
+@dataclass
+class ModelSlot:
+    """One model name and its versions."""
+
+    name: str
+    aliases: set[str]  # other names accepted in `model` (folder name, path)
+    versions: dict[str, Deployment] = field(default_factory=dict)  # loaded: loading (probe), ready, draining
+    promoted: str = ""  # version new requests go to
+    previous: str | None = None  # the version promoted before; rollback returns to it while it is loaded
+    canary: str | None = None  # a ready version that gets `weight`% of new requests
+    weight: int = 0  # 0-100
+    loading: dict[str, ModelSpec] = field(default_factory=dict)  # engines being built
+    failed: dict[str, str] = field(default_factory=dict)  # version -> why its load or probe failed
+    _credit: float = 0.0  # canary share owed: +weight/100 per request, -1 per request sent to the canary
+
+    def role(self, version: str) -> str:
+        if version == self.promoted:
+            return "promoted"
+        if version == self.canary:
+            return "canary"
+        if version == self.previous:
+            return "previous"
+        return "candidate"
+
+    def pick(self, pinned: str | None) -> Deployment:
+        """The version a new request goes to. Raises ApiError 404 (pinned version not served) or 503."""
+        if pinned is not None:
+            dep = self.versions.get(pinned)
+            if dep is None or not dep.accepting:
+                state = "not loaded" if dep is None else dep.state.value
+                raise ApiError(404, "model_not_found", f"model {self.name}@{pinned} is not served ({state}); see "
+                               "/v1/models", param="model")  # fmt: skip
+            return dep
+        canary = self.versions.get(self.canary) if self.canary else None
+        if canary is not None and canary.accepting and self.weight:
+            self._credit += self.weight / 100
+            if self._credit >= 1.0 - 1e-9:
+                self._credit -= 1.0
+                return canary
+        dep = self.versions.get(self.promoted)
+        if dep is None or not dep.accepting:
+            raise ApiError(503, "unavailable", f"model {self.name} has no ready version", headers={"Retry-After": "1"})
+        return dep
+
+    def set_canary(self, version: str | None, weight: int) -> None:
+        self.canary, self.weight, self._credit = version, weight, 0.0
+
+    def remember_failure(self, version: str, why: str) -> None:
+        self.failed.pop(version, None)
+        self.failed[version] = why
+        while len(self.failed) > _FAILED_KEPT:
+            self.failed.pop(next(iter(self.failed)))
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every version of this name: loaded ones, those loading and the failed ones."""
+        rows = [version_row(self, dep) for dep in self.versions.values()]
+        rows += [{"id": spec.ref, "version": v, "state": VersionState.LOADING.value, "role": "candidate",
+                  "path": spec.path} for v, spec in self.loading.items()]  # fmt: skip
+        rows += [{"id": f"{self.name}@{v}", "version": v, "state": VersionState.FAILED.value, "role": "candidate",
+                  "error": why} for v, why in self.failed.items() if v not in self.versions]  # fmt: skip
+        return rows
+
+
+def version_row(slot: ModelSlot, dep: Deployment) -> dict[str, Any]:
+    row: dict[str, Any] = {"id": dep.spec.ref, "version": dep.version, "state": dep.state.value,
+                           "role": slot.role(dep.version), "path": dep.spec.path, "in_flight": dep.busy(),
+                           "max_model_len": dep.max_model_len, "loaded_at": int(dep.loaded_at), **dep.engine_desc}
+    if dep.version == slot.canary:
+        row["weight"] = slot.weight
+    if dep.timings:
+        row["timings"] = dict(dep.timings)
+    if dep.error:
+        row["error"] = dep.error
+    return row
+
+
+class ModelRegistry:
+    """Every model name served, in order: the first is the default for requests that name none."""
+
+    def __init__(self) -> None:
+        self.slots: dict[str, ModelSlot] = {}
+
+    def add_slot(self, dep: Deployment, aliases: set[str]) -> ModelSlot:
+        """A new name whose first (promoted) version is `dep`."""
+        slot = ModelSlot(dep.name, aliases - {dep.name}, {dep.version: dep}, promoted=dep.version)
+        self.slots[dep.name] = slot
+        return slot
+
+    @property
+    def default(self) -> ModelSlot:
+        return next(iter(self.slots.values()))
+
+    @property
+    def primary(self) -> Deployment:
+        """The default model's promoted version (what single-model code and /health report)."""
+        slot = self.default
+        return slot.versions[slot.promoted]
+
+    def slot(self, name: str) -> ModelSlot:
+        """The slot called `name` (admin API). Raises ApiError 404."""
+        slot = self.slots.get(name)
+        if slot is None:
+            raise ApiError(404, "model_not_found", f"model {name!r} is not configured; models: {sorted(self.slots)}")
+        return slot
+
+    def resolve(self, model: str | None) -> tuple[ModelSlot, str | None]:
+        """The slot a request's `model` names, and the version it pins (None: the slot picks).
+        Raises ApiError 404."""
+        if model is None:
+            return self.default, None
+        for candidate, pinned in ((model, None), split_ref(model)):
+            for slot in self.slots.values():
+                if candidate == slot.name or candidate in slot.aliases:
+                    return slot, pinned
+        raise ApiError(404, "model_not_found", f"model {model!r} is not served here; see /v1/models", param="model")
+
+    def acquire(self, model: str | None) -> tuple[ModelSlot, Lease]:
+        """Route a new request: its slot and a lease on the version that serves it."""
+        slot, pinned = self.resolve(model)
+        return slot, slot.pick(pinned).acquire()
+
+    def deployments(self) -> list[tuple[ModelSlot, Deployment]]:
+        return [(slot, dep) for slot in self.slots.values() for dep in slot.versions.values()]
+
+    def promoted(self) -> list[Deployment]:
+        """The promoted version of every name (what readiness is about)."""
+        return [slot.versions[slot.promoted] for slot in self.slots.values() if slot.promoted in slot.versions]
+
+    def cards(self, created: int) -> list[dict[str, Any]]:
+        """/v1/models: one card per name (its promoted version's), listing every version loading or loaded
+        with its state and role; failed loads and paths only show in the admin API."""
+        out = []
+        for slot in self.slots.values():
+            dep = slot.versions[slot.promoted]
+            versions = []
+            for row in slot.describe():
+                if row["state"] == VersionState.FAILED.value:
+                    continue
+                entry = {"id": row["id"], "version": row["version"], "state": row["state"], "role": row["role"]}
+                if "weight" in row:
+                    entry["weight"] = row["weight"]
+                versions.append(entry)
+            out.append({"id": slot.name, "object": "model", "created": created, "owned_by": "tokenmill",
+                        "root": slot.name, "max_model_len": dep.max_model_len, "version": dep.version,
+                        "state": dep.state.value, "versions": versions})  # fmt: skip
+        return out

@@ -1,0 +1,183 @@
+"""What one app shares, built in the lifespan and kept on `app.state.runtime`, and its lifecycle: the
+settings, the loaded model versions (server/serving/registry.py; each version has its own engine,
+worker thread, admission counters and tokenizer copy: server/serving/deployment.py), the rollout that
+changes them, the response cache, request accounting and feedback, metrics, readiness, warm-up and
+drain. Readiness checks live in server/serving/readiness.py, request accounting in
+server/serving/accounting.py: the runtime owns them and wires them to the deployments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+import math
+import time
+
+from engine.api import EngineProtocol
+from server.config.lanes import Lane
+from server.config.settings import ServerSettings
+from server.config.versions import ModelSpec
+from server.ops.feedback import FeedbackStore, RequestRecords
+from server.ops.metrics import CacheStats, ServerMetrics, VersionSnapshot
+from server.prompt.codec import PromptCodec
+from server.serving.accounting import RequestAccounting
+from server.serving.deployment import Deployment, VersionState
+from server.serving.loading import VersionLoader
+from server.serving.readiness import Readiness
+from server.serving.registry import ModelRegistry
+from server.serving.response_cache import CacheKey, ResponseCache
+from server.serving.rollout import Rollout
+from server.serving.ticket import ServerError
+from server.serving.worker import Worker
+
+log = logging.getLogger("tokenmill.server")
+
+_FLUSH_AFTER_ABORT_S = 5.0
+
+
+class Runtime:
+    """The app's shared state: the registry of loaded model versions (each with its own engine, worker
+    and admission counters), the response cache, request accounting and feedback, metrics, readiness
+    and drain. Methods run on the event loop unless they say otherwise."""
+
+    def __init__(
+        self,
+        settings: ServerSettings,
+        initial: list[tuple[ModelSpec, EngineProtocol, set[str]]],
+        loader: VersionLoader,
+        feedback: FeedbackStore | None = None,
+    ) -> None:
+        self.settings = settings
+        self.loop = asyncio.get_running_loop()
+        self.metrics = ServerMetrics(_version(), self._snapshots, cache_stats=self._cache_stats)
+        self.cache = ResponseCache(settings.response_cache_bytes, settings.response_cache_ttl_s,
+                                   on_evict=self._on_evict)  # fmt: skip
+        self.records = RequestRecords(settings.request_records, settings.request_record_ttl_s)
+        self.accounting = RequestAccounting(self.records, settings.log_prompts)
+        self.feedback = feedback
+        self.models = ModelRegistry()
+        for spec, engine, aliases in initial:
+            self.models.add_slot(self.new_deployment(spec, engine), aliases)
+        self.readiness = Readiness(self.models, settings.stall_timeout_s)
+        self.rollout = Rollout(self.models, settings, loader, self.new_deployment, self.metrics.version,
+                               self._drop_cached)  # fmt: skip
+        self.started_at = time.monotonic()
+        self.created = int(time.time())
+        self.open_responses = 0  # request handles not closed yet (their responses are still being sent)
+        self._tasks: set[asyncio.Task] = set()
+
+    def new_deployment(self, spec: ModelSpec, engine: EngineProtocol) -> Deployment:
+        metrics = self.metrics.version(spec.name, spec.version)
+        return Deployment(spec, engine, self.settings, metrics, self.accounting.finished)
+
+    # -- the default model's promoted version (what single-model code and /health report) -------------
+    @property
+    def primary(self) -> Deployment:
+        return self.models.primary
+
+    @property
+    def worker(self) -> Worker:
+        return self.primary.worker
+
+    @property
+    def codec(self) -> PromptCodec:
+        return self.primary.codec
+
+    @property
+    def max_model_len(self) -> int:
+        return self.primary.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.models.default.name
+
+    @property
+    def engine_desc(self) -> dict[str, str]:
+        return self.primary.engine_desc
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start every worker thread and, in the background, the warm-up."""
+        for _, dep in self.models.deployments():
+            dep.start()
+        task = self.loop.create_task(self.warm_up())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """Abort what is left and stop the workers (end of the lifespan)."""
+        self.readiness.draining = True
+        for task in list(self._tasks):
+            task.cancel()
+        await self.rollout.close()
+        await asyncio.gather(*(dep.unload() for _, dep in self.models.deployments()))
+        if self.feedback is not None:
+            await asyncio.to_thread(self.feedback.close)
+
+    async def warm_up(self) -> None:
+        """One short greedy generation per startup version; ready only if every one works."""
+        deployments = [dep for _, dep in self.models.deployments()]
+        try:
+            if self.settings.warmup:
+                for dep in deployments:
+                    await dep.warm_up(math.inf)
+            for dep in deployments:
+                dep.state, dep.ready_at = VersionState.READY, time.time()
+            self.readiness.ready = True
+            log.info("warm-up done: %s ready", ", ".join(dep.spec.ref for dep in deployments))
+        except Exception as exc:
+            self.readiness.failure = f"warm-up failed: {exc}"
+            log.error(self.readiness.failure)
+
+    async def drain(self) -> None:
+        """Refuse new requests, let in-flight ones finish within drain_timeout_s, abort the rest with an
+        error (event), and return once their responses were sent (or a few seconds passed)."""
+        self.readiness.draining = True
+        timeout = self.settings.drain_timeout_s
+        log.info("draining: %d requests in flight, up to %.0fs", self._in_flight(), timeout)
+        deadline = self.loop.time() + timeout
+        while (self.open_responses or self._in_flight()) and self.loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self._in_flight():
+            log.warning("drain timeout: aborting %d requests", self._in_flight())
+            error = ServerError("shutdown", f"the server shut down (drain timeout {timeout:g}s)", 503)
+            for _, dep in self.models.deployments():
+                dep.worker.abort_all(error)
+        end = self.loop.time() + _FLUSH_AFTER_ABORT_S
+        while self.open_responses and self.loop.time() < end:
+            await asyncio.sleep(0.05)
+        log.info("drained")
+
+    def _in_flight(self) -> int:
+        return sum(dep.worker.in_flight() for _, dep in self.models.deployments())
+
+    # -- requests ------------------------------------------------------------------------------------
+    def lane_for_size(self, tokens: int) -> Lane:
+        return Lane.INTERACTIVE if tokens <= self.settings.short_request_tokens else Lane.STANDARD
+
+    def _drop_cached(self, model: str, version: str | None) -> None:
+        self.cache.drop(model, version)
+
+    # -- scrape-time reports -------------------------------------------------------------------------
+    def _snapshots(self) -> list[VersionSnapshot]:
+        out = []
+        for slot, dep in self.models.deployments():
+            if dep.state is VersionState.UNLOADED:
+                continue
+            weight = slot.weight if slot.canary == dep.version else 0
+            out.append(dep.snapshot(slot.role(dep.version), weight))
+        return out
+
+    def _cache_stats(self) -> list[CacheStats]:
+        return self.cache.stats()
+
+    def _on_evict(self, key: CacheKey) -> None:
+        self.metrics.version(key.model, key.version).cache_evictions.inc()
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tokenmill")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

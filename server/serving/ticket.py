@@ -1,0 +1,97 @@
+"""A request's life as the worker and the routes share it: the `Ticket`, the events the worker posts
+to the request's `Collector`, and why a request failed (`ServerError`)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from engine.api import Deadline, Deadlines, RequestOutput, SamplingParams
+from server.config.lanes import Lane
+
+
+@dataclass(frozen=True)
+class ServerError:
+    """Why a request ended without a normal finish; `status` is its HTTP answer if nothing was sent yet."""
+
+    kind: str  # queue_timeout, shutdown, invalid_request, engine_error, worker_died
+    message: str
+    status: int
+    param: str | None = None  # the request field at fault (invalid_request), from InvalidParam.field
+
+
+@dataclass(frozen=True)
+class Started:
+    """The engine scheduled the request for the first time: it left its lane's queue."""
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """New tokens and text of one engine step."""
+
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of every request. Usage and timing are on the ticket, set before this is posted."""
+
+    reason: str  # stop, length, timeout, abort, error
+    error: ServerError | None = None
+
+
+Event = Started | Tokens | Finished
+
+
+class Collector:
+    """One request's mailbox on the event loop: the worker posts, the route awaits."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's life in the server: built by a route, advanced by the worker."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    lane: Lane
+    collector: Collector
+    queue_timeout_s: float | None = None
+    first_token_timeout_s: float | None = None
+    timeout_s: float | None = None
+    internal: bool = False  # warm-up: not counted in metrics or logs
+    # -- written by the worker; read by the route once Finished arrived -----------------------------------
+    arrival: float = 0.0  # clock time it was admitted; the engine orders it and times its deadlines by it
+    started_at: float | None = None  # the engine first scheduled it
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    error: ServerError | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    kv_blocks_peak: int = 0  # most KV blocks the request held at once (from RequestOutput.kv_blocks)
+    preemptions: int = 0  # times the engine preempted it (RequestOutput.num_preemptions)
+    deadline_hit: Deadline | None = None  # which deadline ended it, when finish_reason is "timeout"
+    output_token_ids: list[int] = field(default_factory=list)  # kept only when the server logs outputs
+
+    @property
+    def tokens(self) -> int:
+        """The work it brings: prompt + max_tokens."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    def deadlines(self) -> Deadlines:
+        """Its deadlines, in seconds after arrival, for the engine's scheduler."""
+        return Deadlines(self.queue_timeout_s, self.first_token_timeout_s, self.timeout_s)
+
+    def timing(self) -> dict[str, float | None]:
+        def since(t: float | None) -> float | None:
+            return None if t is None else round(t - self.arrival, 6)
+
+        return {"queue_s": since(self.started_at), "ttft_s": since(self.first_token_at),
+                "e2e_s": since(self.finished_at), "preemptions": self.preemptions}

@@ -1,0 +1,334 @@
+"""The one background thread that owns the engine.
+
+It blocks only when idle (nothing in the engine). Otherwise, each iteration: take commands (new
+requests, aborts, stop), step the engine once, and post every request's events to that request's own
+`Collector` on the event loop with `loop.call_soon_threadsafe`, one call per iteration; it never
+waits for a client. New requests go to the engine at once: its scheduler alone decides who runs next
+(lanes are its priority levels, with aging and deadlines); the worker keeps only the per-lane admission
+counts that 429s are decided on.
+
+Threads: `submit`, `abort`, `abort_all`, `stop` and the read-only properties are called from the
+event loop; everything else runs on the worker thread, the only thread that touches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.api import EngineProtocol, EngineStats, FinishReason, InvalidParam, RequestOutput
+from server.config.lanes import Lane
+from server.serving.admission import Admission
+from server.serving.ticket import Collector, Event, Finished, ServerError, Started, Ticket, Tokens
+
+log = logging.getLogger("tokenmill.worker")
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A lane had no room: answer 429 with Retry-After."""
+
+    lane: Lane
+    retry_after_s: int
+    reason: str  # the bound hit: queue_requests or queue_tokens
+
+
+# -- commands from the event loop ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Submit:
+    ticket: Ticket
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+    error: ServerError | None
+
+
+@dataclass(frozen=True)
+class _AbortAll:
+    error: ServerError
+
+
+_STOP = object()
+
+
+class DuplicateRequestId(ValueError):
+    pass
+
+
+class WorkerUnavailable(RuntimeError):
+    pass
+
+
+class Worker:
+    """Owns the engine on its own thread; see the module docstring for the loop."""
+
+    def __init__(
+        self,
+        engine: EngineProtocol,
+        admission: Admission,
+        *,
+        on_finish: Callable[[Ticket], None] = lambda ticket: None,
+        on_step: Callable[[EngineStats], None] = lambda stats: None,
+        on_token_gap: Callable[[Lane, float], None] = lambda lane, seconds: None,
+        keep_outputs: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._admission = admission
+        self._on_finish = on_finish
+        self._on_step = on_step  # after each step the engine ran, with its stats (metrics)
+        self._on_token_gap = on_token_gap  # time between two tokens of a request (metrics)
+        self._keep_outputs = keep_outputs
+        self._clock = clock  # the engine's clock too: arrival times cross over as they are
+        self._lock = threading.Lock()  # guards _admission and _tickets, shared with the event loop
+        self._tickets: dict[str, Ticket] = {}  # every request admitted and not finished
+        self._in_engine: dict[str, Ticket] = {}  # worker thread only
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: list[tuple[Collector, Event]] = []
+        self._thread = threading.Thread(target=self._run, name="tokenmill-worker", daemon=True)
+        # -- read by any thread (each a single reference, replaced whole) --------------------------------
+        self.stats: EngineStats = engine.stats()
+        self.heartbeat: float = clock()  # end of the last loop iteration, or when it woke from idle
+        self.last_step_at: float | None = None
+        self.died: BaseException | None = None
+
+    # -- event-loop side ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.died is None
+
+    @property
+    def thread_running(self) -> bool:
+        """The thread still runs (it may be failing its requests after dying)."""
+        return self._thread.is_alive()
+
+    def submit(self, ticket: Ticket) -> Rejection | None:
+        """Admit `ticket` to its lane and hand it to the engine, or say why not.
+        Raises DuplicateRequestId, WorkerUnavailable."""
+        if not self.alive:
+            raise WorkerUnavailable("the engine worker is not running")
+        now = self._clock()
+        with self._lock:
+            if ticket.request_id in self._tickets:
+                raise DuplicateRequestId(f"request_id {ticket.request_id!r} is already in flight")
+            if not self._admission.fits(ticket.lane, ticket.tokens):
+                reason = self._admission.full_reason(ticket.lane)
+                return Rejection(ticket.lane, self._admission.retry_after(ticket.lane, now), reason)
+            ticket.arrival = now
+            self._admission.admit(ticket.request_id, ticket.lane, ticket.tokens)
+            self._tickets[ticket.request_id] = ticket
+        self._inbox.put(_Submit(ticket))
+        return None
+
+    def abort(self, request_id: str, error: ServerError | None = None) -> None:
+        """End a queued or running request (no-op when it already finished)."""
+        self._inbox.put(_Abort(request_id, error))
+
+    def abort_all(self, error: ServerError) -> None:
+        self._inbox.put(_AbortAll(error))
+
+    def stop(self, timeout: float) -> None:
+        """Abort everything, end the thread, wait up to `timeout` seconds for it."""
+        self._inbox.put(_STOP)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._tickets)
+
+    def lane_load(self) -> dict[Lane, tuple[int, int]]:
+        """Per lane: (requests admitted and not started, their tokens)."""
+        with self._lock:
+            return {lane: (self._admission.depth(lane), self._admission.queued_tokens(lane)) for lane in Lane}
+
+    # -- worker thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._take_commands():
+                self._iterate()
+        except BaseException as exc:  # noqa: BLE001 - the worker must report any death, then end
+            self.died = exc
+            log.critical("engine worker died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            self._fail_all(ServerError("worker_died", f"the engine worker died: {type(exc).__name__}", 503))
+        finally:
+            self._flush()
+
+    def _iterate(self) -> None:
+        self.stats = before = self._engine.stats()  # fresh for /health during a long step
+        if self._engine.has_unfinished():
+            self._step()
+        self.stats = self._engine.stats()
+        if self.stats.steps != before.steps:
+            self._on_step(self.stats)
+        self._flush()
+        self.heartbeat = self._clock()
+
+    def _take_commands(self) -> bool:
+        """Apply all pending commands; block for one first when idle. False once told to stop."""
+        block = not self._engine.has_unfinished()
+        while True:
+            try:
+                cmd = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            if block:
+                self.heartbeat = self._clock()  # woke from idle: not a stall
+                block = False
+            if cmd is _STOP:
+                self._fail_all(ServerError("shutdown", "the server is shutting down", 503))
+                return False
+            if isinstance(cmd, _Submit):
+                self._add(cmd.ticket)
+            elif isinstance(cmd, _Abort):
+                self._abort(cmd.request_id, cmd.error)
+            elif isinstance(cmd, _AbortAll):
+                self._fail_all(cmd.error)
+
+    def _add(self, ticket: Ticket) -> None:
+        if ticket.finished_at is not None:
+            return  # failed (shutdown, abort-all) before the worker took it
+        try:
+            self._engine.add_request(
+                ticket.request_id,
+                prompt_token_ids=ticket.prompt_token_ids,
+                params=ticket.params,
+                priority=int(ticket.lane),
+                arrival_time=ticket.arrival,
+                deadlines=ticket.deadlines(),
+            )
+        except InvalidParam as exc:
+            self._finish(ticket, "error", ServerError("invalid_request", exc.message, 400, exc.field))
+            return
+        except Exception as exc:
+            log.exception("engine.add_request failed for %s", ticket.request_id)
+            self._finish(ticket, "error", ServerError("engine_error", f"{type(exc).__name__}: {exc}", 500))
+            return
+        self._in_engine[ticket.request_id] = ticket
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:  # the engine contract says step() does not raise; if it does, recover
+            log.exception("engine.step raised; failing the %d requests in the engine", len(self._in_engine))
+            error = ServerError("engine_error", f"engine step failed: {type(exc).__name__}: {exc}", 500)
+            for ticket in list(self._in_engine.values()):
+                self._safe_abort(ticket.request_id)
+                self._finish(ticket, "error", error)
+            outputs = []
+        now = self._clock()
+        self.last_step_at = now
+        for out in outputs:
+            self._route(out, now)
+
+    def _route(self, out: RequestOutput, now: float) -> None:
+        ticket = self._in_engine.get(out.request_id)
+        if ticket is None:
+            return  # aborted after it was scheduled
+        if ticket.started_at is None and (out.started or out.new_token_ids):
+            self._mark_started(ticket, now)
+        if out.new_token_ids:
+            if ticket.first_token_at is None:
+                ticket.first_token_at = now
+            elif not ticket.internal and ticket.last_token_at is not None:
+                self._on_token_gap(ticket.lane, now - ticket.last_token_at)
+            ticket.last_token_at = now
+        ticket.prompt_tokens = out.prompt_tokens
+        ticket.completion_tokens = out.completion_tokens
+        ticket.cached_tokens = max(ticket.cached_tokens, out.cached_tokens)
+        ticket.kv_blocks_peak = max(ticket.kv_blocks_peak, out.kv_blocks)
+        ticket.preemptions = out.num_preemptions
+        if self._keep_outputs:
+            ticket.output_token_ids.extend(out.new_token_ids)
+        if out.new_token_ids or out.text_delta or out.prompt_logprobs is not None:
+            self._post(ticket, Tokens(out))
+        if out.finished:
+            self._finish_output(ticket, out)
+
+    def _mark_started(self, ticket: Ticket, now: float) -> None:
+        ticket.started_at = now
+        with self._lock:
+            self._admission.started(ticket.request_id, now)
+        self._post(ticket, Started())
+
+    def _finish_output(self, ticket: Ticket, out: RequestOutput) -> None:
+        if out.finish_reason is FinishReason.ERROR:
+            self._finish(ticket, "error", ServerError("engine_error", out.error or "the engine step failed", 500))
+        elif out.finish_reason is FinishReason.TIMEOUT:
+            ticket.deadline_hit = out.deadline
+            if ticket.started_at is None:  # never left the queue: a clean 503 where nothing was sent
+                waited = self._clock() - ticket.arrival
+                message = f"waited {waited:.1f}s in the {ticket.lane.label} lane without starting; try again later"
+                self._finish(ticket, "timeout", ServerError("queue_timeout", message, 503))
+            else:
+                self._finish(ticket, "timeout")
+        else:
+            self._finish(ticket, out.finish_reason.value if out.finish_reason else "stop")
+
+    def _abort(self, request_id: str, error: ServerError | None) -> None:
+        ticket = self._in_engine.get(request_id)
+        if ticket is not None:
+            self._safe_abort(request_id)
+            self._finish(ticket, "abort", error)
+
+    def _fail_all(self, error: ServerError) -> None:
+        with self._lock:
+            tickets = list(self._tickets.values())
+        for ticket in tickets:
+            if ticket.request_id in self._in_engine:
+                self._safe_abort(ticket.request_id)
+            self._finish(ticket, "abort", error)
+
+    def _safe_abort(self, request_id: str) -> None:
+        try:
+            self._engine.abort(request_id)
+        except Exception:
+            log.exception("engine.abort(%s) failed", request_id)
+
+    def _finish(self, ticket: Ticket, reason: str, error: ServerError | None = None) -> None:
+        self._in_engine.pop(ticket.request_id, None)
+        with self._lock:
+            self._tickets.pop(ticket.request_id, None)
+            self._admission.ended(ticket.request_id)
+        ticket.finished_at = self._clock()
+        ticket.finish_reason = reason
+        ticket.error = error
+        self._post(ticket, Finished(reason, error))
+        try:
+            self._on_finish(ticket)
+        except Exception:
+            log.exception("finish hook failed for %s", ticket.request_id)
+
+    def _post(self, ticket: Ticket, event: Event) -> None:
+        self._outbox.append((ticket.collector, event))
+
+    def _flush(self) -> None:
+        """Deliver this iteration's events: one call_soon_threadsafe per event loop."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Collector, Event]]] = defaultdict(list)
+        for collector, event in self._outbox:
+            by_loop[collector.loop].append((collector, event))
+        self._outbox = []
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:
+                pass  # the loop is closed: nobody is listening any more
+
+
+def _deliver(batch: list[tuple[Collector, Event]]) -> None:
+    for collector, event in batch:
+        collector.queue.put_nowait(event)
+
