@@ -4,9 +4,9 @@ loaded into torch.ops.tokenmill.
 Built with -march=native (memory-bound loops the compiler vectorises for this CPU's AVX-512/AVX2)
 and OpenMP through ATen's intra-op pool: the library links libgomp.so.1, which resolves to the copy
 torch already loaded, so there is one thread pool and torch.set_num_threads applies. The library
-is cached under $TOKENMILL_KERNEL_CACHE (default ~/.cache/tokenmill/kernels), keyed by the
-sources, the torch version, the flags and the CPU, and written atomically, so concurrent processes
-can share it. Without a compiler nothing breaks: `load()` says why and the engine keeps the plain
+is cached (cache_dir(): $TOKENMILL_KERNEL_CACHE, else $TOKENMILL_CACHE_DIR/kernels, else
+$XDG_CACHE_HOME/tokenmill/kernels, else ~/.cache/tokenmill/kernels), keyed by the sources, the torch
+version, the flags and the CPU, and written atomically, so concurrent processes can share it. Without a compiler nothing breaks: `load()` says why and the engine keeps the plain
 PyTorch attention. TOKENMILL_CPU_KERNELS=0 turns the kernels off.
 """
 
@@ -39,8 +39,15 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-w")
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("TOKENMILL_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "tokenmill" / "kernels"
+    """Where the built library lives: the first of $TOKENMILL_KERNEL_CACHE, $TOKENMILL_CACHE_DIR/kernels,
+    $XDG_CACHE_HOME/tokenmill/kernels, ~/.cache/tokenmill/kernels (unset or empty variables skipped).
+    The image points XDG_CACHE_HOME at its cache volume."""
+    if kernels := os.environ.get("TOKENMILL_KERNEL_CACHE"):
+        return Path(kernels)
+    if tokenmill := os.environ.get("TOKENMILL_CACHE_DIR"):
+        return Path(tokenmill) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tokenmill" / "kernels"
 
 
 def _cpu_signature() -> str:
