@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -80,17 +81,21 @@ def _compile(out: Path) -> None:
     common += [f"-I{p}" for p in [CSRC, *cpp_extension.include_paths()]]
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objs = {name: os.path.join(tmp, name + ".o") for name in SOURCES}
+        # one compiler per source, as many at once as this process may use cores: each spends most of
+        # its time in torch's headers, so a first start on 2 cores takes half as long
+        with ThreadPoolExecutor(max_workers=min(len(SOURCES), len(os.sched_getaffinity(0)))) as pool:
+            built = {name: pool.submit(_run, [cxx, *common, *flags, "-c", str(CSRC / name), "-o", objs[name]], name)
+                     for name, flags in SOURCES.items()}  # fmt: skip
         objects = []
-        for name, flags in SOURCES.items():
-            obj = os.path.join(tmp, name + ".o")
-            try:
-                _run([cxx, *common, *flags, "-c", str(CSRC / name), "-o", obj], name)
-            except RuntimeError as exc:
+        for name, job in built.items():
+            exc = job.exception()
+            if exc is not None:
                 if name not in OPTIONAL:
-                    raise
+                    raise exc
                 log.warning("building the CPU kernels without %s: %s", name, str(exc)[-500:])
                 continue
-            objects.append(obj)
+            objects.append(objs[name])
         lib = os.path.join(tmp, out.name)
         link = [f"-L{p}" for p in lib_dirs] + [f"-Wl,-rpath,{p}" for p in lib_dirs] + ["-lc10", "-ltorch_cpu"]
         _run([cxx, "-shared", "-fopenmp", *objects, *link, "-o", lib], "linking")
