@@ -7,10 +7,12 @@
 #   3. the wheelhouse, filled by the host's pip (deploy/docker/wheelhouse.sh)
 #   4. the CPU image, `docker build --network none --build-arg VARIANT=cpu --build-arg OFFLINE=1`
 #   5. `docker run -p ...:8000 tokenmill:cpu`: /health, /generate SSE, the README's chat question ("Paris"),
-#      the healthcheck turns healthy, `docker stop` during a stream: the stream ends, exit 0 within the drain timeout
+#      the C++ kernels in use, the healthcheck turns healthy, `docker stop` during a stream: the stream
+#      ends, exit 0 within the drain timeout
 #   6. the GPU variant's runtime stage built on the local base (torch's CPU build, triton from the wheelhouse):
 #      as its user, a C compiler, Python.h, a writable Triton cache, Triton builds and compiles (gpu_runtime_check.py)
-#   7. the compose stack's tokenmill service up on the CPU image (no build: the image is built once), a chat through it
+#   7. the compose stack's tokenmill service up on the CPU image (no build: the image is built once), the
+#      kernels of step 5 found on its cache volume, a chat through it
 #
 # Exit 0: all passed; 3: no Docker engine can be had here (the reason is printed); else a failure.
 # Images stay (tokenmill:cpu, tokenmill:gpu-check, the base), so a second run reuses every layer.
@@ -19,7 +21,10 @@ cd "$(dirname "$0")/../.."
 # Debian's client (dockerd.sh installs it) builds with BuildKit without the buildx plugin; a newer
 # client in front of it on PATH may need buildx for that.
 export DOCKER=${DOCKER:-$(command -v /usr/bin/docker || echo docker)}
-COMPOSE=${COMPOSE:-docker-compose}
+# the repository's compose file alone, with an empty env file: an operator's .env (COMPOSE_FILE,
+# TOKENMILL_MODEL) stays out
+no_env=$(mktemp)
+COMPOSE="${COMPOSE:-docker-compose} --env-file $no_env -f docker-compose.yml"
 CPU_IMAGE_TAG=${CPU_IMAGE_TAG:-tokenmill:cpu}
 CHECK_IMAGE_TAG=${CHECK_IMAGE_TAG:-tokenmill:gpu-check}
 NAME=tokenmill-smoke-$$
@@ -38,6 +43,7 @@ free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1
 cleanup() {
   $DOCKER rm -f "$NAME" >/dev/null 2>&1 || true
   COMPOSE_PROJECT_NAME=$PROJECT $COMPOSE down -v --remove-orphans >/dev/null 2>&1 || true
+  rm -f "$no_env"
 }
 trap cleanup EXIT
 logs_and_fail() {
@@ -89,7 +95,8 @@ url=http://127.0.0.1:$port
 $HTTP health "$url" --timeout 300 || logs_and_fail "/health" "$NAME"
 $HTTP generate "$url" || logs_and_fail "/generate" "$NAME"
 $HTTP chat "$url" || logs_and_fail "chat" "$NAME"
-$DOCKER logs "$NAME" 2>&1 | grep -q "kernels unavailable" && logs_and_fail "the CPU kernels did not load" "$NAME"
+logs=$($DOCKER logs "$NAME" 2>&1)
+grep -q "attention=cpu" <<<"$logs" || logs_and_fail "the engine is not on the C++ CPU kernels (attention=cpu)" "$NAME"
 for _ in $(seq 40); do  # the HEALTHCHECK runs every 15 s
   health=$($DOCKER inspect -f '{{.State.Health.Status}}' "$NAME")
   [ "$health" = healthy ] && break
@@ -133,8 +140,9 @@ $COMPOSE up -d --no-build tokenmill
 container=$($COMPOSE ps -q tokenmill)
 $HTTP health "http://127.0.0.1:$port" --timeout 300 || logs_and_fail "/health through compose" "$container"
 $HTTP chat "http://127.0.0.1:$port" || logs_and_fail "chat through compose" "$container"
-! $DOCKER logs "$container" 2>&1 | grep "building the CPU kernels" \
-  || logs_and_fail "the kernels were built again: not found on the cache volume" "$container"
+logs=$($DOCKER logs "$container" 2>&1)
+grep -q "attention=cpu" <<<"$logs" || logs_and_fail "the engine is not on the C++ CPU kernels" "$container"
+! grep "building the CPU kernels" <<<"$logs" || logs_and_fail "the kernels were built again: not found on the cache volume" "$container"
 $COMPOSE down -v --remove-orphans
 unset COMPOSE_PROJECT_NAME TOKENMILL_HOST_PORT TOKENMILL_IMAGE
 
