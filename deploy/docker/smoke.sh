@@ -97,6 +97,7 @@ $HTTP generate "$url" || logs_and_fail "/generate" "$NAME"
 $HTTP chat "$url" || logs_and_fail "chat" "$NAME"
 logs=$($DOCKER logs "$NAME" 2>&1)
 grep -q "attention=cpu" <<<"$logs" || logs_and_fail "the engine is not on the C++ CPU kernels (attention=cpu)" "$NAME"
+grep -E "opened|building the CPU kernels|engine ready" <<<"$logs" | cut -c1-160  # where the start-up went
 for _ in $(seq 40); do  # the HEALTHCHECK runs every 15 s
   health=$($DOCKER inspect -f '{{.State.Health.Status}}' "$NAME")
   [ "$health" = healthy ] && break
