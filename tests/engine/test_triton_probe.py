@@ -14,12 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("triton")
-
-from engine.attention import TorchAttentionBackend, select_backend, triton_probe, triton_unavailable_reason  # noqa: E402
+from engine.attention import TorchAttentionBackend, select_backend, triton_probe, triton_unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _triton():
+    # imported here, not at collection: test_triton_kernels.py must set TRITON_INTERPRET before the
+    # process first imports triton (triton.language's own helpers are decorated at that import)
+    pytest.importorskip("triton")
 
 
 @pytest.fixture
