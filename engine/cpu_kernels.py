@@ -4,9 +4,9 @@ loaded into torch.ops.tokenmill.
 Built with -march=native (memory-bound loops the compiler vectorises for this CPU's AVX-512/AVX2)
 and OpenMP through ATen's intra-op pool: the library links libgomp.so.1, which resolves to the copy
 torch already loaded, so there is one thread pool and torch.set_num_threads applies. The library
-is cached under $TOKENMILL_KERNEL_CACHE (default ~/.cache/tokenmill/kernels), keyed by the
-sources, the torch version, the flags and the CPU, and written atomically, so concurrent processes
-can share it. Without a compiler nothing breaks: `load()` says why and the engine keeps the plain
+is cached (cache_dir(): $TOKENMILL_KERNEL_CACHE, else $TOKENMILL_CACHE_DIR/kernels, else
+$XDG_CACHE_HOME/tokenmill/kernels, else ~/.cache/tokenmill/kernels), keyed by the sources, the torch
+version, the flags and the CPU, and written atomically, so concurrent processes can share it. Without a compiler nothing breaks: `load()` says why and the engine keeps the plain
 PyTorch attention. TOKENMILL_CPU_KERNELS=0 turns the kernels off.
 """
 
@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -39,8 +40,15 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-w")
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("TOKENMILL_KERNEL_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "tokenmill" / "kernels"
+    """Where the built library lives: the first of $TOKENMILL_KERNEL_CACHE, $TOKENMILL_CACHE_DIR/kernels,
+    $XDG_CACHE_HOME/tokenmill/kernels, ~/.cache/tokenmill/kernels (unset or empty variables skipped).
+    The image points XDG_CACHE_HOME at its cache volume."""
+    if kernels := os.environ.get("TOKENMILL_KERNEL_CACHE"):
+        return Path(kernels)
+    if tokenmill := os.environ.get("TOKENMILL_CACHE_DIR"):
+        return Path(tokenmill) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tokenmill" / "kernels"
 
 
 def _cpu_signature() -> str:
@@ -73,17 +81,21 @@ def _compile(out: Path) -> None:
     common += [f"-I{p}" for p in [CSRC, *cpp_extension.include_paths()]]
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objs = {name: os.path.join(tmp, name + ".o") for name in SOURCES}
+        # one compiler per source, as many at once as this process may use cores: each spends most of
+        # its time in torch's headers, so a first start on 2 cores takes half as long
+        with ThreadPoolExecutor(max_workers=min(len(SOURCES), len(os.sched_getaffinity(0)))) as pool:
+            built = {name: pool.submit(_run, [cxx, *common, *flags, "-c", str(CSRC / name), "-o", objs[name]], name)
+                     for name, flags in SOURCES.items()}  # fmt: skip
         objects = []
-        for name, flags in SOURCES.items():
-            obj = os.path.join(tmp, name + ".o")
-            try:
-                _run([cxx, *common, *flags, "-c", str(CSRC / name), "-o", obj], name)
-            except RuntimeError as exc:
+        for name, job in built.items():
+            exc = job.exception()
+            if exc is not None:
                 if name not in OPTIONAL:
-                    raise
+                    raise exc
                 log.warning("building the CPU kernels without %s: %s", name, str(exc)[-500:])
                 continue
-            objects.append(obj)
+            objects.append(objs[name])
         lib = os.path.join(tmp, out.name)
         link = [f"-L{p}" for p in lib_dirs] + [f"-Wl,-rpath,{p}" for p in lib_dirs] + ["-lc10", "-ltorch_cpu"]
         _run([cxx, "-shared", "-fopenmp", *objects, *link, "-o", lib], "linking")

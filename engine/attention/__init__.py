@@ -30,7 +30,11 @@ log = logging.getLogger("tokenmill.engine")
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
-    """None when the Triton backend can run on `device`, else why it cannot."""
+    """None when the Triton backend can run on `device`, else why it cannot (one line).
+
+    On CUDA it also builds a C module through Triton's launcher build and launches one tiny kernel
+    (triton_probe.py): a first request must not be the first to find that the compiler, Python.h or
+    a writable Triton cache is missing. On the CPU the interpreter needs none of them."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return "on the CPU the Triton kernels run only under the Triton interpreter (TRITON_INTERPRET=1)"
     if device.type not in ("cpu", "cuda"):
@@ -43,6 +47,9 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
         cap = torch.cuda.get_device_capability(device)
         if cap < MIN_TRITON_CAPABILITY:
             return f"compute capability {cap[0]}.{cap[1]} is below {MIN_TRITON_CAPABILITY[0]}.{MIN_TRITON_CAPABILITY[1]}"
+        from engine.attention import triton_probe
+
+        return triton_probe.toolchain_reason() or triton_probe.kernel_reason(device)
     return None
 
 

@@ -1,6 +1,8 @@
-"""docker-compose.yml, checked by docker-compose itself (no Docker engine needed) and read back:
-GPU reservation, config from the environment, models and cache volumes, healthchecks, Prometheus and
-Grafana wiring, and the `replicas` profile behind nginx."""
+"""docker-compose.yml and its GPU override docker-compose.gpu.yml, checked by docker-compose itself (no
+Docker engine needed) and read back: the CPU image by default and the GPU image with a GPU per service
+through the override, the image built once, config from the environment, models and cache volumes,
+healthchecks, Prometheus and Grafana wiring, and the `replicas` profile behind nginx. Bringing the
+stack up: deploy/docker/smoke.sh (make docker-smoke)."""
 
 from __future__ import annotations
 
@@ -23,32 +25,77 @@ def compose() -> str:
     return find_tool("docker-compose")
 
 
-def config(compose: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
-    return subprocess.run([compose, "-f", "docker-compose.yml", *args, "config"], cwd=REPO, capture_output=True,
+GPU = ("-f", "docker-compose.yml", "-f", "docker-compose.gpu.yml")
+
+
+def config(compose: str, *args: str, env: dict[str, str] | None = None, files=("-f", "docker-compose.yml")):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) and k != "COMPOSE_FILE"}
+    return subprocess.run([compose, *files, *args, "config"], cwd=REPO, capture_output=True,
                           text=True, timeout=60, env={**clean, **(env or {})})  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def resolved(compose) -> dict:
-    proc = config(compose, "--profile", "replicas", env=ENV)
+def resolve(compose: str, files: tuple[str, ...], env: dict[str, str] | None = ENV) -> dict:
+    proc = config(compose, "--profile", "replicas", env=env, files=files)
     assert proc.returncode == 0, proc.stderr
     return yaml.safe_load(proc.stdout)
 
 
-def test_compose_file_is_valid_with_and_without_the_replicas_profile(compose):
-    for args in ((), ("--profile", "replicas")):
-        proc = config(compose, *args, env=ENV)
-        assert proc.returncode == 0, proc.stderr
-    services = yaml.safe_load(proc.stdout)["services"]
-    # A plain `up` starts one tokenmill with Prometheus and Grafana; the profile adds the rest.
-    assert {name for name, svc in services.items() if not svc.get("profiles")} == {"tokenmill", "prometheus", "grafana"}
-    assert {name for name, svc in services.items() if svc.get("profiles") == ["replicas"]} == {"tokenmill-2", "nginx"}
+@pytest.fixture(scope="module")
+def resolved(compose) -> dict:
+    """The stack on a GPU host: the base file and the GPU override."""
+    return resolve(compose, GPU)
 
 
-def test_the_model_must_be_named(compose):
-    proc = config(compose, env={})
-    assert proc.returncode != 0 and "set TOKENMILL_MODEL" in proc.stderr
+@pytest.fixture(scope="module")
+def resolved_cpu(compose) -> dict:
+    return resolve(compose, ("-f", "docker-compose.yml"))
+
+
+def test_compose_files_are_valid_with_and_without_the_replicas_profile(compose):
+    for files in (("-f", "docker-compose.yml"), GPU):
+        for args in ((), ("--profile", "replicas")):
+            proc = config(compose, *args, env=ENV, files=files)
+            assert proc.returncode == 0, proc.stderr
+        services = yaml.safe_load(proc.stdout)["services"]
+        # A plain `up` starts one tokenmill with Prometheus and Grafana; the profile adds the rest.
+        assert {name for name, svc in services.items() if not svc.get("profiles")} == {"tokenmill", "prometheus", "grafana"}
+        assert {name for name, svc in services.items() if svc.get("profiles") == ["replicas"]} == {"tokenmill-2", "nginx"}
+
+
+def test_a_cpu_host_needs_no_switch_and_no_model(compose, resolved_cpu):
+    """`docker compose up` on a CPU host: the CPU image, no GPU asked for, the image's own model."""
+    for name in ("tokenmill", "tokenmill-2"):
+        svc = resolved_cpu["services"][name]
+        assert svc["image"] == "tokenmill:cpu" and "deploy" not in svc
+    assert resolved_cpu["services"]["tokenmill"]["build"]["args"] == {"VARIANT": "cpu"}
+    bare = resolve(compose, ("-f", "docker-compose.yml"), env={})
+    env = bare["services"]["tokenmill"]["environment"]
+    assert env["TOKENMILL_MODEL"] is None and env["TOKENMILL_CONFIG"] is None  # unset: the image decides
+
+
+def test_the_gpu_override_is_the_one_documented_switch(resolved):
+    deploy_md = (REPO / "docs" / "DEPLOY.md").read_text()
+    assert "docker-compose.gpu.yml" in deploy_md and "COMPOSE_FILE=docker-compose.yml:docker-compose.gpu.yml" in deploy_md
+    assert resolved["services"]["tokenmill"]["build"]["args"] == {"VARIANT": "gpu"}
+    assert {resolved["services"][n]["image"] for n in ("tokenmill", "tokenmill-2")} == {"tokenmill:gpu"}
+
+
+def test_the_image_is_built_once(resolved, resolved_cpu):
+    for stack in (resolved, resolved_cpu):
+        tokenmills = {n: s for n, s in stack["services"].items() if n.startswith("tokenmill")}
+        assert [n for n, s in tokenmills.items() if "build" in s] == ["tokenmill"]
+        assert len({s["image"] for s in tokenmills.values()}) == 1
+    # compose v2 must not try to pull the image tokenmill-2 shares (it is on no registry); v1 builds in
+    # dependency order
+    base = load_yaml(REPO / "docker-compose.yml")["services"]["tokenmill-2"]
+    assert base["pull_policy"] == "never" and base["depends_on"] == ["tokenmill"]
+
+
+def test_the_models_folder_is_in_the_repository():
+    # mounted by default: Docker would create a missing one, owned by root
+    tracked = subprocess.run(["git", "ls-files", "models"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    assert tracked == ["models/README.md"]
+    assert "${TOKENMILL_MODELS_DIR:-./models}:/models:ro" in load_yaml(REPO / "docker-compose.yml")["x-tokenmill"]["volumes"]
 
 
 def test_tokenmill_service_gets_a_gpu_its_config_models_and_a_healthcheck(resolved):

@@ -94,12 +94,21 @@ def test_probe_reports_an_unimportable_triton(monkeypatch):
     assert "cannot be imported" in triton_unavailable_reason(torch.device("cpu"))
 
 
-def test_probe_checks_compute_capability(monkeypatch):
+def test_probe_checks_compute_capability_then_builds_and_launches(monkeypatch):
     pytest.importorskip("triton")
+    from engine.attention import triton_probe
+
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(triton_probe, "toolchain_reason", lambda: pytest.fail("probed below 8.0"))
     assert "7.5" in triton_unavailable_reason(torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert triton_unavailable_reason(torch.device("cuda")) is None
+    launched = []
+    monkeypatch.setattr(triton_probe, "toolchain_reason", lambda: None)
+    monkeypatch.setattr(triton_probe, "kernel_reason", lambda device: launched.append(device))
+    assert triton_unavailable_reason(torch.device("cuda")) is None and launched == [torch.device("cuda")]
+    monkeypatch.setattr(triton_probe, "toolchain_reason", lambda: "no C compiler")
+    assert triton_unavailable_reason(torch.device("cuda")) == "no C compiler"
+    # tests/engine/test_triton_probe.py runs the real checks
 
 
 def test_probe_refuses_other_devices():

@@ -27,11 +27,27 @@ def test_library_path_depends_on_sources_and_lives_in_the_cache(monkeypatch, tmp
     assert cpu_kernels.library_path() != path  # other flags, another library
 
 
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    for name in ("TOKENMILL_KERNEL_CACHE", "TOKENMILL_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cpu_kernels.cache_dir() == tmp_path / "home" / ".cache" / "tokenmill" / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty is unset (XDG base directory spec)
+    assert cpu_kernels.cache_dir() == tmp_path / "home" / ".cache" / "tokenmill" / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the image: /cache, its volume
+    assert cpu_kernels.cache_dir() == tmp_path / "xdg" / "tokenmill" / "kernels"
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "tm"))
+    assert cpu_kernels.cache_dir() == tmp_path / "tm" / "kernels"
+    monkeypatch.setenv("TOKENMILL_KERNEL_CACHE", str(tmp_path / "k"))
+    assert cpu_kernels.cache_dir() == tmp_path / "k"
+
+
 def test_fresh_cache_builds_then_reuses(tmp_path):
-    env = {"TOKENMILL_KERNEL_CACHE": str(tmp_path / "k")}
+    # XDG_CACHE_HOME as the image sets it (its cache volume); the variables before it unset
+    env = {"XDG_CACHE_HOME": str(tmp_path / "xdg"), "TOKENMILL_KERNEL_CACHE": "", "TOKENMILL_CACHE_DIR": ""}
     first = _load_in_subprocess(env, tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
-    built = list((tmp_path / "k").glob("tokenmill_cpu_*.so"))
+    built = list((tmp_path / "xdg" / "tokenmill" / "kernels").glob("tokenmill_cpu_*.so"))
     assert len(built) == 1
     mtime = built[0].stat().st_mtime_ns
     again = _load_in_subprocess(env, tmp_path)

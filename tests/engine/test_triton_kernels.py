@@ -188,6 +188,22 @@ def test_choose_num_splits():
     assert K.choose_num_splits(8, 2, 32768, num_sms=132) == 16
 
 
+def test_start_up_probe_kernel_runs_and_checks_what_it_wrote(monkeypatch):
+    """triton_probe.kernel_reason, the launch half of the CUDA start-up check, on the interpreter."""
+    from engine.attention import triton_probe
+
+    cpu = torch.device("cpu")
+    assert triton_probe.kernel_reason(cpu) is None
+    monkeypatch.setattr(K, "store_kv", lambda *args: None)  # launches, writes nothing
+    assert triton_probe.kernel_reason(cpu) == "a test kernel ran but wrote wrong values"
+
+    def fails(*args):
+        raise RuntimeError("PTXAS error:\n  line 2")
+
+    monkeypatch.setattr(K, "store_kv", fails)
+    assert triton_probe.kernel_reason(cpu) == "a test kernel failed to compile or run (RuntimeError: PTXAS error: line 2)"
+
+
 def test_auto_selection_on_cpu_is_never_triton_even_under_the_interpreter():
     assert not isinstance(select_backend("cpu"), TritonAttentionBackend)
     assert isinstance(select_backend("cpu", "triton"), TritonAttentionBackend)
