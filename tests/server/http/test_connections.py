@@ -185,10 +185,15 @@ def test_flood_of_stalled_connections_does_not_starve_a_normal_client(tiny_model
         for i, kind in enumerate(attackers.kinds):
             if kind != "idle":  # an unfinished request is answered 408 (timeout) or 503 (evicted)
                 assert attackers.first.get(i, b"")[:12] in (b"HTTP/1.1 408", b"HTTP/1.1 503"), attackers.first.get(i)
-        # The normal client was answered, fast, the whole time.
+        # The normal client was answered the whole time, and never waited on an attacker: a starved
+        # request waits for a slot to time out (TIMEOUT_S) or fails. One probe past 1 s is scheduling
+        # noise on 2 shared cores (seen in CI: one /health at 1.04 s), so the typical probe is held to
+        # 0.5 s and every probe to under TIMEOUT_S.
         assert len(prober.results) >= 8, prober.results
-        slow = [r for r in prober.results if r[1] != 200 or r[2] >= 1.0]
-        assert not slow, slow
+        failed = [r for r in prober.results if r[1] != 200 or r[2] >= TIMEOUT_S]
+        assert not failed, failed
+        seconds = sorted(r[2] for r in prober.results)
+        assert seconds[len(seconds) // 2] < 0.5, prober.results
 
         scrape = Scrape(url)
         closed = {r: scrape.get("tokenmill_http_connections_closed_total", reason=r)
