@@ -29,7 +29,8 @@ from server.prompt.codec import PromptCodec, check_prompt_bytes
 from server.prompt.structured import GrammarRequest, requested_grammar, with_grammar
 from server.prompt.tools import plan_tools
 from server.serving.deployment import Lease
-from server.serving.dispatch import cache_scope, picked
+from server.ops.feedback import RecordKey
+from server.serving.dispatch import cache_scope, picked, request_owner
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Handle
 from server.serving.runtime import Runtime
@@ -100,7 +101,9 @@ async def chat_completions(request: Request, call: ChatCall) -> Response:
         grammar = _one_grammar(output, tools.grammar)
         messages = tools.messages
         asked = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), None)
-        check_prompt_bytes(dep.codec, message_texts(messages), max(asked or 1, 1), dep.max_model_len, "messages")
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        check_prompt_bytes(dep.codec, message_texts(messages), max(asked or 1, 1), dep.max_model_len, "messages",
+                           max_tokens_field=field)  # fmt: skip
         try:
             ids = await dep.codec.chat(messages, body.render_options(), tools.template_tools)
         except ApiError:
@@ -116,7 +119,7 @@ async def chat_completions(request: Request, call: ChatCall) -> Response:
         params = with_grammar(body.sampling_params(max_tokens, logprobs, logit_bias=body.bias()), spec)
         shape = ChatShape(lease, slot.name, f"chatcmpl-{uuid.uuid4().hex}", body.choices_per_prompt,
                           params.logprobs is not None, body.include_usage, tools.new_parser)  # fmt: skip
-        handles = await _start(rt, request, body, [ids], params, shape.id, lease)
+        handles = await _start(rt, request, body, [ids], params, shape.id, lease, field)
     return await respond(rt, request, handles, shape, bool(body.stream))
 
 
@@ -154,17 +157,20 @@ async def _completion_prompts(codec: PromptCodec, max_model_len: int, prompt: st
 
 
 async def _start(rt: Runtime, request: Request, body: OpenAIFields, prompts: list[list[int]],
-                 params: SamplingParams, response_id: str, lease: Lease) -> list[Handle]:  # fmt: skip
-    """Admit every choice: `body.n` samples of each prompt (choice index = prompt x n + sample)."""
+                 params: SamplingParams, response_id: str, lease: Lease,
+                 max_tokens_field: str = "max_tokens") -> list[Handle]:  # fmt: skip
+    """Admit every choice: `body.n` samples of each prompt (choice index = prompt x n + sample), each
+    recorded for feedback under (response_id, its index). `max_tokens_field`: the body's name for it."""
     n = body.choices_per_prompt
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError(400, "invalid_request", f"prompts x n must be at most {MAX_CHOICES}", param="n")
-    scope = cache_scope(rt, request, body.user)
+    scope, owner = cache_scope(rt, request, body.user), request_owner(rt, request, body.user)
 
     def choice(p: int, j: int) -> GenerationRequest:
         index = p * n + j
-        rid = response_id if len(prompts) * n == 1 else f"{response_id}-{index}"
+        rid = response_id if len(prompts) * n == 1 else f"{response_id}-{index}"  # the engine's id
         return GenerationRequest(rid, prompts[p], sample_params(params, j), body.lane(), body.timeout_s,
-                                 body.first_token_timeout_s, body.cache, scope)  # fmt: skip
+                                 body.first_token_timeout_s, body.cache, scope, max_tokens_field=max_tokens_field,
+                                 record=RecordKey(owner, response_id, index))  # rated as (response id, choice)
 
     return await start_choices(rt, request, lease, [[choice(p, j) for j in range(n)] for p in range(len(prompts))])

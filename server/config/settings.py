@@ -200,14 +200,14 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _check_key(cls, value: str | None) -> str | None:
         if value is not None:
-            _check_api_key(value)
+            _check_api_key(value, "api_key")
         return value
 
-    @field_validator("api_keys")
+    @field_validator("api_keys", "admin_api_keys")
     @classmethod
-    def _check_keys(cls, value: list[str]) -> list[str]:
+    def _check_keys(cls, value: list[str], info: Any) -> list[str]:
         for key in value:
-            _check_api_key(key)
+            _check_api_key(key, info.field_name)
         return value
 
     @field_validator("models", mode="before")
@@ -312,13 +312,15 @@ class ServerSettings(BaseSettings):
 
 
 
-def _check_api_key(key: str) -> None:
+def _check_api_key(key: str, setting: str) -> None:
     """An empty key would let `Authorization: Bearer ` through, or (unset by mistake) turn auth off
-    silently: refuse to start instead."""
+    silently: refuse to start instead. The same for API keys and admin keys; `setting` names the field."""
+    what = "admin API keys" if setting == "admin_api_keys" else "API keys"
+    off = "to leave the admin API off" if setting == "admin_api_keys" else "to run without authentication"
     if not isinstance(key, str) or not key.strip():
-        raise ValueError("API keys must not be empty (unset the setting to run without authentication)")
+        raise ValueError(f"{setting}: {what} must not be empty (unset the setting {off})")
     if key != key.strip() or any(c.isspace() for c in key):
-        raise ValueError("API keys must not contain whitespace")
+        raise ValueError(f"{setting}: {what} must not contain whitespace")
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):

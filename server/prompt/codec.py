@@ -91,20 +91,22 @@ class PromptCodec:
             lane.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def check_prompt_bytes(codec: PromptCodec, texts: list[str], max_tokens: int, max_model_len: int, param: str) -> None:
+def check_prompt_bytes(codec: PromptCodec, texts: list[str], max_tokens: int, max_model_len: int, param: str,
+                       max_tokens_field: str = "max_tokens") -> None:  # fmt: skip
     """Raise ApiError 400 when `texts` are too many bytes to fit the context with `max_tokens`, before
     anything tokenizes them. Prompts up to LARGE_PROMPT_CHARS are left to the exact check after
-    tokenization (cheap for them, and its message counts tokens). `param`: the prompt's field."""
+    tokenization (cheap for them, and its message counts tokens). `param`: the prompt's field;
+    `max_tokens_field`: the body's name for max_tokens (max_output_tokens on /v1/responses)."""
     if sum(len(t) for t in texts) <= LARGE_PROMPT_CHARS:
         return
     nbytes = text_bytes(texts)
     least = codec.min_tokens(nbytes)
     if least + max_tokens > max_model_len:
-        param = param if least >= max_model_len else "max_tokens"
+        param = param if least >= max_model_len else max_tokens_field
         raise ApiError(
             400, "invalid_request",
             f"prompt ({nbytes} bytes: at least {least} tokens, as no token is longer than "
-            f"{codec.max_bytes_per_token} bytes) + max_tokens ({max_tokens}) exceeds the context length "
+            f"{codec.max_bytes_per_token} bytes) + {max_tokens_field} ({max_tokens}) exceeds the context length "
             f"max_model_len ({max_model_len})", param=param,
         )  # fmt: skip
 

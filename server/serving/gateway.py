@@ -16,6 +16,7 @@ from fastapi import Request
 from engine.api import SamplingParams
 from server.config.lanes import Lane
 from server.http.errors import ApiError
+from server.ops.feedback import RecordKey
 from server.serving.handle import Completed
 from server.serving.ticket import Collector, Event, Finished, ServerError, Started, Ticket, Tokens
 from server.serving.worker import DuplicateRequestId, WorkerUnavailable
@@ -40,6 +41,8 @@ class GenerationRequest:
     first_token_timeout_s: float | None = None
     cache: bool = True  # the client's `cache` field: False never reads or writes the response cache
     scope: str = ""  # whose cache entries it may see (server/serving/dispatch.py cache_scope)
+    max_tokens_field: str = "max_tokens"  # the body's name for max_tokens, as errors name it
+    record: RecordKey | None = None  # whose request it is and the id feedback rates it by; None: request_id
 
 
 def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHandle:
@@ -53,9 +56,9 @@ def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHand
     if n + max_tokens > max_len:
         raise ApiError(
             400, "invalid_request",
-            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the context length "
-            f"max_model_len ({max_len})",
-            param="prompt" if n >= max_len else "max_tokens",
+            f"prompt ({n} tokens) + {req.max_tokens_field} ({max_tokens}) = {n + max_tokens} exceeds the context "
+            f"length max_model_len ({max_len})",
+            param="prompt" if n >= max_len else req.max_tokens_field,
         )  # fmt: skip
     lane = req.lane if req.lane is not None else runtime.lane_for_size(n + max_tokens)
     defaults = runtime.settings.lane_deadlines(lane)
@@ -68,6 +71,7 @@ def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHand
         queue_timeout_s=defaults.queue_s,
         first_token_timeout_s=req.first_token_timeout_s or defaults.first_token_s,
         timeout_s=req.timeout_s or defaults.total_s,
+        record=req.record,
     )
     try:
         rejection = dep.worker.submit(ticket)
