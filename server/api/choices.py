@@ -12,7 +12,6 @@ sent: a 429 for any choice closes the others and answers 429.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -43,7 +42,7 @@ def sample_params(params: SamplingParams, j: int) -> SamplingParams:
     if j == 0 or params.seed is None:
         return params
     seed = params.seed + j
-    return dataclasses.replace(params, seed=seed if seed <= 2**64 - 1 else seed % 2**64)
+    return params.with_seed(seed if seed <= 2**64 - 1 else seed % 2**64)
 
 
 async def start_choices(rt: Runtime, request: Request, lease: Lease,

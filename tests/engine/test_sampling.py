@@ -229,3 +229,11 @@ def test_logit_bias_tensors_are_built_once_per_request_and_match_the_reference(m
     assert sorted(builds) == [f"b{i}" for i in range(rows)]  # once each, not once per step
     ids, values = biased[0].bias
     assert ids.tolist() == list(range(vocab)) and values.dtype == torch.float32
+
+
+def test_with_seed_copies_everything_but_the_seed_and_checks_it():
+    p = SamplingParams(temperature=0.7, seed=1, logit_bias={t: 1.0 for t in range(1000)}, stop=["x"])
+    q = p.with_seed(5)
+    assert q.seed == 5 and p.seed == 1 and q.logit_bias is p.logit_bias and q.stop == p.stop
+    with pytest.raises(ValueError, match="seed"):
+        p.with_seed(2**64)
