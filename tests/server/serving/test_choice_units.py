@@ -47,6 +47,15 @@ def test_a_hundred_prompts_on_an_idle_server_all_succeed(srv):
     assert srv.runtime.primary.leases == 0
 
 
+def test_the_documented_1024_choices_succeed_and_1025_are_refused(srv):
+    r = completions(srv.url, prompt=[[5 + i % 100, 7] for i in range(1024)], max_tokens=1, timeout=120)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1024
+    r = completions(srv.url, prompt=[[5, 7]] * 1025, max_tokens=1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    srv.wait_idle()
+
+
 def test_two_prompts_times_n_64_succeed(srv):
     r = completions(srv.url, prompt=["def f(x):", "class A:"], n=64, max_tokens=3, temperature=1.0, seed=9)
     assert r.status_code == 200, r.text
