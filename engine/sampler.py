@@ -8,6 +8,8 @@ exponential race (argmax of p / E over a full row of Exp(1) noise) cost 26 ms a 
 49k vocabulary on one CPU core, the inverse CDF in PyTorch about 5 ms, and on the CPU the C++ kernel
 (torch.ops.tokenmill.sample_rows: greedy and unfiltered rows, two passes per row) under 1 ms.
 Logprobs are those of the model's raw distribution (before penalties, logit_bias and temperature).
+A request's logit_bias becomes tensors once, on its first step (kept on the request), and every biased
+row of a step gets it in one scatter-add: a full-vocabulary bias costs no Python work per step.
 A row whose chosen score is not finite (NaN or inf logits) yields no token (None): the engine fails
 that request alone instead of emitting whatever index argmax picks from NaNs.
 
@@ -134,6 +136,9 @@ class Sampler:
         logits = logits.float() if logits.dtype != torch.float32 else logits.clone()  # a copy either way
         for i in rows:
             _penalise_row(logits[i], reqs[i])
+        _add_bias(logits, reqs, [i for i in rows if reqs[i].params.logit_bias])
+        for i in rows:
+            _ban_until_min_tokens(logits[i], reqs[i])
         return logits
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,6 +180,7 @@ def _needs_processing(r: Request) -> bool:
 
 
 def _penalise_row(row: torch.Tensor, r: Request) -> None:
+    """Repetition, presence and frequency penalties, in place on one float32 row."""
     p, dev = r.params, row.device
     if p.repetition_penalty != 1.0:
         # As transformers: over prompt and output tokens, shrink positive logits, grow negative ones.
@@ -185,9 +191,36 @@ def _penalise_row(row: torch.Tensor, r: Request) -> None:
         # As OpenAI: over output tokens only.
         ids, counts = torch.tensor(r.output_token_ids, device=dev).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
-    if p.logit_bias:  # OpenAI's logit_bias: added to the logits, before temperature
-        ids = torch.tensor([t for t, _ in p.logit_bias], device=dev)
-        row[ids] += torch.tensor([b for _, b in p.logit_bias], device=dev, dtype=row.dtype)
+
+
+def _add_bias(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
+    """OpenAI's logit_bias, added to the logits before temperature: one scatter-add for every biased row
+    of the batch, from each request's cached tensors (built on its first step, not per step).
+    logits: [N, vocab] float32, in place."""
+    if not rows:
+        return
+    dev = logits.device
+    parts = [_bias_tensors(reqs[i], dev) for i in rows]
+    counts = torch.tensor([ids.numel() for ids, _ in parts], device=dev)
+    row_idx = torch.repeat_interleave(torch.tensor(rows, device=dev), counts)  # [sum k]
+    col_idx = torch.cat([ids for ids, _ in parts]) if len(parts) > 1 else parts[0][0]
+    values = torch.cat([vals for _, vals in parts]) if len(parts) > 1 else parts[0][1]
+    logits.index_put_((row_idx, col_idx), values, accumulate=True)
+
+
+def _bias_tensors(r: Request, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """r's logit_bias as (token ids [k], biases [k] float32) on `device`, built once and kept on r."""
+    if r.bias is None or r.bias[0].device != device:
+        pairs = r.params.logit_bias
+        ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=device)
+        values = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device)
+        r.bias = (ids, values)
+    return r.bias
+
+
+def _ban_until_min_tokens(row: torch.Tensor, r: Request) -> None:
+    """Before min_tokens, EOS (unless ignored) and stop_token_ids cannot be drawn: -inf, in place."""
+    p, dev = r.params, row.device
     if r.num_output_tokens < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
         banned = [t for t in banned if t < row.shape[0]]

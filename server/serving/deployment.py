@@ -31,7 +31,7 @@ from server.prompt.codec import PromptCodec
 from server.prompt.structured import GrammarService
 from server.prompt.tools import probe_template
 from server.serving.admission import Admission
-from server.serving.capacity import usable_context
+from server.serving.capacity import engine_seats, usable_context
 from server.serving.ticket import Collector, Finished, ServerError, Ticket, Tokens
 from server.serving.worker import Worker
 
@@ -86,6 +86,7 @@ class Deployment:
         self.spec = spec
         self.engine_name = engine.model_name  # the folder's name: accepted as an alias of the model
         self.max_model_len: int = usable_context(engine)  # the KV cache's size when that is smaller
+        self.max_num_seqs: int = engine_seats(engine, settings.max_num_seqs)  # seats: a request's share of them
         self.engine_desc = {"dtype": engine.dtype_name, "device": engine.device_name}
         self.kv_cache_bytes: int | None = getattr(engine, "kv_cache_bytes", None)  # the real engine's KV budget
         # copied before the worker owns the engine; the server's --chat-template replaces the model's

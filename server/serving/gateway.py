@@ -7,7 +7,7 @@ before any of this (server/api/respond.py `generation`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +22,7 @@ from server.serving.ticket import Collector, Event, Finished, ServerError, Start
 from server.serving.worker import DuplicateRequestId, WorkerUnavailable
 
 if TYPE_CHECKING:
-    from server.serving.deployment import Lease
+    from server.serving.deployment import Deployment, Lease
     from server.serving.response_cache import Recorder
     from server.serving.runtime import Runtime
 
@@ -46,10 +46,63 @@ class GenerationRequest:
 
 
 def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHandle:
-    """Check the request against the context length of the version the route picked (`lease`), pick its
-    lane and queue it there. Raises ApiError: 400 (empty or too long), 409 (request_id in flight),
-    429 (lane full), 503 (not serving)."""
-    dep = lease.deployment
+    """admit_unit() for a request of one choice."""
+    return admit_unit(runtime, [(lease, req)])[0]
+
+
+def admit_unit(runtime: Runtime, choices: Sequence[tuple[Lease, GenerationRequest]], held: Collection[int] = (),
+               param: str = "n") -> list[RequestHandle]:  # fmt: skip
+    """Admit the choices of one request (each with its lease on one version, in index order) as one unit:
+    all or none, one lane (the client's `priority`, else chosen by the largest choice), one request
+    against its request bound and their tokens in all against its token bound. Choices past the
+    request's share of the engine's seats (`seat_share`) run one priority level lower, so another
+    client's request starts promptly. Choices whose positions are in `held` wait for their handle's
+    release(). Takes over the leases. Raises ApiError: 400 (empty or too long; a unit its lane can
+    never hold, naming `param`), 409 (request_id in flight), 429 (lane full), 503 (not serving)."""
+    dep = choices[0][0].deployment
+    for _, req in choices:
+        _check_context(dep, req)
+    req0 = choices[0][1]
+    largest = max(len(req.prompt_token_ids) + req.params.max_tokens for _, req in choices)
+    lane = req0.lane if req0.lane is not None else runtime.lane_for_size(largest)
+    share = seat_share(dep.max_num_seqs)
+    tickets = [_ticket(runtime, req, lane, None if k < share else int(lane) + 1)
+               for k, (_, req) in enumerate(choices)]  # fmt: skip
+    total = sum(t.tokens for t in tickets)
+    if dep.admission.never_fits(lane, total, len(tickets)):
+        bound = dep.admission.bounds(lane).max_tokens
+        raise ApiError(
+            400, "invalid_request",
+            f"this request's {len(tickets)} choices need {total} tokens (prompt + max_tokens each), more than "
+            f"the {lane.label} lane ever holds ({lane.label}_max_queued_tokens = {bound}); send fewer choices "
+            "or fewer max_tokens, or another priority", param=param,
+        )  # fmt: skip
+    try:
+        rejection = dep.worker.submit_unit(tickets, {tickets[k].request_id for k in held})
+    except DuplicateRequestId as exc:
+        raise ApiError(409, "conflict", str(exc), param="request_id") from None
+    except WorkerUnavailable as exc:
+        raise ApiError(503, "unhealthy", str(exc), headers={"Retry-After": "5"}) from None
+    if rejection is not None:
+        runtime.accounting.rejected(dep, tickets[0], rejection)  # one request, however many choices
+        raise ApiError(
+            429, "overloaded",
+            f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
+            headers={"Retry-After": str(rejection.retry_after_s)},
+            extra={"lane": lane.label},
+            accounted=True,  # counted and logged by accounting.rejected
+        )  # fmt: skip
+    return [RequestHandle(runtime, ticket, lease) for ticket, (lease, _) in zip(tickets, choices, strict=True)]
+
+
+def seat_share(max_num_seqs: int) -> int:
+    """How many choices of one request run at its lane's priority: a quarter of the engine's seats (at least
+    one). The rest run a level lower, so they never hold every seat against another client's request."""
+    return max(1, max_num_seqs // 4)
+
+
+def _check_context(dep: Deployment, req: GenerationRequest) -> None:
+    """400 when the prompt is empty or prompt + max_tokens exceeds the version's context."""
     n, max_tokens, max_len = len(req.prompt_token_ids), req.params.max_tokens, dep.max_model_len
     if n == 0:
         raise ApiError(400, "invalid_request", "prompt must not be empty", param="prompt")
@@ -60,9 +113,11 @@ def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHand
             f"length max_model_len ({max_len})",
             param="prompt" if n >= max_len else req.max_tokens_field,
         )  # fmt: skip
-    lane = req.lane if req.lane is not None else runtime.lane_for_size(n + max_tokens)
+
+
+def _ticket(runtime: Runtime, req: GenerationRequest, lane: Lane, priority: int | None) -> Ticket:
     defaults = runtime.settings.lane_deadlines(lane)
-    ticket = Ticket(
+    return Ticket(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
         params=req.params,
@@ -72,23 +127,8 @@ def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHand
         first_token_timeout_s=req.first_token_timeout_s or defaults.first_token_s,
         timeout_s=req.timeout_s or defaults.total_s,
         record=req.record,
+        priority=priority,
     )
-    try:
-        rejection = dep.worker.submit(ticket)
-    except DuplicateRequestId as exc:
-        raise ApiError(409, "conflict", str(exc), param="request_id") from None
-    except WorkerUnavailable as exc:
-        raise ApiError(503, "unhealthy", str(exc), headers={"Retry-After": "5"}) from None
-    if rejection is not None:
-        runtime.accounting.rejected(dep, ticket, rejection)
-        raise ApiError(
-            429, "overloaded",
-            f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
-            headers={"Retry-After": str(rejection.retry_after_s)},
-            extra={"lane": lane.label},
-            accounted=True,  # counted and logged by accounting.rejected
-        )  # fmt: skip
-    return RequestHandle(runtime, ticket, lease)
 
 
 def start_error(error: ServerError) -> ApiError:
@@ -196,6 +236,10 @@ class RequestHandle:
     async def aclose(self) -> None:
         """close() for Starlette background tasks (a sync one would run on a thread pool)."""
         self.close()
+
+    def release(self) -> None:
+        """Hand a held choice (admit_unit's `held`) to the engine."""
+        self.worker.release(self.ticket)
 
     def close(self, error: ServerError | None = None) -> None:
         """`error`: why it is aborted if it has not finished (None: the client went away)."""

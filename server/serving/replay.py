@@ -85,6 +85,9 @@ class ReplayHandle:
         self.runtime.accounting.cache_hit(self.lease.deployment, ticket)
         return self.finished
 
+    def release(self) -> None:
+        pass  # nothing waits in an engine
+
     async def aclose(self) -> None:
         self.close()
 

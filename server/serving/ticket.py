@@ -66,6 +66,9 @@ class Ticket:
     timeout_s: float | None = None
     internal: bool = False  # warm-up: not counted in metrics or logs
     record: RecordKey | None = None  # whose it is and the ids feedback rates it by; None: (no owner, request_id)
+    # the engine priority it runs at: its lane's (None), or one level lower for a request's choices past
+    # its share of the engine's seats (server/serving/gateway.py admit_unit)
+    priority: int | None = None
     # -- written by the worker; read by the route once Finished arrived -----------------------------------
     arrival: float = 0.0  # clock time it was admitted; the engine orders it and times its deadlines by it
     started_at: float | None = None  # the engine first scheduled it
@@ -85,6 +88,10 @@ class Ticket:
     @property
     def record_key(self) -> RecordKey:
         return self.record or RecordKey("", self.request_id)
+
+    @property
+    def engine_priority(self) -> int:
+        return int(self.lane) if self.priority is None else self.priority
 
     @property
     def tokens(self) -> int:

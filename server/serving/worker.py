@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from engine.api import EngineProtocol, EngineStats, FinishReason, InvalidParam, RequestOutput
@@ -116,20 +116,35 @@ class Worker:
     def submit(self, ticket: Ticket) -> Rejection | None:
         """Admit `ticket` to its lane and hand it to the engine, or say why not.
         Raises DuplicateRequestId, WorkerUnavailable."""
+        return self.submit_unit([ticket])
+
+    def submit_unit(self, unit: Sequence[Ticket], held: Collection[str] = ()) -> Rejection | None:
+        """Admit the tickets of one request (its choices; one lane) as one unit (server/serving/admission.py),
+        or say why not; hand them to the engine, except those named in `held`, which wait (admitted,
+        counted in the lane) for release(). Raises DuplicateRequestId, WorkerUnavailable."""
         if not self.alive:
             raise WorkerUnavailable("the engine worker is not running")
+        lane, tokens = unit[0].lane, sum(t.tokens for t in unit)
         now = self._clock()
         with self._lock:
-            if ticket.request_id in self._tickets:
-                raise DuplicateRequestId(f"request_id {ticket.request_id!r} is already in flight")
-            if not self._admission.fits(ticket.lane, ticket.tokens):
-                reason = self._admission.full_reason(ticket.lane)
-                return Rejection(ticket.lane, self._admission.retry_after(ticket.lane, now), reason)
-            ticket.arrival = now
-            self._admission.admit(ticket.request_id, ticket.lane, ticket.tokens)
-            self._tickets[ticket.request_id] = ticket
-        self._inbox.put(_Submit(ticket))
+            for ticket in unit:
+                if ticket.request_id in self._tickets:
+                    raise DuplicateRequestId(f"request_id {ticket.request_id!r} is already in flight")
+            if not self._admission.fits(lane, tokens):
+                reason = self._admission.full_reason(lane)
+                return Rejection(lane, self._admission.retry_after(lane, now), reason)
+            self._admission.admit_unit(lane, {t.request_id: t.tokens for t in unit})
+            for ticket in unit:
+                ticket.arrival = now
+                self._tickets[ticket.request_id] = ticket
+        for ticket in unit:
+            if ticket.request_id not in held:
+                self._inbox.put(_Submit(ticket))
         return None
+
+    def release(self, ticket: Ticket) -> None:
+        """Hand a ticket submit_unit() held to the engine (it keeps its arrival time and place in line)."""
+        self._inbox.put(_Submit(ticket))
 
     def abort(self, request_id: str, error: ServerError | None = None) -> None:
         """End a queued or running request (no-op when it already finished)."""
@@ -204,7 +219,7 @@ class Worker:
                 ticket.request_id,
                 prompt_token_ids=ticket.prompt_token_ids,
                 params=ticket.params,
-                priority=int(ticket.lane),
+                priority=ticket.engine_priority,
                 arrival_time=ticket.arrival,
                 deadlines=ticket.deadlines(),
             )
@@ -281,6 +296,11 @@ class Worker:
         if ticket is not None:
             self._safe_abort(request_id)
             self._finish(ticket, "abort", error)
+            return
+        with self._lock:
+            held = self._tickets.get(request_id)  # admitted, never handed to the engine (submit_unit held it)
+        if held is not None and held.finished_at is None:
+            self._finish(held, "abort", error)
 
     def _fail_all(self, error: ServerError) -> None:
         with self._lock:
