@@ -30,7 +30,7 @@ from server.prompt.structured import GrammarRequest, requested_grammar, with_gra
 from server.prompt.tools import plan_tools
 from server.serving.deployment import Lease
 from server.serving.dispatch import cache_scope, picked
-from server.serving.gateway import GenerationRequest
+from server.serving.gateway import GenerationRequest, precheck
 from server.serving.handle import Handle
 from server.serving.runtime import Runtime
 
@@ -72,6 +72,8 @@ async def completions(request: Request, call: CompletionCall) -> Response:
     asked = requested_grammar(body)
     with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
+        if asked is not None:
+            dep.grammars.check(asked)  # its size: before the prompt is even tokenized
         prompts = await _completion_prompts(dep.codec, dep.max_model_len, body.prompt, max_tokens,
                                             body.add_special_tokens)  # fmt: skip
         cut = [(_truncated(ids, body.truncate_prompt_tokens), ids, text) for ids, text in prompts]
@@ -79,8 +81,8 @@ async def completions(request: Request, call: CompletionCall) -> Response:
         extra: dict[str, Any] = {"logit_bias": body.bias()}
         if body.echo and (body.logprobs is not None or max_tokens == 0):  # max_tokens 0: the engine runs the prompt
             extra["prompt_logprobs"] = body.logprobs or 0
-        spec = await dep.grammars.compile(asked) if asked is not None else None
-        params = with_grammar(body.sampling_params(max_tokens, body.logprobs, **extra), spec)
+        params = await _constrained(rt, lease, body, [ids for ids, _ in prompts],
+                                    body.sampling_params(max_tokens, body.logprobs, **extra), asked)  # fmt: skip
         shape = CompletionShape(lease, slot.name, f"cmpl-{uuid.uuid4().hex}", body.choices_per_prompt,
                                 params.logprobs is not None, body.include_usage, prompts if body.echo else None)  # fmt: skip
         handles = await _start(rt, request, body, [ids for ids, _ in prompts], params, shape.id, lease)
@@ -98,6 +100,8 @@ async def chat_completions(request: Request, call: ChatCall) -> Response:
         tools = plan_tools(body, body.messages, template_messages(body.messages, dep.codec.content_format),
                            dep.tool_template, dep.tool_parser, dep.grammars.compiler is not None)  # fmt: skip
         grammar = _one_grammar(output, tools.grammar)
+        if grammar is not None:
+            dep.grammars.check(grammar)
         messages = tools.messages
         asked = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), None)
         check_prompt_bytes(dep.codec, message_texts(messages), max(asked or 1, 1), dep.max_model_len, "messages")
@@ -112,12 +116,25 @@ async def chat_completions(request: Request, call: ChatCall) -> Response:
         # cache's when that is smaller (dep.max_model_len is the smaller of the two).
         max_tokens = asked if asked is not None else max(1, dep.max_model_len - len(ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        spec = await dep.grammars.compile(grammar) if grammar is not None else None
-        params = with_grammar(body.sampling_params(max_tokens, logprobs, logit_bias=body.bias()), spec)
+        params = await _constrained(rt, lease, body, [ids], body.sampling_params(max_tokens, logprobs,
+                                    logit_bias=body.bias()), grammar)  # fmt: skip
         shape = ChatShape(lease, slot.name, f"chatcmpl-{uuid.uuid4().hex}", body.choices_per_prompt,
                           params.logprobs is not None, body.include_usage, tools.new_parser)  # fmt: skip
         handles = await _start(rt, request, body, [ids], params, shape.id, lease)
     return await respond(rt, request, handles, shape, bool(body.stream))
+
+
+async def _constrained(rt: Runtime, lease: Lease, body: OpenAIFields, prompts: list[list[int]],
+                       params: SamplingParams, asked: GrammarRequest | None) -> SamplingParams:  # fmt: skip
+    """params with the grammar `asked` compiled, once the request passed every check that needs no
+    compile (the combination of fields, each prompt's fit in the context, room in the lane), so a request
+    that would be refused compiles nothing."""
+    if asked is None:
+        return params
+    with_grammar(params, asked.spec)  # refuses combinations (min_tokens) before compiling
+    for i, ids in enumerate(prompts):
+        precheck(rt, lease, GenerationRequest("precheck", ids, params, body.lane()), lane_room=i == 0)
+    return with_grammar(params, await lease.deployment.grammars.compile(asked))
 
 
 def _one_grammar(output: GrammarRequest | None, calls: GrammarRequest | None) -> GrammarRequest | None:

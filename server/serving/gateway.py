@@ -47,16 +47,8 @@ def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHand
     lane and queue it there. Raises ApiError: 400 (empty or too long), 409 (request_id in flight),
     429 (lane full), 503 (not serving)."""
     dep = lease.deployment
-    n, max_tokens, max_len = len(req.prompt_token_ids), req.params.max_tokens, dep.max_model_len
-    if n == 0:
-        raise ApiError(400, "invalid_request", "prompt must not be empty", param="prompt")
-    if n + max_tokens > max_len:
-        raise ApiError(
-            400, "invalid_request",
-            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the context length "
-            f"max_model_len ({max_len})",
-            param="prompt" if n >= max_len else "max_tokens",
-        )  # fmt: skip
+    n, max_tokens = len(req.prompt_token_ids), req.params.max_tokens
+    check_context(dep.max_model_len, n, max_tokens)
     lane = req.lane if req.lane is not None else runtime.lane_for_size(n + max_tokens)
     defaults = runtime.settings.lane_deadlines(lane)
     ticket = Ticket(
@@ -85,6 +77,34 @@ def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHand
             accounted=True,  # counted and logged by accounting.rejected
         )  # fmt: skip
     return RequestHandle(runtime, ticket, lease)
+
+
+def check_context(max_len: int, n: int, max_tokens: int) -> None:
+    """Raises ApiError 400 when a prompt of `n` tokens is empty or, with max_tokens, does not fit `max_len`."""
+    if n == 0:
+        raise ApiError(400, "invalid_request", "prompt must not be empty", param="prompt")
+    if n + max_tokens > max_len:
+        raise ApiError(
+            400, "invalid_request",
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the context length "
+            f"max_model_len ({max_len})",
+            param="prompt" if n >= max_len else "max_tokens",
+        )  # fmt: skip
+
+
+def precheck(runtime: Runtime, lease: Lease, req: GenerationRequest, lane_room: bool = True) -> None:
+    """admit()'s checks without admitting anything: the context length (400) and, with `lane_room`, room in
+    the request's lane now (429). A route runs them before costly work (a grammar compile), so a request
+    that admit() would refuse costs nothing; admit() checks again."""
+    dep = lease.deployment
+    n, max_tokens = len(req.prompt_token_ids), req.params.max_tokens
+    check_context(dep.max_model_len, n, max_tokens)
+    lane = req.lane if req.lane is not None else runtime.lane_for_size(n + max_tokens)
+    rejection = dep.worker.room(lane, n + max_tokens) if lane_room else None
+    if rejection is not None:
+        dep.metrics.observe_rejected(lane, rejection.reason)
+        raise ApiError(429, "overloaded", f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
+                       headers={"Retry-After": str(rejection.retry_after_s)}, extra={"lane": lane.label})  # fmt: skip
 
 
 def start_error(error: ServerError) -> ApiError:
