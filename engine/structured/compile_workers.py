@@ -108,6 +108,7 @@ class _Lane:
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_queued)
         self._child: _Child | None = None
         self.killed = 0  # children killed at a job's budget
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"tokenmill-grammar-{name}", daemon=True)
         self._thread.start()
 
@@ -123,22 +124,31 @@ class _Lane:
             raise CompileQueueFull(f"the {self.name} grammar compile queue is full; try again later") from None
 
     def close(self) -> None:
+        """Kill the child now (a compile in progress fails) and end the thread; queued jobs fail."""
+        self._closed = True
         try:
             self._jobs.put_nowait(None)
         except queue.Full:
             pass
+        child = self._child
+        if child is not None:
+            child.proc.kill()
         self._thread.join(5.0)
 
     def _run(self) -> None:
         try:
             self._ensure_child()  # started before any job: its start-up is nobody's budget
         except Exception:
-            log.exception("grammar compile worker (%s lane) failed to start", self.name)
+            if not self._closed:
+                log.exception("grammar compile worker (%s lane) failed to start", self.name)
         while True:
             job = self._jobs.get()
             if job is None:
                 break
             if not job.future.set_running_or_notify_cancel():
+                continue
+            if self._closed:
+                job.future.set_exception(GrammarError("the grammar compiler is closed"))
                 continue
             try:
                 job.future.set_result(self._serve(job))
@@ -147,8 +157,14 @@ class _Lane:
         if self._child is not None:
             self._child.kill()
             self._child = None
+        while not self._jobs.empty():  # what was queued behind the close
+            job = self._jobs.get_nowait()
+            if job is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(GrammarError("the grammar compiler is closed"))
 
     def _ensure_child(self) -> _Child:
+        if self._closed:
+            raise GrammarError("the grammar compiler is closed")
         if self._child is None or self._child.proc.poll() is not None:
             self._child = _Child(self._setup, self._nice)
         return self._child
@@ -180,7 +196,8 @@ class _Lane:
         try:
             self._ensure_child()
         except Exception:
-            log.exception("grammar compile worker (%s lane) failed to restart", self.name)
+            if not self._closed:
+                log.exception("grammar compile worker (%s lane) failed to restart", self.name)
 
 
 class CompilePool:
