@@ -123,7 +123,7 @@ class _Lane:
         except queue.Full:
             raise CompileQueueFull(f"the {self.name} grammar compile queue is full; try again later") from None
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Kill the child now (a compile in progress fails) and end the thread; queued jobs fail."""
         self._closed = True
         try:
@@ -133,7 +133,8 @@ class _Lane:
         child = self._child
         if child is not None:
             child.proc.kill()
-        self._thread.join(5.0)
+        if wait:
+            self._thread.join(5.0)
 
     def _run(self) -> None:
         try:
@@ -223,6 +224,7 @@ class CompilePool:
         """Each lane's child process id (None while it has none)."""
         return {"small": self.small.pid, "large": self.large.pid}
 
-    def close(self) -> None:
-        self.small.close()
-        self.large.close()
+    def close(self, wait: bool = True) -> None:
+        """Kill both children; `wait`: for the lanes' threads to end too."""
+        self.small.close(wait)
+        self.large.close(wait)

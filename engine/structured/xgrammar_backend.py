@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -99,6 +100,8 @@ class XGrammarCompiler(CachingCompiler):
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids))  # fmt: skip
         self.pool = CompilePool({"tokenizer_info": info.serialize_json(), "max_bytes": max_bytes}) if processes else None
+        if self.pool is not None:  # the workers go with the compiler (an unloaded version's engine)
+            weakref.finalize(self, self.pool.close, False)
         # In-process: compiles run on `threads` threads; with processes, each waits on a thread for its worker.
         super().__init__(max_entries, max_bytes, threads if self.pool is None else self.pool.max_waiting)
         self._info = info
