@@ -1,7 +1,8 @@
 """Grammar faults over real sockets (issue 21): a grammar that allows no token is a 400 naming its field
 (at compile time when no token can start it, at run time when it reaches a dead end), never a 500
 engine_error, and the keep-alive connection serves the next request; a request refused for its context
-length or its grammar's size compiles nothing; the grammar series on /metrics."""
+length, a field combination, room in its lane or its grammar's size compiles nothing; the grammar series
+on /metrics."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ..helpers import make_settings, metric, run_server
+from ..helpers import Background, ControlledEngine, make_settings, metric, park_filler, run_server, wait_until
 
 # A raw control character in a JSON string: xgrammar's pattern allows it, the control-character mask
 # (valid JSON needs none) forbids it, so the grammar runs into a dead end after the opening quote.
@@ -121,3 +122,26 @@ def test_compiles_and_the_grammar_cache_show_on_metrics(srv):
     text = httpx.get(f"{srv.url}/metrics", timeout=10).text
     assert metric(text, "tokenmill_grammar_compile_seconds_count", outcome="ok") >= 1
     assert metric(text, "tokenmill_grammar_cache_entries") >= 1 and metric(text, "tokenmill_grammar_cache_bytes") > 0
+
+
+def test_a_request_its_lane_has_no_room_for_compiles_nothing(real_engine):
+    held = ControlledEngine(real_engine)
+    settings = make_settings(interactive_max_queued_requests=1, warmup=False)
+    small = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True, "priority": "interactive"}
+    try:
+        with run_server(settings, held) as srv, Background() as bg:
+            filler = park_filler(srv, held, bg, {**small, "priority": "batch", "request_id": "filler"})
+            queued = bg.post("queued", f"{srv.url}/generate", small)
+            wait_until(lambda: srv.health()["waiting"]["interactive"] == 1, what="the lane full")
+            before = real_engine.grammar_compiler.stats()
+            body = {**small, "guided_json": _schema("lan", 3000)}
+            r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
+            assert r.status_code == 429 and r.json()["error"]["type"] == "overloaded", r.text
+            after = real_engine.grammar_compiler.stats()
+            assert (after.misses, after.hits) == (before.misses, before.hits)
+            text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+            assert metric(text, "tokenmill_request_rejections_total", lane="interactive", reason="queue_requests") == 1
+            held.gate.set()
+            assert queued.result(timeout=30).status_code == 200 and filler.result(timeout=30).status_code == 200
+    finally:
+        held.gate.set()
