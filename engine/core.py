@@ -229,9 +229,9 @@ class EngineCore:
             req = s.request
             add_prompt_logprobs(req, result.prompt_logprobs.get(req.request_id))
             token = result.sampled.get(req.request_id)
-            if token is None and req.request_id in failed and _grammar_dead_end(req):  # the request's fault
-                outputs.append(error_output(req, GRAMMAR_DEAD_END, started=id(req) in started,
-                                            param=req.params.structured.param))  # fmt: skip
+            dead_end = _grammar_dead_end(req) if token is None and req.request_id in failed else None
+            if dead_end is not None:  # the request's fault, not the engine's
+                outputs.append(error_output(req, GRAMMAR_DEAD_END, started=id(req) in started, param=dead_end))
                 self.scheduler.finish(req, FinishReason.ERROR)
                 continue
             if token is None and req.request_id in failed:  # NaN/inf logits: fail this request, not the step
@@ -326,6 +326,10 @@ class EngineCore:
         return [results[rid] for rid in order]
 
 
-def _grammar_dead_end(req: Request) -> bool:
-    """req's grammar allowed no token at all in the step just sampled (its mask was empty)."""
-    return req.grammar is not None and req.grammar.allows_nothing()
+def _grammar_dead_end(req: Request) -> str | None:
+    """The field that asked for req's grammar when it allowed no token at all in the step just sampled
+    (its mask was empty), else None."""
+    spec = req.params.structured
+    if spec is None or req.grammar is None or not req.grammar.allows_nothing():
+        return None
+    return spec.param

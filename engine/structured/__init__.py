@@ -17,7 +17,14 @@ from engine.structured.backend import (
     GrammarCompiler,
     GrammarMatcher,
 )
-from engine.structured.spec import GRAMMAR_KINDS, GrammarDeadEnd, GrammarError, GrammarSpec, GrammarTimeout, GrammarTooLarge
+from engine.structured.spec import (
+    GRAMMAR_KINDS,
+    GrammarDeadEnd,
+    GrammarError,
+    GrammarSpec,
+    GrammarTimeout,
+    GrammarTooLarge,
+)
 
 __all__ = [
     "GRAMMAR_BACKENDS",

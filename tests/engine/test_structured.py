@@ -15,7 +15,14 @@ import pytest
 import torch
 
 from engine.api import FinishReason, InvalidParam, SamplingParams
-from engine.structured import GrammarDeadEnd, GrammarError, GrammarSpec, GrammarTimeout, GrammarTooLarge, masks
+from engine.structured import (
+    GrammarDeadEnd,
+    GrammarError,
+    GrammarSpec,
+    GrammarTimeout,
+    GrammarTooLarge,
+    masks,
+)
 from engine.structured.masks import allowed_tokens, apply_bitmask, new_bitmask, pack_bitmask
 
 from .helpers import make_engine
