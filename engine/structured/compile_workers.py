@@ -137,11 +137,7 @@ class _Lane:
             self._thread.join(5.0)
 
     def _run(self) -> None:
-        try:
-            self._ensure_child()  # started before any job: its start-up is nobody's budget
-        except Exception:
-            if not self._closed:
-                log.exception("grammar compile worker (%s lane) failed to start", self.name)
+        self._start_child()  # before any job: its start-up is nobody's budget
         while True:
             job = self._jobs.get()
             if job is None:
@@ -155,6 +151,8 @@ class _Lane:
                 job.future.set_result(self._serve(job))
             except BaseException as exc:  # noqa: BLE001 -- handed to the waiter
                 job.future.set_exception(exc)
+            if self._child is None and not self._closed:  # killed or died: its successor starts now, after
+                self._start_child()  # the waiter got its answer and before the next job is taken
         if self._child is not None:
             self._child.kill()
             self._child = None
@@ -176,29 +174,31 @@ class _Lane:
         try:
             answer = child.run(job)
         except (EOFError, OSError) as exc:
-            self._replace()
+            self._drop_child()
             raise GrammarError(f"the grammar compile worker died ({type(exc).__name__})") from None
         if answer is None:  # past its budget: stop it by killing the process, and start the next one
             self.killed += 1
-            self._replace()
+            self._drop_child()
             raise GrammarTimeout(job.timeout_s or 0.0)
         header, payload = answer
         if header.get("rss", 0) > RECYCLE_RSS_BYTES:
-            self._replace()
+            self._drop_child()
         if not header["ok"]:
             kind = GrammarTooLarge if header.get("too_large") else GrammarError
             raise kind(header["error"])
         return CompileResult(payload.decode(), int(header["bytes"]), time.monotonic() - started)
 
-    def _replace(self) -> None:
+    def _drop_child(self) -> None:
         if self._child is not None:
             self._child.kill()
             self._child = None
+
+    def _start_child(self) -> None:
         try:
             self._ensure_child()
         except Exception:
             if not self._closed:
-                log.exception("grammar compile worker (%s lane) failed to restart", self.name)
+                log.exception("grammar compile worker (%s lane) failed to start", self.name)
 
 
 class CompilePool:

@@ -366,7 +366,7 @@ def test_a_compile_past_its_budget_is_killed_and_the_small_lane_goes_on(pooled):
     small_s = time.monotonic() - t0
     thread.join(30)
     assert isinstance(result.get("error"), GrammarTimeout), result
-    assert result["elapsed"] < 4.0  # stopped at its 1 s budget, not when the compile would have ended
+    assert result["elapsed"] < 3.0  # stopped at its 1 s budget, not when the compile would have ended
     assert small_s < 1.0, small_s
     assert not _alive(large)  # the child that held the compile is gone
     assert pooled.pool.large.killed >= 1 and pooled.pool.pids()["large"] != large
