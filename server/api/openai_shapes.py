@@ -71,7 +71,8 @@ class OpenAIShape:
                 if chunk is not None:
                     yield chunk
             elif isinstance(event, Finished) and event.error is not None:
-                yield _event({"error": {"message": event.error.message, "type": event.error.kind, "param": None,
+                yield _event({"error": {"message": event.error.message, "type": event.error.kind,
+                                        "param": event.error.param,
                                         "code": event.error.status}})
                 break
             elif isinstance(event, Finished):

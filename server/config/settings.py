@@ -133,6 +133,12 @@ class ServerSettings(BaseSettings):
     structured_compile_timeout_s: float = Field(10.0, gt=0, le=600, description="a request's grammar (JSON "
                                                 "schema, regex, choice, EBNF, tool calls) must compile within "
                                                 "this, else 400; compiled grammars are cached")
+    structured_cache_bytes: int = Field(256 << 20, gt=0, description="compiled grammars kept per model version, in "
+                                        "bytes (accepts 256MiB); a grammar that alone compiles to more is a 400")
+    structured_max_grammar_bytes: int = Field(65536, gt=0, description="largest grammar source a request may give "
+                                              "(schema JSON, regex, choices, EBNF, tools; accepts 64KiB), else 400")
+    structured_compile_processes: bool = Field(True, description="compile grammars in worker processes (a small "
+                                               "and a large lane), so a compile past its timeout is killed")
     tool_call_parser: Literal["hermes"] = Field("hermes", description="how tool calls are read back from model "
                                                 "text (hermes: <tool_call>{json}</tool_call>)")
 
@@ -163,7 +169,8 @@ class ServerSettings(BaseSettings):
     request_records: int = Field(100000, ge=1, description="most recent requests kept so feedback can find them")
     request_record_ttl_s: float = Field(86400.0, gt=0, description="seconds a request can be rated after it ended")
 
-    @field_validator("kv_cache_memory", "response_cache_bytes", mode="before")
+    @field_validator("kv_cache_memory", "response_cache_bytes", "structured_cache_bytes", "structured_max_grammar_bytes",
+                     mode="before")
     @classmethod
     def _parse_size(cls, value: Any) -> Any:
         return parse_size(value)
@@ -264,6 +271,8 @@ class ServerSettings(BaseSettings):
             pack_weights=self.pack_weights,
             tokenizer=self.tokenizer,
             grammar_backend=self.grammar_backend,
+            grammar_cache_bytes=self.structured_cache_bytes,
+            grammar_compile_processes=self.structured_compile_processes,
             quantization=self.quantization,
             cpu_threads=self.engine_threads or default_engine_threads(),
             show_progress=True,  # a bar on a terminal only (tqdm stays quiet in logs and pipes)

@@ -61,22 +61,14 @@ def admit_unit(runtime: Runtime, choices: Sequence[tuple[Lease, GenerationReques
     never hold, naming `param`), 409 (request_id in flight), 429 (lane full), 503 (not serving)."""
     dep = choices[0][0].deployment
     for _, req in choices:
-        _check_context(dep, req)
+        check_context(dep.max_model_len, len(req.prompt_token_ids), req.params.max_tokens, req.max_tokens_field)
     req0 = choices[0][1]
     largest = max(len(req.prompt_token_ids) + req.params.max_tokens for _, req in choices)
     lane = req0.lane if req0.lane is not None else runtime.lane_for_size(largest)
     share = seat_share(dep.max_num_seqs)
     tickets = [_ticket(runtime, req, lane, None if k < share else int(lane) + 1)
                for k, (_, req) in enumerate(choices)]  # fmt: skip
-    total = sum(t.tokens for t in tickets)
-    if dep.admission.never_fits(lane, total, len(tickets)):
-        bound = dep.admission.bounds(lane).max_tokens
-        raise ApiError(
-            400, "invalid_request",
-            f"this request's {len(tickets)} choices need {total} tokens (prompt + max_tokens each), more than "
-            f"the {lane.label} lane ever holds ({lane.label}_max_queued_tokens = {bound}); send fewer choices "
-            "or fewer max_tokens, or another priority", param=param,
-        )  # fmt: skip
+    _check_unit_fits(dep, lane, sum(t.tokens for t in tickets), len(tickets), param)
     try:
         rejection = dep.worker.submit_unit(tickets, {tickets[k].request_id for k in held})
     except DuplicateRequestId as exc:
@@ -95,24 +87,22 @@ def admit_unit(runtime: Runtime, choices: Sequence[tuple[Lease, GenerationReques
     return [RequestHandle(runtime, ticket, lease) for ticket, (lease, _) in zip(tickets, choices, strict=True)]
 
 
+def _check_unit_fits(dep: Deployment, lane: Lane, total: int, count: int, param: str) -> None:
+    """400 naming `param` when `count` choices needing `total` tokens can never fit in `lane`."""
+    if dep.admission.never_fits(lane, total, count):
+        bound = dep.admission.bounds(lane).max_tokens
+        raise ApiError(
+            400, "invalid_request",
+            f"this request's {count} choices need {total} tokens (prompt + max_tokens each), more than "
+            f"the {lane.label} lane ever holds ({lane.label}_max_queued_tokens = {bound}); send fewer choices "
+            "or fewer max_tokens, or another priority", param=param,
+        )  # fmt: skip
+
+
 def seat_share(max_num_seqs: int) -> int:
     """How many choices of one request run at its lane's priority: a quarter of the engine's seats (at least
     one). The rest run a level lower, so they never hold every seat against another client's request."""
     return max(1, max_num_seqs // 4)
-
-
-def _check_context(dep: Deployment, req: GenerationRequest) -> None:
-    """400 when the prompt is empty or prompt + max_tokens exceeds the version's context."""
-    n, max_tokens, max_len = len(req.prompt_token_ids), req.params.max_tokens, dep.max_model_len
-    if n == 0:
-        raise ApiError(400, "invalid_request", "prompt must not be empty", param="prompt")
-    if n + max_tokens > max_len:
-        raise ApiError(
-            400, "invalid_request",
-            f"prompt ({n} tokens) + {req.max_tokens_field} ({max_tokens}) = {n + max_tokens} exceeds the context "
-            f"length max_model_len ({max_len})",
-            param="prompt" if n >= max_len else req.max_tokens_field,
-        )  # fmt: skip
 
 
 def _ticket(runtime: Runtime, req: GenerationRequest, lane: Lane, priority: int | None) -> Ticket:
@@ -129,6 +119,39 @@ def _ticket(runtime: Runtime, req: GenerationRequest, lane: Lane, priority: int 
         record=req.record,
         priority=priority,
     )
+
+
+def check_context(max_len: int, n: int, max_tokens: int, field: str = "max_tokens") -> None:
+    """Raises ApiError 400 when a prompt of `n` tokens is empty or, with max_tokens, does not fit `max_len`.
+    `field`: the body's name for max_tokens, as the error names it."""
+    if n == 0:
+        raise ApiError(400, "invalid_request", "prompt must not be empty", param="prompt")
+    if n + max_tokens > max_len:
+        raise ApiError(
+            400, "invalid_request",
+            f"prompt ({n} tokens) + {field} ({max_tokens}) = {n + max_tokens} exceeds the context length "
+            f"max_model_len ({max_len})",
+            param="prompt" if n >= max_len else field,
+        )  # fmt: skip
+
+
+def precheck(runtime: Runtime, lease: Lease, reqs: Sequence[GenerationRequest], copies: int = 1,
+             param: str = "n") -> None:
+    """admit_unit()'s checks without admitting anything, for a unit of `reqs` each run `copies` times (n):
+    each prompt's context length (400) and room in the unit's lane now for all their tokens (429). A route
+    runs them before costly work (a grammar compile), so a request admit_unit() would refuse costs
+    nothing; admit_unit() checks again."""
+    dep = lease.deployment
+    for req in reqs:
+        check_context(dep.max_model_len, len(req.prompt_token_ids), req.params.max_tokens, req.max_tokens_field)
+    sizes = [len(req.prompt_token_ids) + req.params.max_tokens for req in reqs]
+    lane = reqs[0].lane if reqs[0].lane is not None else runtime.lane_for_size(max(sizes))
+    _check_unit_fits(dep, lane, sum(sizes) * copies, len(reqs) * copies, param)
+    rejection = dep.worker.room(lane, sum(sizes) * copies)
+    if rejection is not None:
+        dep.metrics.observe_rejected(lane, rejection.reason)
+        raise ApiError(429, "overloaded", f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
+                       headers={"Retry-After": str(rejection.retry_after_s)}, extra={"lane": lane.label})  # fmt: skip
 
 
 def start_error(error: ServerError) -> ApiError:

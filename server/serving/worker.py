@@ -146,6 +146,13 @@ class Worker:
         """Hand a ticket submit_unit() held to the engine (it keeps its arrival time and place in line)."""
         self._inbox.put(_Submit(ticket))
 
+    def room(self, lane: Lane, tokens: int) -> Rejection | None:
+        """submit()'s lane check alone (nothing is admitted): None when `tokens` fit in `lane` now."""
+        with self._lock:
+            if self._admission.fits(lane, tokens):
+                return None
+            return Rejection(lane, self._admission.retry_after(lane, self._clock()), self._admission.full_reason(lane))
+
     def abort(self, request_id: str, error: ServerError | None = None) -> None:
         """End a queued or running request (no-op when it already finished)."""
         self._inbox.put(_Abort(request_id, error))
@@ -278,7 +285,10 @@ class Worker:
         self._post(ticket, Started())
 
     def _finish_output(self, ticket: Ticket, out: RequestOutput) -> None:
-        if out.finish_reason is FinishReason.ERROR:
+        if out.finish_reason is FinishReason.ERROR and out.error_param is not None:  # the request's fault
+            self._finish(ticket, "error", ServerError("invalid_request", out.error or "invalid request", 400,
+                                                      out.error_param))  # fmt: skip
+        elif out.finish_reason is FinishReason.ERROR:
             self._finish(ticket, "error", ServerError("engine_error", out.error or "the engine step failed", 500))
         elif out.finish_reason is FinishReason.TIMEOUT:
             ticket.deadline_hit = out.deadline
