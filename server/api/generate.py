@@ -18,8 +18,8 @@ from server.api.protocol import GenerateRequest
 from server.api.respond import Call, ChoiceEvents, generation, respond
 from server.http import sse
 from server.http.errors import ApiError
-from server.prompt.codec import PromptCodec, check_prompt_bytes
 from server.ops.feedback import RecordKey
+from server.prompt.codec import PromptCodec, check_prompt_bytes
 from server.serving.dispatch import cache_scope, picked, request_owner
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Completed, Handle

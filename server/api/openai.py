@@ -24,12 +24,12 @@ from server.api.openai_shapes import ChatShape, CompletionShape
 from server.api.protocol import ChatRequest, CompletionRequest, OpenAIFields
 from server.api.respond import Call, generation, respond
 from server.http.errors import ApiError
+from server.ops.feedback import RecordKey
 from server.prompt.chat import template_messages
 from server.prompt.codec import PromptCodec, check_prompt_bytes
 from server.prompt.structured import GrammarRequest, requested_grammar, with_grammar
 from server.prompt.tools import plan_tools
 from server.serving.deployment import Lease
-from server.ops.feedback import RecordKey
 from server.serving.dispatch import cache_scope, picked, request_owner
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Handle

@@ -24,9 +24,9 @@ from server.api.protocol import Bool, Int, SamplingFields
 from server.api.respond import Call, ChoiceEvents, generation, respond
 from server.http import sse
 from server.http.errors import ApiError
+from server.ops.feedback import RecordKey
 from server.prompt.chat import TEXT_PART_TYPES, ChatMessage, ContentPart, chat_prompt, template_messages
 from server.prompt.codec import check_prompt_bytes
-from server.ops.feedback import RecordKey
 from server.serving.dispatch import cache_scope, picked, request_owner
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Completed, Handle
