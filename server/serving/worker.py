@@ -9,8 +9,9 @@ counts that 429s are decided on. The choices of one HTTP request are admitted to
 those it holds (a prompt's later samples, until its first sample's prompt ran) go to the engine on
 `release`, and an abort before that ends them at once.
 
-Threads: `submit`, `submit_unit`, `release`, `abort`, `abort_all`, `stop` and the read-only properties are called from the
-event loop; everything else runs on the worker thread, the only thread that touches the engine.
+Threads: `submit`, `submit_unit`, `release`, `abort`, `abort_all`, `stop` and the read-only properties
+are called from the event loop; everything else runs on the worker thread, the only thread that touches
+the engine.
 """
 
 from __future__ import annotations
