@@ -92,8 +92,8 @@ class PromptCodec:
 
     def text_table(self) -> list[str] | None:
         """The text of every token id (index = id), or None while it is being built (or failed to build, or
-        the codec closed first);
-        ids past its end (none for a tokenizer that reports its size) need token_text."""
+        the codec closed first); ids past its end (none for a tokenizer that reports its size) need
+        token_text."""
         if not self._texts.done() or self._texts.cancelled() or self._texts.exception() is not None:
             return None
         return self._texts.result()
