@@ -59,7 +59,8 @@ async def start_choices(rt: Runtime, request: Request, lease: Lease,
     dep = lease.deployment
     flat = [req for group in groups for req in group]
     leases = [lease] + [dep.acquire() for _ in flat[1:]]
-    firsts, held = [], set()  # position of each prompt's first sample; the later samples' positions
+    firsts: list[int] = []  # position of each prompt's first sample
+    held: set[int] = set()  # the later samples' positions
     for group in groups:
         firsts.append(len(held) + len(firsts))
         held.update(range(firsts[-1] + 1, firsts[-1] + len(group)))

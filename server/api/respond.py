@@ -83,8 +83,8 @@ async def respond(rt: Runtime, request: Request, handles: list[Handle], shape: S
         if not stream:
             done = await collect_choices(handles, request)
             if large_body(done):
-                content = await asyncio.to_thread(render_json, shape.body, handles, done)
-                return Response(content, media_type="application/json", headers=headers)
+                body = await asyncio.to_thread(render_json, shape.body, handles, done)
+                return Response(body, media_type="application/json", headers=headers)
             return JSONResponse(shape.body(handles, done), headers=headers)
         if len(handles) == 1:  # several choices were held until admitted (server/api/choices.py)
             await handles[0].wait_started(rt.settings.sse_ping_s, request)

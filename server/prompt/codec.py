@@ -91,9 +91,10 @@ class PromptCodec:
         return self._loop_tok.decode([token_id])
 
     def text_table(self) -> list[str] | None:
-        """The text of every token id (index = id), or None while it is being built (or failed to build);
-        ids past its end (none for a tokenizer that reports its size) need token_text."""
-        if not self._texts.done() or self._texts.exception() is not None:
+        """The text of every token id (index = id), or None while it is being built (or failed to build, or
+        the codec closed first); ids past its end (none for a tokenizer that reports its size) need
+        token_text."""
+        if not self._texts.done() or self._texts.cancelled() or self._texts.exception() is not None:
             return None
         return self._texts.result()
 

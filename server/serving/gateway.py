@@ -1,7 +1,8 @@
-"""The route side of a request's life in an engine: admission (lane, bounds, 429) on the model version
-the route picked (its lease), then its events (`RequestHandle`, a server/serving/handle.py Handle).
-Runs on the event loop only. Whether the server accepts requests at all is checked once per request,
-before any of this (server/api/respond.py `generation`).
+"""The route side of a request's life in an engine: admission of its choices as one unit (lane, bounds,
+the per-request share of seats, 429) on the model version the route picked (their leases), then its
+events (`RequestHandle`, a server/serving/handle.py Handle). Runs on the event loop only. Whether the
+server accepts requests at all is checked once per request, before any of this (server/api/respond.py
+`generation`).
 """
 
 from __future__ import annotations
@@ -45,11 +46,6 @@ class GenerationRequest:
     record: RecordKey | None = None  # whose request it is and the id feedback rates it by; None: request_id
 
 
-def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHandle:
-    """admit_unit() for a request of one choice."""
-    return admit_unit(runtime, [(lease, req)])[0]
-
-
 def admit_unit(runtime: Runtime, choices: Sequence[tuple[Lease, GenerationRequest]], held: Collection[int] = (),
                param: str = "n") -> list[RequestHandle]:  # fmt: skip
     """Admit the choices of one request (each with its lease on one version, in index order) as one unit:
@@ -69,21 +65,7 @@ def admit_unit(runtime: Runtime, choices: Sequence[tuple[Lease, GenerationReques
     tickets = [_ticket(runtime, req, lane, None if k < share else int(lane) + 1)
                for k, (_, req) in enumerate(choices)]  # fmt: skip
     _check_unit_fits(dep, lane, sum(t.tokens for t in tickets), len(tickets), param)
-    try:
-        rejection = dep.worker.submit_unit(tickets, {tickets[k].request_id for k in held})
-    except DuplicateRequestId as exc:
-        raise ApiError(409, "conflict", str(exc), param="request_id") from None
-    except WorkerUnavailable as exc:
-        raise ApiError(503, "unhealthy", str(exc), headers={"Retry-After": "5"}) from None
-    if rejection is not None:
-        runtime.accounting.rejected(dep, tickets[0], rejection)  # one request, however many choices
-        raise ApiError(
-            429, "overloaded",
-            f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
-            headers={"Retry-After": str(rejection.retry_after_s)},
-            extra={"lane": lane.label},
-            accounted=True,  # counted and logged by accounting.rejected
-        )  # fmt: skip
+    _submit(runtime, dep, tickets, {tickets[k].request_id for k in held})
     return [RequestHandle(runtime, ticket, lease) for ticket, (lease, _) in zip(tickets, choices, strict=True)]
 
 
@@ -152,6 +134,26 @@ def precheck(runtime: Runtime, lease: Lease, reqs: Sequence[GenerationRequest], 
         dep.metrics.observe_rejected(lane, rejection.reason)
         raise ApiError(429, "overloaded", f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
                        headers={"Retry-After": str(rejection.retry_after_s)}, extra={"lane": lane.label})  # fmt: skip
+
+
+def _submit(runtime: Runtime, dep: Deployment, tickets: list[Ticket], held: set[str]) -> None:
+    """Hand the unit to the version's worker. Raises ApiError 409, 429 (counted and logged once), 503."""
+    try:
+        rejection = dep.worker.submit_unit(tickets, held)
+    except DuplicateRequestId as exc:
+        raise ApiError(409, "conflict", str(exc), param="request_id") from None
+    except WorkerUnavailable as exc:
+        raise ApiError(503, "unhealthy", str(exc), headers={"Retry-After": "5"}) from None
+    if rejection is not None:
+        lane = tickets[0].lane
+        runtime.accounting.rejected(dep, tickets[0], rejection)  # one request, however many choices
+        raise ApiError(
+            429, "overloaded",
+            f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
+            headers={"Retry-After": str(rejection.retry_after_s)},
+            extra={"lane": lane.label},
+            accounted=True,  # counted and logged by accounting.rejected
+        )  # fmt: skip
 
 
 def start_error(error: ServerError) -> ApiError:

@@ -5,10 +5,13 @@ requests, aborts, stop), step the engine once, and post every request's events t
 `Collector` on the event loop with `loop.call_soon_threadsafe`, one call per iteration; it never
 waits for a client. New requests go to the engine at once: its scheduler alone decides who runs next
 (lanes are its priority levels, with aging and deadlines); the worker keeps only the per-lane admission
-counts that 429s are decided on.
+counts that 429s are decided on. The choices of one HTTP request are admitted together (`submit_unit`);
+those it holds (a prompt's later samples, until its first sample's prompt ran) go to the engine on
+`release`, and an abort before that ends them at once.
 
-Threads: `submit`, `abort`, `abort_all`, `stop` and the read-only properties are called from the
-event loop; everything else runs on the worker thread, the only thread that touches the engine.
+Threads: `submit`, `submit_unit`, `release`, `abort`, `abort_all`, `stop` and the read-only properties
+are called from the event loop; everything else runs on the worker thread, the only thread that touches
+the engine.
 """
 
 from __future__ import annotations

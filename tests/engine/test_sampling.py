@@ -198,18 +198,20 @@ def test_logit_bias_tensors_are_built_once_per_request_and_match_the_reference(m
     import engine.sampler as sampler_mod
 
     builds: list[str] = []
-    real_build = sampler_mod._bias_tensors
+    real_build = sampler_mod._bias_row
 
-    def counting(r, device):
+    def counting(r, vocab, device):
         if r.bias is None:
             builds.append(r.request_id)
-        return real_build(r, device)
+        return real_build(r, vocab, device)
 
-    monkeypatch.setattr(sampler_mod, "_bias_tensors", counting)
+    monkeypatch.setattr(sampler_mod, "_bias_row", counting)
     vocab, rows, steps = 512, 4, 6
     gen = torch.Generator().manual_seed(0)
     dense = (torch.rand(rows, vocab, generator=gen) * 8 - 4).round(decimals=2)  # one bias per token, per row
     bias = [{t: float(dense[i, t]) for t in range(vocab)} for i in range(rows)]
+    bias[2] = {t: float(dense[2, t]) for t in range(0, vocab, 5)}  # a bias on every 5th token only
+    dense[2] = torch.zeros(vocab).index_put_((torch.arange(0, vocab, 5),), dense[2, ::5])
     kinds = [dict(temperature=0.0), dict(temperature=0.9, seed=7), dict(temperature=0.8, seed=8, top_k=50),
              dict(temperature=0.0, repetition_penalty=1.3)]
     biased = [_req(f"b{i}", logit_bias=bias[i], **kinds[i]) for i in range(rows)]
@@ -227,8 +229,13 @@ def test_logit_bias_tensors_are_built_once_per_request_and_match_the_reference(m
         for r, t in zip(biased + plain, got + want, strict=True):
             r.output_token_ids.append(t)
     assert sorted(builds) == [f"b{i}" for i in range(rows)]  # once each, not once per step
-    ids, values = biased[0].bias
-    assert ids.tolist() == list(range(vocab)) and values.dtype == torch.float32
+    assert all(torch.equal(r.bias, dense[i]) and r.bias.dtype == torch.float32 for i, r in enumerate(biased))
+    # The batch's bias matrix is rebuilt only when the biased rows change: here, never after step 0.
+    matrix = s_biased._bias_batch[2]
+    s_biased.sample(torch.randn(rows, vocab, generator=gen), biased)
+    assert s_biased._bias_batch[2] is matrix
+    s_biased.sample(torch.randn(rows - 1, vocab, generator=gen), biased[1:])  # another batch: rebuilt
+    assert s_biased._bias_batch[2] is not matrix and len(builds) == rows
 
 
 def test_with_seed_copies_everything_but_the_seed_and_checks_it():
@@ -237,3 +244,15 @@ def test_with_seed_copies_everything_but_the_seed_and_checks_it():
     assert q.seed == 5 and p.seed == 1 and q.logit_bias is p.logit_bias and q.stop == p.stop
     with pytest.raises(ValueError, match="seed"):
         p.with_seed(2**64)
+
+
+def test_logit_bias_on_rows_apart_matches_rows_together():
+    """Biased rows that are not adjacent in the batch (index_put_) get what adjacent ones (slice add) get."""
+    vocab = 64
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(1))
+    bias = {t: (t % 5 - 2) * 3.0 for t in range(vocab)}
+    apart = [_req(f"r{i}", temperature=0.0, logit_bias=bias if i in (0, 2, 4) else {}) for i in range(5)]
+    tokens, _ = Sampler().sample(logits, apart)
+    dense = torch.tensor([bias[t] for t in range(vocab)])
+    want = [int((logits[i] + (dense if i in (0, 2, 4) else 0)).argmax()) for i in range(5)]
+    assert tokens == want
