@@ -12,7 +12,15 @@ from typing import Any, Protocol
 
 from engine.errors import InvalidParam
 from engine.sampling_params import SamplingParams
-from engine.structured import GrammarCompiler, GrammarError, GrammarSpec
+from engine.structured import (
+    GrammarCompiler,
+    GrammarDeadEnd,
+    GrammarError,
+    GrammarSpec,
+    GrammarTimeout,
+    GrammarTooLarge,
+)
+from engine.structured.compile_workers import CompileQueueFull
 
 __all__ = [
     "Deadline",
@@ -20,9 +28,13 @@ __all__ = [
     "EngineProtocol",
     "EngineStats",
     "FinishReason",
+    "CompileQueueFull",
     "GrammarCompiler",
+    "GrammarDeadEnd",
     "GrammarError",
     "GrammarSpec",
+    "GrammarTimeout",
+    "GrammarTooLarge",
     "InvalidParam",
     "PreemptionCause",
     "RequestOutput",
@@ -97,6 +109,9 @@ class RequestOutput:
     completion_tokens: int  # total so far
     cached_tokens: int  # prompt tokens served from the prefix cache (first schedule)
     error: str | None = None  # message when finish_reason is ERROR
+    # the request's field at fault when the error is the request's, not the engine's (its grammar
+    # allowed no next token: GrammarSpec.param); None: an engine error
+    error_param: str | None = None
     kv_blocks: int = 0  # KV blocks the request held in this step (shared prefix blocks included)
     started: bool = False  # this step scheduled the request for the first time (it left the queue)
     num_preemptions: int = 0  # times it was preempted so far (every cause)

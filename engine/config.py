@@ -39,6 +39,10 @@ class EngineConfig:
     pack_weights: bool = True  # CPU bf16: linear weights in oneDNN's packed layout (same results, faster)
     tokenizer: str | None = None  # a Hugging Face tokenizer folder used instead of the model's own
     grammar_backend: str = "xgrammar"  # structured outputs and enforced tool calls; "none": refused (400)
+    grammar_cache_bytes: int = 256 << 20  # compiled grammars kept (bytes); a grammar over this alone is refused
+    # compile grammars in worker processes, so a compile past its budget is killed (the server does);
+    # False: on the caller's thread (offline use, tests)
+    grammar_compile_processes: bool = False
     quantization: str | None = None  # "int8": INT8 weight-only linears (CPU; half the weight bytes); None: dtype
     # INT8 input columns per scale of an output row; None, or a weight whose K it does not divide: one scale per row.
     quantization_group_size: int | None = 64
@@ -76,6 +80,7 @@ class EngineConfig:
             raise ValueError("tokenizer must be a non-empty path or None")
         if self.grammar_backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"grammar_backend must be one of {GRAMMAR_BACKENDS}, got {self.grammar_backend!r}")
+        _positive("grammar_cache_bytes", self.grammar_cache_bytes)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.cpu_threads is not None:
@@ -86,7 +91,7 @@ class EngineConfig:
                 raise ValueError(f"quantization_group_size must be even, got {self.quantization_group_size}")
         if self.cpu_gemv not in CPU_GEMV:
             raise ValueError(f"cpu_gemv must be one of {CPU_GEMV}, got {self.cpu_gemv!r}")
-        for name in ("enforce_eager", "pack_weights", "fused_decode"):
+        for name in ("enforce_eager", "pack_weights", "fused_decode", "grammar_compile_processes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

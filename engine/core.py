@@ -33,6 +33,8 @@ from engine.tokenization import chat_prompt_ids, encode_prompt
 log = logging.getLogger("tokenmill.engine")
 
 NONFINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this request; no token was sampled"
+GRAMMAR_DEAD_END = ("the structured output's grammar allows no next token here (a pattern that needs characters "
+                    "the JSON rules or this model's vocabulary cannot give); no token was sampled")
 
 
 @dataclass
@@ -227,6 +229,11 @@ class EngineCore:
             req = s.request
             add_prompt_logprobs(req, result.prompt_logprobs.get(req.request_id))
             token = result.sampled.get(req.request_id)
+            dead_end = _grammar_dead_end(req) if token is None and req.request_id in failed else None
+            if dead_end is not None:  # the request's fault, not the engine's
+                outputs.append(error_output(req, GRAMMAR_DEAD_END, started=id(req) in started, param=dead_end))
+                self.scheduler.finish(req, FinishReason.ERROR)
+                continue
             if token is None and req.request_id in failed:  # NaN/inf logits: fail this request, not the step
                 outputs.append(error_output(req, NONFINITE_LOGITS, started=id(req) in started))
                 self.scheduler.finish(req, FinishReason.ERROR)
@@ -317,3 +324,12 @@ class EngineCore:
                 if out.finished:
                     r.finish_reason = out.finish_reason
         return [results[rid] for rid in order]
+
+
+def _grammar_dead_end(req: Request) -> str | None:
+    """The field that asked for req's grammar when it allowed no token at all in the step just sampled
+    (its mask was empty), else None."""
+    spec = req.params.structured
+    if spec is None or req.grammar is None or not req.grammar.allows_nothing():
+        return None
+    return spec.param

@@ -77,7 +77,8 @@ class Engine(EngineCore):
             eos_token_ids=source.eos_token_ids,
             clock=clock,
             grammar_compiler=make_compiler(config.grammar_backend, source.tokenizer, int(self.hf_config.vocab_size),
-                                           source.eos_token_ids),  # fmt: skip
+                                           source.eos_token_ids, config.grammar_cache_bytes,
+                                           config.grammar_compile_processes),  # fmt: skip
         )
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "

@@ -80,9 +80,12 @@ def timeout_output(req: Request, deadline: Deadline) -> RequestOutput:
     return _output(req, [], "", None, FinishReason.TIMEOUT, deadline=deadline)
 
 
-def error_output(req: Request, message: str, started: bool = False) -> RequestOutput:
-    """A request that failed (`started`: in the step that first scheduled it)."""
-    return _output(req, [], "", None, FinishReason.ERROR, started=started, error=message)
+def error_output(req: Request, message: str, started: bool = False, param: str | None = None) -> RequestOutput:
+    """A request that failed (`started`: in the step that first scheduled it; `param`: the request's field
+    at fault when the request, not the engine, is the cause)."""
+    out = _output(req, [], "", None, FinishReason.ERROR, started=started, error=message)
+    out.error_param = param
+    return out
 
 
 def _output(req: Request, tokens: list[int], text: str, logprobs: list[TokenLogprob] | None,

@@ -57,6 +57,9 @@ class Request:
     # GrammarMatcher of params.structured, advanced past every sampled token; None until first used.
     # Kept across preemptions, like the output tokens it has seen (nothing is rolled back).
     grammar: Any = None
+    # params.logit_bias as a dense [vocab] float32 row on the logits' device, built once on first use;
+    # None until then (and for requests without a bias)
+    bias: Any = None
 
     def __post_init__(self) -> None:
         self.waiting_since = self.arrival_time

@@ -8,6 +8,9 @@ exponential race (argmax of p / E over a full row of Exp(1) noise) cost 26 ms a 
 49k vocabulary on one CPU core, the inverse CDF in PyTorch about 5 ms, and on the CPU the C++ kernel
 (torch.ops.tokenmill.sample_rows: greedy and unfiltered rows, two passes per row) under 1 ms.
 Logprobs are those of the model's raw distribution (before penalties, logit_bias and temperature).
+A request's logit_bias becomes a dense row once, on its first step (kept on the request); the biased rows
+of a step get their bias matrix in one index_add_, the matrix rebuilt only when the biased requests or
+their rows change: a full-vocabulary bias costs no Python work per step.
 A row whose chosen score is not finite (NaN or inf logits) yields no token (None): the engine fails
 that request alone instead of emitting whatever index argmax picks from NaNs.
 
@@ -35,6 +38,8 @@ class Sampler:
         # torch.ops.tokenmill.sample_rows is loaded and the logits are on the CPU: greedy and
         # unfiltered rows take it (the draw from the same uniform, to rounding), the others PyTorch.
         self._rows_kernel = rows_kernel
+        # the last step's biased rows: ((row, request id) pairs, row indices [k], their bias rows [k, vocab])
+        self._bias_batch: tuple[tuple[tuple[int, str], ...], torch.Tensor, torch.Tensor] | None = None
 
     def generator(self, req: Request) -> torch.Generator:
         """req's own generator (created on first use, kept on the request across preemptions)."""
@@ -134,7 +139,29 @@ class Sampler:
         logits = logits.float() if logits.dtype != torch.float32 else logits.clone()  # a copy either way
         for i in rows:
             _penalise_row(logits[i], reqs[i])
+        self._add_bias(logits, reqs, [i for i in rows if reqs[i].params.logit_bias])
+        for i in rows:
+            _ban_until_min_tokens(logits[i], reqs[i])
         return logits
+
+    def _add_bias(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
+        """OpenAI's logit_bias, added to the logits before temperature (logits: [N, vocab] float32, in place):
+        the biased rows' bias matrix, kept while the same requests hold the same rows (a decode batch
+        changes rarely), added in one op: a slice add when the rows are adjacent (a request's n samples
+        are), else an accumulating index_put_. Not index_add_: with 2 intra-op threads on a busy 2-core
+        host it took 22 ms for 8 full-vocabulary rows, against 0.04 ms for the slice add."""
+        if not rows:
+            return
+        key = tuple((i, reqs[i].request_id) for i in rows)
+        if self._bias_batch is None or self._bias_batch[0] != key or self._bias_batch[2].device != logits.device:
+            vocab, dev = logits.shape[1], logits.device
+            matrix = torch.stack([_bias_row(reqs[i], vocab, dev) for i in rows])  # [len(rows), vocab]
+            self._bias_batch = (key, torch.tensor(rows, device=dev), matrix)
+        _, index, matrix = self._bias_batch
+        if rows[-1] - rows[0] == len(rows) - 1:  # adjacent (rows are in increasing order)
+            logits[rows[0] : rows[-1] + 1].add_(matrix)
+        else:
+            logits.index_put_((index,), matrix, accumulate=True)
 
     def _sample_random(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         """Drawn tokens [n] and their probabilities [n] (NaN where the row was not finite)."""
@@ -175,6 +202,7 @@ def _needs_processing(r: Request) -> bool:
 
 
 def _penalise_row(row: torch.Tensor, r: Request) -> None:
+    """Repetition, presence and frequency penalties, in place on one float32 row."""
     p, dev = r.params, row.device
     if p.repetition_penalty != 1.0:
         # As transformers: over prompt and output tokens, shrink positive logits, grow negative ones.
@@ -185,9 +213,23 @@ def _penalise_row(row: torch.Tensor, r: Request) -> None:
         # As OpenAI: over output tokens only.
         ids, counts = torch.tensor(r.output_token_ids, device=dev).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
-    if p.logit_bias:  # OpenAI's logit_bias: added to the logits, before temperature
-        ids = torch.tensor([t for t, _ in p.logit_bias], device=dev)
-        row[ids] += torch.tensor([b for _, b in p.logit_bias], device=dev, dtype=row.dtype)
+
+
+def _bias_row(r: Request, vocab: int, device: torch.device) -> torch.Tensor:
+    """r's logit_bias as a dense [vocab] float32 row on `device` (0 where it names no token), built once and
+    kept on r. Dense whatever its size: one row per running request at most (waiting requests have none
+    yet), and a batch of rows is then one tensor."""
+    if r.bias is None or r.bias.device != device or r.bias.shape[0] != vocab:
+        pairs = r.params.logit_bias
+        ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=device)
+        values = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device)
+        r.bias = torch.zeros(vocab, dtype=torch.float32, device=device).index_put_((ids,), values)
+    return r.bias
+
+
+def _ban_until_min_tokens(row: torch.Tensor, r: Request) -> None:
+    """Before min_tokens, EOS (unless ignored) and stop_token_ids cannot be drawn: -inf, in place."""
+    p, dev = r.params, row.device
     if r.num_output_tokens < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
         banned = [t for t in banned if t < row.shape[0]]

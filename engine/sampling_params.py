@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidParam
@@ -85,14 +86,23 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), lo=0, hi=MAX_LOGPROBS)
-        for token, bias in self.logit_bias:
-            _check_int("logit_bias", token, lo=0)
-            _check_num("logit_bias", bias, *LOGIT_BIAS_RANGE)
+        if self.logit_bias and not _bias_ok(self.logit_bias):  # the loop below names the bad entry
+            for token, bias in self.logit_bias:
+                _check_int("logit_bias", token, lo=0)
+                _check_num("logit_bias", bias, *LOGIT_BIAS_RANGE)
         if self.structured is not None:
             if not isinstance(self.structured, GrammarSpec):
                 raise InvalidParam("structured", "structured must be a GrammarSpec")
             if self.min_tokens:  # the grammar alone decides where the output may end
                 raise InvalidParam("min_tokens", "min_tokens cannot be combined with a structured output")
+
+    def with_seed(self, seed: int) -> SamplingParams:
+        """A copy with another seed (sample j of n). Only the seed is checked: the rest was validated when
+        this one was built, and re-validating a full-vocabulary logit_bias per sample is ~50k checks."""
+        _check_int("seed", seed, lo=-(2**63), hi=2**64 - 1)
+        other = copy.copy(self)
+        object.__setattr__(other, "seed", seed)
+        return other
 
     @property
     def greedy(self) -> bool:
@@ -112,6 +122,19 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
         return tuple(sorted(pairs))
     except TypeError:
         raise InvalidParam("logit_bias", "logit_bias keys must be integer token ids") from None
+
+
+def _bias_ok(pairs: tuple[tuple[int, float], ...]) -> bool:
+    """Whether every (token id, bias) pair is valid, checked in bulk: a full-vocabulary bias is ~50k pairs,
+    and a request with n samples validates one SamplingParams per sample. `pairs` is sorted by token id."""
+    ids = [t for t, _ in pairs]
+    values = [b for _, b in pairs]
+    if not all(type(t) is int for t in ids) or ids[0] < 0:  # bool is not an int here
+        return False
+    if not all(type(b) is float or type(b) is int for b in values):
+        return False
+    lo, hi = LOGIT_BIAS_RANGE
+    return all(b == b for b in values) and lo <= min(values) and max(values) <= hi  # b == b: not NaN
 
 
 def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> None:

@@ -26,7 +26,7 @@ from server.config.settings import ServerSettings
 from server.http.auth import AdminKeyMiddleware, ApiKeyMiddleware
 from server.http.body_limit import BodyLimitMiddleware
 from server.http.error_log import ErrorLogMiddleware
-from server.http.errors import install_error_handlers
+from server.http.errors import InternalErrorMiddleware, install_error_handlers
 from server.ops.connection_metrics import ConnectionCollector
 from server.ops.feedback import FeedbackStore
 from server.serving.loading import VersionLoader, build_engine, initial_versions, load_version
@@ -72,5 +72,6 @@ def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoad
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, keys=settings.accepted_api_keys())
     app.add_middleware(AdminKeyMiddleware, keys=settings.accepted_admin_keys())
+    app.add_middleware(InternalErrorMiddleware)  # any other exception: a 500 that closes the connection
     app.add_middleware(ErrorLogMiddleware)  # outermost: sees every error answer, the middlewares' too
     return app

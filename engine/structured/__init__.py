@@ -17,7 +17,14 @@ from engine.structured.backend import (
     GrammarCompiler,
     GrammarMatcher,
 )
-from engine.structured.spec import GRAMMAR_KINDS, GrammarError, GrammarSpec
+from engine.structured.spec import (
+    GRAMMAR_KINDS,
+    GrammarDeadEnd,
+    GrammarError,
+    GrammarSpec,
+    GrammarTimeout,
+    GrammarTooLarge,
+)
 
 __all__ = [
     "GRAMMAR_BACKENDS",
@@ -26,18 +33,23 @@ __all__ = [
     "CompiledGrammar",
     "CompilerStats",
     "GrammarCompiler",
+    "GrammarDeadEnd",
     "GrammarError",
     "GrammarMatcher",
     "GrammarSpec",
+    "GrammarTimeout",
+    "GrammarTooLarge",
     "make_compiler",
 ]
 
 log = logging.getLogger("tokenmill.engine")
 
 
-def make_compiler(backend: str, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int]) -> GrammarCompiler | None:
+def make_compiler(backend: str, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int],
+                  cache_bytes: int = 256 << 20, processes: bool = False) -> GrammarCompiler | None:  # fmt: skip
     """The compiler of `backend` for this tokenizer, or None for "none" (structured outputs off) and
-    when the library is missing (logged once here; such requests get a 400 naming the field)."""
+    when the library is missing (logged once here; such requests get a 400 naming the field).
+    `cache_bytes`: its cache's byte bound; `processes`: compile in worker processes (budgeted)."""
     if backend == "none":
         return None
     if backend != "xgrammar":
@@ -47,4 +59,4 @@ def make_compiler(backend: str, tokenizer: Any, vocab_size: int, stop_token_ids:
     except ImportError as exc:
         log.warning("structured outputs are off: xgrammar is not installed (%s)", exc)
         return None
-    return XGrammarCompiler(tokenizer, vocab_size, stop_token_ids)
+    return XGrammarCompiler(tokenizer, vocab_size, stop_token_ids, max_bytes=cache_bytes, processes=processes)

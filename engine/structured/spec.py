@@ -37,6 +37,22 @@ class GrammarError(ValueError):
     """A spec the backend cannot compile (an invalid JSON schema, regex or grammar); the message says why."""
 
 
+class GrammarTimeout(GrammarError):
+    """A spec that did not compile within its budget (`timeout_s`); the compile was stopped."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"did not compile within {timeout_s:g}s")
+        self.timeout_s = timeout_s
+
+
+class GrammarDeadEnd(GrammarError):
+    """A spec that compiles but allows no output: no token can start it."""
+
+
+class GrammarTooLarge(GrammarError):
+    """A spec whose compiled grammar would not fit the compiler's cache byte bound."""
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """One request's output constraint.
@@ -55,6 +71,9 @@ class GrammarSpec:
     source: str
     # What the engine's GrammarCompiler made of it; set by the compiler's caller, not part of eq/hash.
     compiled: Any = field(default=None, compare=False, hash=False, repr=False)
+    # The caller's name of the field that asked for it ("response_format", "guided_regex", ...): an
+    # error of this grammar at run time (it allows no next token) names it. Not part of eq/hash.
+    param: str = field(default="structured", compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
@@ -67,8 +86,8 @@ class GrammarSpec:
         """A stable digest of kind and source: the compile cache's key."""
         return hashlib.sha256(f"{self.kind}\0{self.source}".encode()).hexdigest()
 
-    def with_compiled(self, compiled: Any) -> GrammarSpec:
-        return replace(self, compiled=compiled)
+    def with_compiled(self, compiled: Any, param: str | None = None) -> GrammarSpec:
+        return replace(self, compiled=compiled, param=param or self.param)
 
     @staticmethod
     def json_schema(schema: dict[str, Any] | bool) -> GrammarSpec:

@@ -15,21 +15,25 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
 from engine.structured.backend import CachingCompiler
-from engine.structured.masks import pack_bitmask
+from engine.structured.compile_workers import CompilePool
+from engine.structured.masks import new_bitmask, pack_bitmask
 from engine.structured.spec import (
     TOOL_CALL_HEAD_PREFIX,
     TOOL_CALL_HEAD_SUFFIX,
     TOOL_CALL_OPEN,
     TOOL_CALL_SEPARATOR,
     TOOL_CALL_TAIL,
+    GrammarDeadEnd,
     GrammarError,
     GrammarSpec,
+    GrammarTooLarge,
 )
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")  # "[11:37:21] /project/cpp/x.cc:94: " on C++ errors
@@ -44,12 +48,17 @@ class XGrammarMatcher:
         self._matcher = xgr.GrammarMatcher(compiled)
         # A bitmask row ANDed with the grammar's (tokens the grammar must never get), as numpy int32.
         self._also = also.numpy() if also is not None else None
+        self._nothing = False
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
-        if self._also is not None:  # numpy: one thread (torch's pool can wait ms for a busy core)
-            words = bitmask.numpy()[row]
+        words = bitmask.numpy()[row]  # numpy: one thread (torch's pool can wait ms for a busy core)
+        if self._also is not None:
             words &= self._also
+        self._nothing = not words.any()
+
+    def allows_nothing(self) -> bool:
+        return self._nothing
 
     def accept(self, token_id: int) -> bool:
         return bool(self._matcher.accept_token(token_id))
@@ -65,6 +74,7 @@ class XGrammar:
         self._owner = owner
         self.compiled = compiled
         self.also = also  # int32 [ceil(vocab / 32)] ANDed with every step's mask; None: the grammar's alone
+        self.memory_bytes = int(compiled.memory_size_bytes)
 
     @property
     def owner(self) -> object:
@@ -77,15 +87,24 @@ class XGrammar:
 class XGrammarCompiler(CachingCompiler):
     """Compiles specs for one tokenizer. `vocab_size`: the model's logits width (the tokenizer's
     vocabulary may be smaller: the padding ids are never allowed). `stop_token_ids`: the ids that end a
-    generation (the model's EOS); a grammar ends when one is sampled where the grammar may end."""
+    generation (the model's EOS); a grammar ends when one is sampled where the grammar may end.
+    `max_bytes`: the cache's byte bound; a grammar that alone compiles to more is refused (GrammarTooLarge).
+    `processes`: compile in worker processes (compile_workers.py; compiles are then `budgeted`), else on
+    the caller's thread, `threads` wide."""
 
     backend = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int] | list[int],
-                 max_entries: int = 512, threads: int = 2) -> None:  # fmt: skip
-        super().__init__(max_entries)
+                 max_entries: int = 512, threads: int = 2, max_bytes: int = 256 << 20,
+                 processes: bool = False) -> None:  # fmt: skip
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids))  # fmt: skip
+        self.pool = CompilePool({"tokenizer_info": info.serialize_json(), "max_bytes": max_bytes}) if processes else None
+        if self.pool is not None:  # the workers go with the compiler (an unloaded version's engine)
+            weakref.finalize(self, self.pool.close, False)
+        # In-process: compiles run on `threads` threads; with processes, each waits on a thread for its worker.
+        super().__init__(max_entries, max_bytes, threads if self.pool is None else self.pool.max_waiting)
+        self._info = info
         # Our cache is in front (CachingCompiler): xgrammar's own would hold a second copy.
         self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self.vocab_size = vocab_size
@@ -95,29 +114,61 @@ class XGrammarCompiler(CachingCompiler):
         self._no_controls = pack_bitmask(torch.tensor([not c for c in controls]))
         self._newlines_only = pack_bitmask(torch.tensor([c <= {10} for c in controls]))
 
-    def _compile(self, spec: GrammarSpec) -> XGrammar:
+    @property
+    def budgeted(self) -> bool:  # type: ignore[override]
+        return self.pool is not None
+
+    def close(self) -> None:
+        """Stop taking compiles and stop the compile workers (if any)."""
+        super().close()
+        if self.pool is not None:
+            self.pool.close()
+
+    def _compile(self, spec: GrammarSpec, timeout_s: float | None) -> XGrammar:
         also = {"json_schema": self._no_controls, "json_object": self._no_controls,
                 "tool_calls": self._newlines_only}.get(spec.kind)  # fmt: skip
+        if self.pool is not None:
+            done = self.pool.compile(spec.kind, spec.source, timeout_s)
+            grammar = XGrammar(self, xgr.CompiledGrammar.deserialize_json(done.payload, self._info), also)
+        else:
+            grammar = XGrammar(self, self._build_here(spec), also)
+            if grammar.memory_bytes > self.max_bytes:
+                raise GrammarTooLarge(f"compiles to {grammar.memory_bytes / 2**20:.1f} MiB, more than the grammar "
+                                      f"cache holds ({self.max_bytes / 2**20:.1f} MiB)")  # fmt: skip
+        _check_first_step(grammar, self.vocab_size)
+        return grammar
+
+    def _build_here(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         try:
-            return XGrammar(self, self._build(spec), also)
+            return build_grammar(self._compiler, spec.kind, spec.source)
         except GrammarError:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError (C++), ValueError, pydantic errors
-            raise GrammarError(_message(exc)) from None
+            raise GrammarError(error_message(exc)) from None
 
-    def _build(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        c, source = self._compiler, spec.source
-        if spec.kind == "json_schema":
-            return c.compile_json_schema(source, any_whitespace=False, strict_mode=True)
-        if spec.kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        if spec.kind == "regex":
-            return c.compile_regex(source)
-        if spec.kind == "choice":
-            return c.compile_grammar(choice_ebnf(json.loads(source)))
-        if spec.kind == "grammar":
-            return c.compile_grammar(source)
-        return c.compile_structural_tag(tool_call_tag(json.loads(source)))
+
+def _check_first_step(grammar: XGrammar, vocab_size: int) -> None:
+    """A grammar no token can start (an empty regex class, a pattern needing characters the control mask
+    forbids) is refused here rather than failing its request's first step."""
+    matcher = grammar.matcher()
+    matcher.fill_bitmask(new_bitmask(1, vocab_size), 0)
+    if matcher.allows_nothing():
+        raise GrammarDeadEnd("allows no output: no token of this model's vocabulary can start it")
+
+
+def build_grammar(c: xgr.GrammarCompiler, kind: str, source: str) -> xgr.CompiledGrammar:
+    """`source` of `kind` (GrammarSpec) compiled by `c`. Raises what xgrammar raises."""
+    if kind == "json_schema":
+        return c.compile_json_schema(source, any_whitespace=False, strict_mode=True)
+    if kind == "json_object":
+        return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    if kind == "regex":
+        return c.compile_regex(source)
+    if kind == "choice":
+        return c.compile_grammar(choice_ebnf(json.loads(source)))
+    if kind == "grammar":
+        return c.compile_grammar(source)
+    return c.compile_structural_tag(tool_call_tag(json.loads(source)))
 
 
 def choice_ebnf(options: list[str]) -> str:
@@ -162,7 +213,8 @@ def _call_format(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     return {"type": "tag", "begin": begin, "content": content, "end": TOOL_CALL_TAIL}
 
 
-def _message(exc: Exception) -> str:
+def error_message(exc: Exception) -> str:
+    """xgrammar's error as one line, without its C++ log prefix."""
     text = str(exc).strip().splitlines()
     first = _LOG_PREFIX.sub("", text[0]) if text else type(exc).__name__
     return first or type(exc).__name__

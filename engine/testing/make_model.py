@@ -203,6 +203,19 @@ PRESETS: dict[str, Preset] = {
         tie_word_embeddings=True,
         seed=6,
     ),
+    # tiny-llama with SmolLM2's vocabulary width (49,152 embedding and output rows; the tokenizer's 2,048
+    # tokens, as a checkpoint whose embedding has rows no token names): per-step work over the whole
+    # vocabulary (sampling, a full-vocabulary logit_bias) at a realistic size, with tiny compute.
+    "tiny-llama-wide": Preset(
+        "LlamaForCausalLM",
+        **_TINY,
+        vocab_size=BENCH_VOCAB,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=12,
+    ),
     # SmolLM2-135M's shape and init std: a realistic CPU benchmark model.
     "bench-135m": Preset(
         "LlamaForCausalLM",

@@ -1,18 +1,22 @@
 """Several engine requests behind one HTTP request: a list of prompts, `n` samples of each, or both.
-One choice is one engine request (its own ticket, lane admission, response-cache lookup and lease on
-the version the route picked); choice `index` = prompt index x n + sample index, as OpenAI numbers them.
+One choice is one engine request (its own ticket, response-cache lookup and lease on the version the
+route picked); choice `index` = prompt index x n + sample index, as OpenAI numbers them.
 
-Samples of one prompt share its KV blocks through the prefix cache: the first sample is admitted at
-once, the others when its prompt has run (its first token came), so they find the prompt's full
-blocks cached and compute only the last partial block. Sample j of a seeded request uses seed + j
-(vLLM's rule), so the samples differ and each is reproducible. Admission happens before anything is
-sent: a 429 for any choice closes the others and answers 429.
+The choices are admitted as one unit (server/serving/admission.py): all at once or none (one 429, or a
+400 when the lane can never hold them), counting as one request against the lane's request bound and
+their tokens in all against its token bound, before anything is sent. Choices past the request's share
+of the engine's seats (a quarter of max_num_seqs, server/serving/gateway.py seat_share) run one priority
+level lower, so a large `n` never holds every seat against another client's request.
+
+Samples of one prompt share its KV blocks through the prefix cache: the first sample goes to the engine
+at once, the others (admitted with it, held) when its prompt has run (its first token came), so they
+find the prompt's full blocks cached and compute only the last partial block. Sample j of a seeded
+request uses seed + j (vLLM's rule), so the samples differ and each is reproducible.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING
 
@@ -24,7 +28,7 @@ from engine.api import SamplingParams
 from server.api.stream_guard import StreamGuard
 from server.http import sse
 from server.http.errors import ApiError
-from server.serving.dispatch import start
+from server.serving.dispatch import start_unit
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Completed, Handle
 from server.serving.ticket import Finished, Tokens
@@ -43,40 +47,36 @@ def sample_params(params: SamplingParams, j: int) -> SamplingParams:
     if j == 0 or params.seed is None:
         return params
     seed = params.seed + j
-    return dataclasses.replace(params, seed=seed if seed <= 2**64 - 1 else seed % 2**64)
+    return params.with_seed(seed if seed <= 2**64 - 1 else seed % 2**64)
 
 
 async def start_choices(rt: Runtime, request: Request, lease: Lease,
                         groups: list[list[GenerationRequest]]) -> list[Handle]:  # fmt: skip
-    """Admit every choice (`groups`: one list of samples per prompt) on the leased version, in index
-    order. Takes over `lease` (the first choice's); every other choice gets its own lease. Raises
-    ApiError (400, 429, 503, 499 when the client left) with every choice closed."""
-    started: list[Handle] = []  # in start order, to close on failure
-    handles: list[Handle] = []  # in index order
+    """Admit every choice (`groups`: one list of samples per prompt) on the leased version as one unit, in
+    index order; each prompt's later samples go to the engine once its first sample's prompt ran. Takes
+    over `lease` (the first choice's); every other choice gets its own lease. Raises ApiError (400, 429,
+    503, 499 when the client left) with every choice closed."""
     dep = lease.deployment
+    flat = [req for group in groups for req in group]
+    leases = [lease] + [dep.acquire() for _ in flat[1:]]
+    firsts: list[int] = []  # position of each prompt's first sample
+    held: set[int] = set()  # the later samples' positions
+    for group in groups:
+        firsts.append(len(held) + len(firsts))
+        held.update(range(firsts[-1] + 1, firsts[-1] + len(group)))
+    param = "n" if any(len(group) > 1 for group in groups) else "prompt"
+    handles = start_unit(rt, list(zip(leases, flat, strict=True)), held, param)
     try:
-        for i, group in enumerate(groups):
-            started.append(start(rt, lease, group[0]) if i == 0 else _start_leased(rt, dep.acquire(), group[0]))
-        for first, group in zip(list(started), groups, strict=True):
-            handles.append(first)
+        for first, group in zip(firsts, groups, strict=True):
             if len(group) > 1:
-                await _prompt_ran(first, request)
-                for req in group[1:]:
-                    started.append(_start_leased(rt, dep.acquire(), req))
-                    handles.append(started[-1])
+                await _prompt_ran(handles[first], request)
+                for h in handles[first + 1 : first + len(group)]:
+                    h.release()
     except BaseException:
-        for h in started:
+        for h in handles:
             h.close()
         raise
     return handles
-
-
-def _start_leased(rt: Runtime, lease: Lease, req: GenerationRequest) -> Handle:
-    try:
-        return start(rt, lease, req)
-    except BaseException:
-        lease.release()
-        raise
 
 
 async def _prompt_ran(handle: Handle, request: Request) -> None:

@@ -18,8 +18,9 @@ from server.api.protocol import GenerateRequest
 from server.api.respond import Call, ChoiceEvents, generation, respond
 from server.http import sse
 from server.http.errors import ApiError
+from server.ops.feedback import RecordKey
 from server.prompt.codec import PromptCodec, check_prompt_bytes
-from server.serving.dispatch import cache_scope, picked
+from server.serving.dispatch import cache_scope, picked, request_owner
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Completed, Handle
 from server.serving.ticket import Finished, Ticket, Tokens
@@ -42,7 +43,8 @@ async def generate(request: Request, call: GenerateCall) -> Response:
         params = body.sampling_params(max_tokens, body.logprobs)
         request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
         req = GenerationRequest(request_id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
-                                body.cache, cache_scope(rt, request, body.user))  # fmt: skip
+                                body.cache, cache_scope(rt, request, body.user),
+                                record=RecordKey(request_owner(rt, request, body.user), request_id))  # fmt: skip
         handles = await start_choices(rt, request, lease, [[req]])
     return await respond(rt, request, handles, NativeShape(body.logprobs is not None), body.stream)
 

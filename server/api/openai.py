@@ -24,13 +24,14 @@ from server.api.openai_shapes import ChatShape, CompletionShape
 from server.api.protocol import ChatRequest, CompletionRequest, OpenAIFields
 from server.api.respond import Call, generation, respond
 from server.http.errors import ApiError
+from server.ops.feedback import RecordKey
 from server.prompt.chat import template_messages
 from server.prompt.codec import PromptCodec, check_prompt_bytes
 from server.prompt.structured import GrammarRequest, requested_grammar, with_grammar
 from server.prompt.tools import plan_tools
 from server.serving.deployment import Lease
-from server.serving.dispatch import cache_scope, picked
-from server.serving.gateway import GenerationRequest
+from server.serving.dispatch import cache_scope, picked, request_owner
+from server.serving.gateway import GenerationRequest, precheck
 from server.serving.handle import Handle
 from server.serving.runtime import Runtime
 
@@ -72,6 +73,8 @@ async def completions(request: Request, call: CompletionCall) -> Response:
     asked = requested_grammar(body)
     with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
+        if asked is not None:
+            dep.grammars.check(asked)  # its size: before the prompt is even tokenized
         prompts = await _completion_prompts(dep.codec, dep.max_model_len, body.prompt, max_tokens,
                                             body.add_special_tokens)  # fmt: skip
         cut = [(_truncated(ids, body.truncate_prompt_tokens), ids, text) for ids, text in prompts]
@@ -79,8 +82,8 @@ async def completions(request: Request, call: CompletionCall) -> Response:
         extra: dict[str, Any] = {"logit_bias": body.bias()}
         if body.echo and (body.logprobs is not None or max_tokens == 0):  # max_tokens 0: the engine runs the prompt
             extra["prompt_logprobs"] = body.logprobs or 0
-        spec = await dep.grammars.compile(asked) if asked is not None else None
-        params = with_grammar(body.sampling_params(max_tokens, body.logprobs, **extra), spec)
+        params = await _constrained(rt, lease, body, [ids for ids, _ in prompts],
+                                    body.sampling_params(max_tokens, body.logprobs, **extra), asked)  # fmt: skip
         shape = CompletionShape(lease, slot.name, f"cmpl-{uuid.uuid4().hex}", body.choices_per_prompt,
                                 params.logprobs is not None, body.include_usage, prompts if body.echo else None)  # fmt: skip
         handles = await _start(rt, request, body, [ids for ids, _ in prompts], params, shape.id, lease)
@@ -98,9 +101,13 @@ async def chat_completions(request: Request, call: ChatCall) -> Response:
         tools = plan_tools(body, body.messages, template_messages(body.messages, dep.codec.content_format),
                            dep.tool_template, dep.tool_parser, dep.grammars.compiler is not None)  # fmt: skip
         grammar = _one_grammar(output, tools.grammar)
+        if grammar is not None:
+            dep.grammars.check(grammar)
         messages = tools.messages
         asked = next((m for m in (body.max_completion_tokens, body.max_tokens) if m is not None), None)
-        check_prompt_bytes(dep.codec, message_texts(messages), max(asked or 1, 1), dep.max_model_len, "messages")
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        check_prompt_bytes(dep.codec, message_texts(messages), max(asked or 1, 1), dep.max_model_len, "messages",
+                           max_tokens_field=field)  # fmt: skip
         try:
             ids = await dep.codec.chat(messages, body.render_options(), tools.template_tools)
         except ApiError:
@@ -112,12 +119,32 @@ async def chat_completions(request: Request, call: ChatCall) -> Response:
         # cache's when that is smaller (dep.max_model_len is the smaller of the two).
         max_tokens = asked if asked is not None else max(1, dep.max_model_len - len(ids))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        spec = await dep.grammars.compile(grammar) if grammar is not None else None
-        params = with_grammar(body.sampling_params(max_tokens, logprobs, logit_bias=body.bias()), spec)
+        params = await _constrained(rt, lease, body, [ids], body.sampling_params(max_tokens, logprobs,
+                                    logit_bias=body.bias()), grammar, field)  # fmt: skip
         shape = ChatShape(lease, slot.name, f"chatcmpl-{uuid.uuid4().hex}", body.choices_per_prompt,
                           params.logprobs is not None, body.include_usage, tools.new_parser)  # fmt: skip
-        handles = await _start(rt, request, body, [ids], params, shape.id, lease)
+        handles = await _start(rt, request, body, [ids], params, shape.id, lease, field)
     return await respond(rt, request, handles, shape, bool(body.stream))
+
+
+async def _constrained(rt: Runtime, lease: Lease, body: OpenAIFields, prompts: list[list[int]],
+                       params: SamplingParams, asked: GrammarRequest | None,
+                       field: str = "max_tokens") -> SamplingParams:  # fmt: skip
+    """params with the grammar `asked` compiled, once the request passed every check that needs no
+    compile (the combination of fields, each prompt's fit in the context, room in the lane), so a request
+    that would be refused compiles nothing."""
+    if asked is None:
+        return params
+    with_grammar(params, asked.spec)  # refuses combinations (min_tokens) before compiling
+    _check_choices(len(prompts), body.choices_per_prompt)
+    reqs = [GenerationRequest("precheck", ids, params, body.lane(), max_tokens_field=field) for ids in prompts]
+    precheck(rt, lease, reqs, body.choices_per_prompt, "n" if len(prompts) == 1 else "prompt")
+    return with_grammar(params, await lease.deployment.grammars.compile(asked))
+
+
+def _check_choices(prompts: int, n: int) -> None:
+    if prompts * n > MAX_CHOICES:
+        raise ApiError(400, "invalid_request", f"prompts x n must be at most {MAX_CHOICES}", param="n")
 
 
 def _one_grammar(output: GrammarRequest | None, calls: GrammarRequest | None) -> GrammarRequest | None:
@@ -154,17 +181,19 @@ async def _completion_prompts(codec: PromptCodec, max_model_len: int, prompt: st
 
 
 async def _start(rt: Runtime, request: Request, body: OpenAIFields, prompts: list[list[int]],
-                 params: SamplingParams, response_id: str, lease: Lease) -> list[Handle]:  # fmt: skip
-    """Admit every choice: `body.n` samples of each prompt (choice index = prompt x n + sample)."""
+                 params: SamplingParams, response_id: str, lease: Lease,
+                 max_tokens_field: str = "max_tokens") -> list[Handle]:  # fmt: skip
+    """Admit every choice: `body.n` samples of each prompt (choice index = prompt x n + sample), each
+    recorded for feedback under (response_id, its index). `max_tokens_field`: the body's name for it."""
     n = body.choices_per_prompt
-    if len(prompts) * n > MAX_CHOICES:
-        raise ApiError(400, "invalid_request", f"prompts x n must be at most {MAX_CHOICES}", param="n")
-    scope = cache_scope(rt, request, body.user)
+    _check_choices(len(prompts), n)
+    scope, owner = cache_scope(rt, request, body.user), request_owner(rt, request, body.user)
 
     def choice(p: int, j: int) -> GenerationRequest:
         index = p * n + j
-        rid = response_id if len(prompts) * n == 1 else f"{response_id}-{index}"
+        rid = response_id if len(prompts) * n == 1 else f"{response_id}-{index}"  # the engine's id
         return GenerationRequest(rid, prompts[p], sample_params(params, j), body.lane(), body.timeout_s,
-                                 body.first_token_timeout_s, body.cache, scope)  # fmt: skip
+                                 body.first_token_timeout_s, body.cache, scope, max_tokens_field=max_tokens_field,
+                                 record=RecordKey(owner, response_id, index))  # rated as (response id, choice)
 
     return await start_choices(rt, request, lease, [[choice(p, j) for j in range(n)] for p in range(len(prompts))])

@@ -5,6 +5,7 @@ once with n), and each choice's tool-call parser on chat. Choice `index` = promp
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -12,8 +13,8 @@ from typing import Any
 
 from sse_starlette import ServerSentEvent
 
-from engine.api import TokenLogprob
-from server.api.respond import ChoiceEvents
+from engine.api import RequestOutput, TokenLogprob
+from server.api.respond import ChoiceEvents, json_text
 from server.http import sse
 from server.prompt.tool_parser import ToolParser
 from server.prompt.tools import finish_reason, message_with_calls
@@ -63,13 +64,15 @@ class OpenAIShape:
                 yield _event({**self.chunk([first]), **extra})
         async for index, event in events:
             if isinstance(event, Tokens):
-                out = event.output
-                lps = out.logprobs if self.want_logprobs else None
-                choice = self.delta(index, out.text_delta, lps, None, out.prompt_logprobs)
-                if choice is not None:
-                    yield _event({**self.chunk([choice]), **extra})
+                if event.output.prompt_logprobs is not None:  # echo: the prompt's entries x top-N, off the loop
+                    chunk = await asyncio.to_thread(self._tokens_event, index, event.output, extra)
+                else:
+                    chunk = self._tokens_event(index, event.output, extra)
+                if chunk is not None:
+                    yield chunk
             elif isinstance(event, Finished) and event.error is not None:
-                yield _event({"error": {"message": event.error.message, "type": event.error.kind, "param": None,
+                yield _event({"error": {"message": event.error.message, "type": event.error.kind,
+                                        "param": event.error.param,
                                         "code": event.error.status}})
                 break
             elif isinstance(event, Finished):
@@ -78,6 +81,16 @@ class OpenAIShape:
         if self.include_usage and finished == len(tickets):
             yield _event({**self.chunk([]), "usage": self.usage(tickets)})
         yield sse.event("[DONE]")
+
+    def _tokens_event(self, index: int, out: RequestOutput, extra: dict[str, Any]) -> ServerSentEvent | None:
+        """The chunk for one step's output of choice `index`; None when there is nothing to send yet."""
+        lps = out.logprobs if self.want_logprobs else None
+        choice = self.delta(index, out.text_delta, lps, None, out.prompt_logprobs)
+        if choice is None:
+            return None
+        if out.prompt_logprobs is not None:  # the echo chunk: serialized in pieces (on a worker thread)
+            return sse.event(json_text({**self.chunk([choice]), **extra}, allow_nan=True))
+        return _event({**self.chunk([choice]), **extra})
 
     def usage(self, tickets: list[Ticket]) -> dict[str, Any]:
         """Each prompt counts once (OpenAI's rule for n), with its first sample's cached tokens."""
@@ -118,8 +131,13 @@ class OpenAIShape:
     def full_choice(self, index: int, done: Completed, want: bool) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _token(self, token_id: int) -> str:
-        return self.codec.token_text(token_id)
+    def _texts(self) -> Callable[[int], str]:
+        """token id -> its text, for many lookups: the codec's table indexed directly when it is built."""
+        table, fallback = self.codec.text_table(), self.codec.token_text
+        if table is None:
+            return fallback
+        size = len(table)
+        return lambda token_id: table[token_id] if 0 <= token_id < size else fallback(token_id)
 
 
 class CompletionShape(OpenAIShape):
@@ -171,7 +189,8 @@ class CompletionShape(OpenAIShape):
     def _logprobs(self, index: int, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if lps is None:
             return None
-        tokens = [self._token(lp.token_id) for lp in lps]
+        text = self._texts()
+        tokens = [text(lp.token_id) for lp in lps]
         offsets = []
         offset = self._offsets.get(index, 0)
         for tok in tokens:
@@ -181,7 +200,7 @@ class CompletionShape(OpenAIShape):
         return {
             "tokens": tokens,
             "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in lps],
+            "top_logprobs": [{text(t): v for t, v in lp.top} for lp in lps],
             "text_offset": offsets,
         }
 
@@ -231,11 +250,12 @@ class ChatShape(OpenAIShape):
     def _logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if lps is None:
             return None
+        text = self._texts()
         return {"content": [
-            {**self._entry(lp.token_id, lp.logprob), "top_logprobs": [self._entry(t, v) for t, v in lp.top]}
+            {**_entry(text(lp.token_id), lp.logprob), "top_logprobs": [_entry(text(t), v) for t, v in lp.top]}
             for lp in lps
         ]}  # fmt: skip
 
-    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self._token(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+def _entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

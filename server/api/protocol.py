@@ -5,6 +5,7 @@ OpenAI-compatible servers do (load tools send extras).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Request
@@ -13,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 from engine.api import InvalidParam, SamplingParams
 from server.config.lanes import Lane
 from server.http.errors import ApiError, validation_to_api_error
+from server.http.json_limits import check_depth
 from server.prompt.chat import ChatMessage, render_options
 from server.prompt.structured import StructuredFields
 from server.prompt.tools import ToolFields
@@ -26,6 +28,7 @@ PriorityName = Literal["interactive", "standard", "batch"]
 
 Body = TypeVar("Body", bound=BaseModel)
 MAX_N = 64  # most samples per prompt (n)
+_TOKEN_KEY = re.compile(r"\s*[+-]?[0-9]+\s*")  # a logit_bias key: what int() reads, ASCII digits only
 
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -34,9 +37,12 @@ _SAMPLING_FIELDS = (
 
 
 async def parse_body(request: Request, model: type[Body]) -> Body:
-    """The JSON body as `model`, whatever the Content-Type. Raises ApiError 400/422 naming the field."""
+    """The JSON body as `model`, whatever the Content-Type. Raises ApiError 400/422 naming the field
+    (400 `body` when it nests deeper than server/http/json_limits.py allows)."""
+    raw = await request.body()
+    check_depth(raw, "body")
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(raw)
     except ValidationError as exc:
         raise validation_to_api_error(request.url.path, exc.errors()) from None
 
@@ -132,6 +138,17 @@ class OpenAIFields(SamplingFields, StructuredFields):
                 hint = " (use echo with logprobs)" if name == "prompt_logprobs" else ""
                 raise ApiError(400, "invalid_request", f"{name} is not supported{hint}", param=name)
         self._check_counts()
+        self._check_json_texts()
+
+    def _check_json_texts(self) -> None:
+        """Schemas given as JSON text are parsed later (server/prompt/structured.py): bound their depth
+        here, as the body's was. Raises ApiError 400 naming the field."""
+        inner = (self.response_format or {}).get("json_schema")
+        texts = {"guided_json": self.guided_json, "structured_outputs.json": (self.structured_outputs or {}).get("json"),
+                 "response_format.json_schema.schema": inner.get("schema") if isinstance(inner, dict) else None}
+        for field, text in texts.items():
+            if isinstance(text, str):
+                check_depth(text, field)
 
     def _check_counts(self) -> None:
         if self.n is not None and not 1 <= self.n <= MAX_N:
@@ -145,14 +162,19 @@ class OpenAIFields(SamplingFields, StructuredFields):
         return self.n or 1
 
     def bias(self) -> dict[int, float]:
-        """logit_bias with integer keys. Raises ApiError 400 (param logit_bias) for a key that is not one."""
+        """logit_bias with integer keys ("5", " 5" and "05" are token 5). Raises ApiError 400 (param
+        logit_bias) for a key that is not a token id, and for two keys naming the same token."""
         out: dict[int, float] = {}
+        given: dict[int, str] = {}
         for key, value in (self.logit_bias or {}).items():
-            try:
-                out[int(key)] = value
-            except ValueError:
+            if not _TOKEN_KEY.fullmatch(key):
                 raise ApiError(400, "invalid_request", f"logit_bias keys are token ids, got {key!r}",
-                               param="logit_bias") from None
+                               param="logit_bias")  # fmt: skip
+            token = int(key)
+            if token in given:
+                raise ApiError(400, "invalid_request", f"logit_bias names token {token} twice ({given[token]!r} "
+                               f"and {key!r})", param="logit_bias")  # fmt: skip
+            given[token], out[token] = key, value
         return out
 
     @property

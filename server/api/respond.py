@@ -11,12 +11,16 @@ else is here, once:
   become the JSON answer (every choice collected) or the SSE stream (with one choice, its start is
   awaited up to one ping interval, so a queue timeout until then is still a clean 503), each with the
   version that answers in `X-Model-Version`; every handle is closed if anything fails before the
-  response is handed over, and when the stream ends, however it ends.
+  response is handed over, and when the stream ends, however it ends. A JSON answer that carries many
+  log-probabilities (echo with prompt logprobs: a prompt's tokens x top-N, per choice) is laid out and
+  serialized on a thread (`large_body`), in pieces, so the event loop keeps serving meanwhile.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -34,6 +38,9 @@ from server.serving.ticket import Finished, Tokens
 MODEL_VERSION_HEADER = "X-Model-Version"
 
 Body = TypeVar("Body", bound=BaseModel)
+LARGE_BODY_ENTRIES = 512  # log-probability entries in one answer past which it is built off the loop
+RENDER_CHUNK = 256  # list items per json.dumps call in render_json
+_RENDER_DEPTH = 5  # levels json_text walks: body (or chunk), choices, a choice, its logprobs, their lists
 ChoiceEvents = AsyncIterator[tuple[int, Tokens | Finished]]  # (choice index, event), in arrival order
 
 
@@ -75,6 +82,9 @@ async def respond(rt: Runtime, request: Request, handles: list[Handle], shape: S
     try:
         if not stream:
             done = await collect_choices(handles, request)
+            if large_body(done):
+                body = await asyncio.to_thread(render_json, shape.body, handles, done)
+                return Response(body, media_type="application/json", headers=headers)
             return JSONResponse(shape.body(handles, done), headers=headers)
         if len(handles) == 1:  # several choices were held until admitted (server/api/choices.py)
             await handles[0].wait_started(rt.settings.sse_ping_s, request)
@@ -85,6 +95,38 @@ async def respond(rt: Runtime, request: Request, handles: list[Handle], shape: S
     streams = ChoiceStreams(request, handles, rt.settings.stream_max_pending_tokens)
     content = _closing(streams, shape.stream(handles, streams.events()))
     return streams.response(content, rt.settings.sse_ping_s, headers=headers)
+
+
+def large_body(done: list[Completed]) -> bool:
+    """Whether an answer holds enough log-probability entries (each with its top-N) that laying it out
+    would hold the event loop: then it is built off the loop."""
+    entries = sum(len(d.logprobs) + len(d.prompt_logprobs or ()) for d in done)
+    return entries > LARGE_BODY_ENTRIES
+
+
+def render_json(build: Callable[..., Any], *args: Any) -> bytes:
+    """build(*args) serialized as JSONResponse does (compact, UTF-8, no NaN), in pieces: one json.dumps call
+    holds the GIL for all of its input, so a 10 MB answer in one call would stall the event loop's thread
+    as long. Objects and short lists are walked (a few levels down), long lists dumped RENDER_CHUNK items
+    at a time. For a worker thread."""
+    return json_text(build(*args)).encode("utf-8")
+
+
+def json_text(value: Any, allow_nan: bool = False, depth: int = 0) -> str:
+    """json.dumps(value) (compact, not ASCII-escaped), in pieces (render_json): the same text."""
+    if isinstance(value, dict) and depth < _RENDER_DEPTH:
+        items = (f"{_dumps(key, allow_nan)}:{json_text(item, allow_nan, depth + 1)}" for key, item in value.items())
+        return "{" + ",".join(items) + "}"
+    if isinstance(value, list) and len(value) > RENDER_CHUNK:
+        chunks = (_dumps(value[i : i + RENDER_CHUNK], allow_nan)[1:-1] for i in range(0, len(value), RENDER_CHUNK))
+        return "[" + ",".join(chunks) + "]"
+    if isinstance(value, list) and depth < _RENDER_DEPTH:
+        return "[" + ",".join(json_text(item, allow_nan, depth + 1) for item in value) + "]"
+    return _dumps(value, allow_nan)
+
+
+def _dumps(value: Any, allow_nan: bool) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=allow_nan, separators=(",", ":"))
 
 
 async def _closing(streams: ChoiceStreams,

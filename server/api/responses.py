@@ -24,9 +24,10 @@ from server.api.protocol import Bool, Int, SamplingFields
 from server.api.respond import Call, ChoiceEvents, generation, respond
 from server.http import sse
 from server.http.errors import ApiError
+from server.ops.feedback import RecordKey
 from server.prompt.chat import TEXT_PART_TYPES, ChatMessage, ContentPart, chat_prompt, template_messages
 from server.prompt.codec import check_prompt_bytes
-from server.serving.dispatch import cache_scope, picked
+from server.serving.dispatch import cache_scope, picked, request_owner
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Completed, Handle
 from server.serving.ticket import Finished, Ticket, Tokens
@@ -63,7 +64,11 @@ class ResponsesRequest(SamplingFields):
         if self.tools:
             raise ApiError(400, "invalid_request", "tools are not supported on /v1/responses (use chat "
                            "completions)", param="tools")  # fmt: skip
-        kind = ((self.text or {}).get("format") or {}).get("type", "text")
+        fmt = (self.text or {}).get("format")
+        if fmt is not None and not (isinstance(fmt, dict) and isinstance(fmt.get("type", "text"), str)):
+            raise ApiError(400, "invalid_request", "text.format must be an object with a string `type` "
+                           '(e.g. {"type": "text"})', param="text.format")  # fmt: skip
+        kind = (fmt or {}).get("type", "text")
         if kind != "text":
             raise ApiError(400, "invalid_request", f"text.format {kind!r} is not supported on /v1/responses",
                            param="text.format")  # fmt: skip
@@ -113,13 +118,15 @@ async def responses(request: Request, call: ResponsesCall) -> Response:
     with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
         texts = message_texts(template_messages(messages, dep.codec.content_format))
-        check_prompt_bytes(dep.codec, texts, body.max_output_tokens or 1, dep.max_model_len, "input")
+        check_prompt_bytes(dep.codec, texts, body.max_output_tokens or 1, dep.max_model_len, "input",
+                           max_tokens_field="max_output_tokens")  # fmt: skip
         ids = await chat_prompt(dep.codec, messages, {"add_generation_prompt": True})
         max_tokens = body.max_output_tokens or max(1, dep.max_model_len - len(ids))
         params = body.sampling_params(max_tokens, None)
         shape = ResponseShape(body, slot.name, dep.version)
         req = GenerationRequest(shape.id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
-                                body.cache, cache_scope(rt, request, body.user))  # fmt: skip
+                                body.cache, cache_scope(rt, request, body.user), max_tokens_field="max_output_tokens",
+                                record=RecordKey(request_owner(rt, request, body.user), shape.id))  # fmt: skip
         handles = await start_choices(rt, request, lease, [[req]])
     return await respond(rt, request, handles, shape, body.stream)
 

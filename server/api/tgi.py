@@ -27,8 +27,9 @@ from server.api.protocol import Bool, Int, Num
 from server.api.respond import Call, ChoiceEvents, generation, respond
 from server.http import sse
 from server.http.errors import ApiError
+from server.ops.feedback import RecordKey
 from server.prompt.codec import PromptCodec, check_prompt_bytes
-from server.serving.dispatch import cache_scope, picked
+from server.serving.dispatch import cache_scope, picked, request_owner
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Completed, Handle
 from server.serving.ticket import Finished, Tokens
@@ -122,11 +123,15 @@ async def _generate(request: Request, call: Call[TGIRequest], stream: bool | Non
     params = p.sampling_params()
     with picked(rt, None) as (_, lease):
         dep = lease.deployment
-        check_prompt_bytes(dep.codec, [body.inputs], params.max_tokens, dep.max_model_len, "inputs")
+        check_prompt_bytes(dep.codec, [body.inputs], params.max_tokens, dep.max_model_len, "inputs",
+                           max_tokens_field="parameters.max_new_tokens")  # fmt: skip
         ids = await dep.codec.encode(body.inputs)
         if p.truncate is not None:
             ids = ids[-p.truncate :]  # TGI's truncate: keep the last N prompt tokens
-        req = GenerationRequest(f"tgi-{uuid.uuid4().hex}", ids, params, scope=cache_scope(rt, request, None))
+        rid = f"tgi-{uuid.uuid4().hex}"
+        req = GenerationRequest(rid, ids, params, scope=cache_scope(rt, request, None),
+                                max_tokens_field="parameters.max_new_tokens",
+                                record=RecordKey(request_owner(rt, request, None), rid))  # fmt: skip
         handles = await start_choices(rt, request, lease, [[req]])
     shape = TGIShape(dep.codec, body, ids)
     return await respond(rt, request, handles, shape, body.stream if stream is None else stream)

@@ -133,6 +133,12 @@ class ServerSettings(BaseSettings):
     structured_compile_timeout_s: float = Field(10.0, gt=0, le=600, description="a request's grammar (JSON "
                                                 "schema, regex, choice, EBNF, tool calls) must compile within "
                                                 "this, else 400; compiled grammars are cached")
+    structured_cache_bytes: int = Field(256 << 20, gt=0, description="compiled grammars kept per model version, in "
+                                        "bytes (accepts 256MiB); a grammar that alone compiles to more is a 400")
+    structured_max_grammar_bytes: int = Field(65536, gt=0, description="largest grammar source a request may give "
+                                              "(schema JSON, regex, choices, EBNF, tools; accepts 64KiB), else 400")
+    structured_compile_processes: bool = Field(True, description="compile grammars in worker processes (a small "
+                                               "and a large lane), so a compile past its timeout is killed")
     tool_call_parser: Literal["hermes"] = Field("hermes", description="how tool calls are read back from model "
                                                 "text (hermes: <tool_call>{json}</tool_call>)")
 
@@ -163,7 +169,8 @@ class ServerSettings(BaseSettings):
     request_records: int = Field(100000, ge=1, description="most recent requests kept so feedback can find them")
     request_record_ttl_s: float = Field(86400.0, gt=0, description="seconds a request can be rated after it ended")
 
-    @field_validator("kv_cache_memory", "response_cache_bytes", mode="before")
+    @field_validator("kv_cache_memory", "response_cache_bytes", "structured_cache_bytes", "structured_max_grammar_bytes",
+                     mode="before")
     @classmethod
     def _parse_size(cls, value: Any) -> Any:
         return parse_size(value)
@@ -200,14 +207,14 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _check_key(cls, value: str | None) -> str | None:
         if value is not None:
-            _check_api_key(value)
+            _check_api_key(value, "api_key")
         return value
 
-    @field_validator("api_keys")
+    @field_validator("api_keys", "admin_api_keys")
     @classmethod
-    def _check_keys(cls, value: list[str]) -> list[str]:
+    def _check_keys(cls, value: list[str], info: Any) -> list[str]:
         for key in value:
-            _check_api_key(key)
+            _check_api_key(key, info.field_name)
         return value
 
     @field_validator("models", mode="before")
@@ -264,6 +271,8 @@ class ServerSettings(BaseSettings):
             pack_weights=self.pack_weights,
             tokenizer=self.tokenizer,
             grammar_backend=self.grammar_backend,
+            grammar_cache_bytes=self.structured_cache_bytes,
+            grammar_compile_processes=self.structured_compile_processes,
             quantization=self.quantization,
             cpu_threads=self.engine_threads or default_engine_threads(),
             show_progress=True,  # a bar on a terminal only (tqdm stays quiet in logs and pipes)
@@ -312,13 +321,15 @@ class ServerSettings(BaseSettings):
 
 
 
-def _check_api_key(key: str) -> None:
+def _check_api_key(key: str, setting: str) -> None:
     """An empty key would let `Authorization: Bearer ` through, or (unset by mistake) turn auth off
-    silently: refuse to start instead."""
+    silently: refuse to start instead. The same for API keys and admin keys; `setting` names the field."""
+    what = "admin API keys" if setting == "admin_api_keys" else "API keys"
+    off = "to leave the admin API off" if setting == "admin_api_keys" else "to run without authentication"
     if not isinstance(key, str) or not key.strip():
-        raise ValueError("API keys must not be empty (unset the setting to run without authentication)")
+        raise ValueError(f"{setting}: {what} must not be empty (unset the setting {off})")
     if key != key.strip() or any(c.isspace() for c in key):
-        raise ValueError("API keys must not contain whitespace")
+        raise ValueError(f"{setting}: {what} must not contain whitespace")
 
 
 class _ConfigFileSource(PydanticBaseSettingsSource):

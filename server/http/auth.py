@@ -17,6 +17,9 @@ ADMIN_PREFIX = "/admin/"
 
 
 def key_matches(token: str, keys: tuple[str, ...]) -> bool:
+    """Whether `token` is one of `keys`; an empty token never is (`Authorization: Bearer` alone)."""
+    if not token:
+        return False
     given = token.encode()
     found = False
     for key in keys:

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger("tokenmill.server")
 
@@ -87,7 +88,8 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
-    app.add_exception_handler(Exception, _on_unexpected)
+    # Any other exception: InternalErrorMiddleware (Starlette's own 500 handler re-raises after
+    # answering, and uvicorn then drops the connection without `Connection: close`).
 
 
 # Handlers take `Exception` (what Starlette's signature promises) and narrow it: each is registered for
@@ -126,7 +128,33 @@ async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
     return error_response(request.url.path, err, request.scope)
 
 
-async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error on %s", request.url.path)
-    err = ApiError(500, "internal_error", f"internal error: {type(exc).__name__}")
-    return error_response(request.url.path, err, request.scope)
+class InternalErrorMiddleware:
+    """An exception nothing else handled becomes a 500 JSON error with `Connection: close`, and is logged
+    here, not raised on: uvicorn sends the answer and then closes the connection cleanly (a keep-alive
+    client sees the close announced, and its next request opens a new connection). Once a response has
+    started nothing more can be said on it: the exception goes on and the connection is dropped. Install
+    it outside every other middleware but the error log, which then counts the 500."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:
+                raise
+            log.exception("unhandled error on %s", scope.get("path"))
+            err = ApiError(500, "internal_error", f"internal error: {type(exc).__name__}",
+                           headers={"Connection": "close"})  # fmt: skip
+            await error_response(scope.get("path", ""), err, scope)(scope, receive, send)

@@ -1,6 +1,11 @@
 """Feedback tied to what produced it: the cost record of every recent request (`RequestRecords`, kept in
 memory for a bounded window) and the ratings users give them (`FeedbackStore`, SQLite on disk, one row
-per request id with the request's model, version, lane and cost record copied in).
+per rated choice with the request's model, version, lane and cost record copied in).
+
+A record belongs to its owner (`RecordKey.owner`: a hash of the API key and the body's `user`, see
+server/serving/dispatch.py request_owner) and is found only by that owner: another key asking for it
+finds nothing, as for an id never seen. One HTTP request with several choices (a prompt list, n > 1)
+leaves one record per choice, under the response id the client saw and the choice's index.
 
 The store runs every SQLite call on one thread of its own (the event loop never waits on the disk)
 with `synchronous=FULL`: a rating the API answered 201 for survives a crash or restart.
@@ -23,10 +28,19 @@ RATINGS = (-1, 1, 2, 3, 4, 5)  # thumbs (-1, 1) or stars (1-5)
 
 
 @dataclass(frozen=True)
-class RequestRecord:
-    """One finished request's cost record."""
+class RecordKey:
+    """How feedback finds a request's record: whose it is, and the ids the client saw."""
 
-    request_id: str
+    owner: str  # a hash of the API key and `user` ("" when the server has no keys and the body no user)
+    request_id: str  # the response's id (one per HTTP request, whatever its number of choices)
+    choice: int = 0  # the choice's index in that response
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request's (one choice's) cost record."""
+
+    request_id: str  # the response's id, as the client saw it
     model: str
     version: str
     lane: str
@@ -42,6 +56,12 @@ class RequestRecord:
     preemptions: int
     response_cached: bool  # answered from the response cache
     ended_at: float  # unix time
+    owner: str = ""  # RecordKey.owner
+    choice: int = 0  # the choice's index in its response
+
+    @property
+    def key(self) -> RecordKey:
+        return RecordKey(self.owner, self.request_id, self.choice)
 
 
 class AlreadyRated(Exception):
@@ -57,7 +77,7 @@ class RequestRecords:
         self.ttl_s = ttl_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._records: OrderedDict[str, tuple[RequestRecord, float]] = OrderedDict()  # oldest first
+        self._records: OrderedDict[RecordKey, tuple[RequestRecord, float]] = OrderedDict()  # oldest first
 
     def __len__(self) -> int:
         with self._lock:
@@ -66,27 +86,31 @@ class RequestRecords:
     def put(self, record: RequestRecord) -> None:
         now = self._clock()
         with self._lock:
-            self._records.pop(record.request_id, None)  # a reused client id: the newest request wins
-            self._records[record.request_id] = (record, now)
+            self._records.pop(record.key, None)  # an owner's reused client id: its newest request wins
+            self._records[record.key] = (record, now)
             while self._records and (len(self._records) > self.max_records
                                      or now - next(iter(self._records.values()))[1] > self.ttl_s):  # fmt: skip
                 self._records.popitem(last=False)
 
-    def get(self, request_id: str) -> RequestRecord | None:
+    def get(self, key: RecordKey) -> RequestRecord | None:
+        """The record under `key` (owner included), or None: never seen, expired, or someone else's."""
         with self._lock:
-            found = self._records.get(request_id)
+            found = self._records.get(key)
         if found is None or self._clock() - found[1] > self.ttl_s:
             return None
         return found[0]
 
 
-_SCHEMA = """
+# Version 1 (PRAGMA user_version): owner and choice; one rating per (owner, request_id, choice).
+# Version 0 had request_id UNIQUE and neither column: _migrate rebuilds it.
+_SCHEMA_VERSION = 1
+_TABLE = """
 CREATE TABLE IF NOT EXISTS feedback (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     rating INTEGER NOT NULL,
     comment TEXT,
     rated_at REAL NOT NULL,  -- unix time
-    request_id TEXT NOT NULL UNIQUE,
+    request_id TEXT NOT NULL,
     model TEXT NOT NULL,
     version TEXT NOT NULL,
     lane TEXT NOT NULL,
@@ -101,10 +125,13 @@ CREATE TABLE IF NOT EXISTS feedback (
     kv_blocks_peak INTEGER NOT NULL,
     preemptions INTEGER NOT NULL,
     response_cached INTEGER NOT NULL,
-    ended_at REAL NOT NULL
+    ended_at REAL NOT NULL,
+    owner TEXT NOT NULL DEFAULT '',
+    choice INTEGER NOT NULL DEFAULT 0,
+    UNIQUE (owner, request_id, choice)
 );
-CREATE INDEX IF NOT EXISTS feedback_by_version ON feedback (model, version);
 """
+_INDEX = "CREATE INDEX IF NOT EXISTS feedback_by_version ON feedback (model, version);"
 
 
 class FeedbackStore:
@@ -126,11 +153,12 @@ class FeedbackStore:
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self._conn, *args)
 
-    async def rated(self, request_id: str) -> bool:
-        return bool(await self._run(_count, request_id))
+    async def rated(self, key: RecordKey) -> bool:
+        """Whether the choice under `key` (owner included) has a rating."""
+        return bool(await self._run(_count, key))
 
     async def add(self, record: RequestRecord, rating: int, comment: str | None) -> dict[str, Any]:
-        """Store a rating of `record`; raises AlreadyRated when the request has one."""
+        """Store a rating of `record`; raises AlreadyRated when that choice has one."""
         row = {"rating": rating, "comment": comment, "rated_at": time.time(), **asdict(record)}
         row["response_cached"] = int(record.response_cached)
         row_id = await self._run(_insert, row)
@@ -151,12 +179,35 @@ def _connect(path: str) -> sqlite3.Connection:
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")
-    conn.executescript(_SCHEMA)
+    if conn.execute("PRAGMA user_version").fetchone()[0] < _SCHEMA_VERSION:
+        _migrate(conn)
+    conn.executescript(_TABLE + _INDEX)
     return conn
 
 
-def _count(conn: sqlite3.Connection, request_id: str) -> int:
-    return conn.execute("SELECT COUNT(*) FROM feedback WHERE request_id = ?", (request_id,)).fetchone()[0]
+def _migrate(conn: sqlite3.Connection) -> None:
+    """Bring a database of an older version to _SCHEMA_VERSION in one transaction. Version 0 rows keep
+    their ids and columns and get owner '' and choice 0 (whose they were was not stored)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(feedback)")]
+        if columns and "owner" not in columns:
+            conn.execute("ALTER TABLE feedback RENAME TO feedback_v0")
+            conn.execute("DROP INDEX IF EXISTS feedback_by_version")
+            conn.execute(_TABLE)
+            names = ", ".join(columns)
+            conn.execute(f"INSERT INTO feedback ({names}) SELECT {names} FROM feedback_v0")
+            conn.execute("DROP TABLE feedback_v0")
+        conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _count(conn: sqlite3.Connection, key: RecordKey) -> int:
+    sql = "SELECT COUNT(*) FROM feedback WHERE owner = ? AND request_id = ? AND choice = ?"
+    return conn.execute(sql, (key.owner, key.request_id, key.choice)).fetchone()[0]
 
 
 def _insert(conn: sqlite3.Connection, row: dict[str, Any]) -> int:

@@ -73,6 +73,7 @@ class Snapshot:
     lanes: dict[Lane, tuple[int, int]]  # lane -> (queued requests, queued tokens)
     worker_alive: bool
     memory: DeviceMemory | None = None  # process-wide: read from the first version only
+    grammar_cache: tuple[int, int] | None = None  # compiled grammars cached: (entries, bytes); None: no backend
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,17 @@ class ServerMetrics:
             "tokenmill_model_version_events", "Rollout events: loaded, load_failed, probe_failed, promoted, "
             "rolled_back, unloaded.", [*mv, "event"], registry=r,
         )  # fmt: skip
+        # -- structured outputs (server/prompt/structured.py) --
+        self.grammar_compile = _histogram(
+            r, "tokenmill_grammar_compile_seconds", "Grammar compiles (cache misses) from submit to answer, by "
+            "outcome: ok, error (does not compile, too large, allows nothing), timeout (stopped at the budget).",
+            [*mv, "outcome"],
+        )  # fmt: skip
+        self.grammar_rejections = Counter(
+            "tokenmill_grammar_rejections", "Requests refused for their grammar, by reason (source_too_large, "
+            "compiled_too_large, invalid, allows_nothing, timeout, queue_full, no_backend; no_next_token: it "
+            "allowed no token during generation).", [*mv, "reason"], registry=r,
+        )  # fmt: skip
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         r.register(_EngineCollector(self, versions, cache_stats))
@@ -286,6 +298,12 @@ class VersionMetrics:
         self._m.requests.labels(*self.labels, lane.label, "rejected", reason).inc()
         self._m.rejections.labels(*self.labels, lane.label, reason).inc()
 
+    def observe_grammar_compile(self, outcome: str, seconds: float) -> None:
+        self._m.grammar_compile.labels(*self.labels, outcome).observe(seconds)
+
+    def observe_grammar_rejected(self, reason: str) -> None:
+        self._m.grammar_rejections.labels(*self.labels, reason).inc()
+
     def observe_feedback(self, rating: int) -> None:
         self._m.feedback.labels(*self.labels, str(rating)).inc()
 
@@ -320,6 +338,7 @@ class _EngineCollector(Collector):
         yield from families.all()
         yield from router_families(versions, self._metrics.clock_wall())
         yield from _cache_gauges(self._cache_stats())
+        yield from _grammar_gauges(versions)
         memory = next((v.snapshot.memory for v in versions if v.snapshot.memory is not None), None)
         yield from _memory_gauges(memory)
 
@@ -462,6 +481,19 @@ def _cache_gauges(stats: list[CacheStats]) -> Iterator[Metric]:
     for s in stats:
         entries.add_metric([s.model, s.version], s.entries)
         size.add_metric([s.model, s.version], s.bytes)
+    yield entries
+    yield size
+
+
+def _grammar_gauges(versions: list[VersionSnapshot]) -> Iterator[Metric]:
+    entries = GaugeMetricFamily("tokenmill_grammar_cache_entries", "Compiled grammars held in a version's "
+                                "grammar cache.", labels=_MV)  # fmt: skip
+    size = GaugeMetricFamily("tokenmill_grammar_cache_bytes", "Bytes of compiled grammars held in a version's "
+                             "grammar cache (what structured_cache_bytes bounds).", labels=_MV)  # fmt: skip
+    for v in versions:
+        if v.snapshot.grammar_cache is not None:
+            entries.add_metric([v.info.model, v.info.version], v.snapshot.grammar_cache[0])
+            size.add_metric([v.info.model, v.info.version], v.snapshot.grammar_cache[1])
     yield entries
     yield size
 

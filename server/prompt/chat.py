@@ -16,11 +16,11 @@ variables) and the server's `--chat-template` become the keyword arguments of `a
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.http import json_limits
 from server.http.errors import ApiError
 from server.prompt.codec import PARTS, PromptCodec
 
@@ -104,7 +104,7 @@ def _tool_call(call: dict[str, Any], field: str) -> dict[str, Any]:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            decoded = json.loads(arguments)
+            decoded = json_limits.loads(arguments, f"{field}.function.arguments")
         except ValueError:
             decoded = None
         if isinstance(decoded, dict):

@@ -4,7 +4,9 @@ itself belongs to the worker thread. Uses the engine's own tokenization function
 
 Two tokenize threads, each with its own tokenizer copy (a copy is not safe to share across threads):
 prompts up to LARGE_PROMPT_CHARS go to one, longer ones to the other, so a small request never waits
-behind a huge one. Before any of that, a prompt whose byte length alone proves it cannot fit the
+behind a huge one. The small-prompt thread also builds, once, the text of every token id (`token_texts`,
+one batch decode): log-probabilities name thousands of tokens per answer (echo with prompt logprobs: a
+prompt's tokens x top-N), looked up there instead of decoded one by one. Before any of that, a prompt whose byte length alone proves it cannot fit the
 context is refused (`check_prompt_bytes`): its tokenization would only end in a 400.
 """
 
@@ -14,7 +16,7 @@ import asyncio
 import copy
 import functools
 import math
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from engine.tokenization import chat_prompt_ids, encode_prompt, max_bytes_per_token, message_texts
@@ -49,6 +51,8 @@ class PromptCodec:
         self.chat_template: str | None = chat_template or getattr(tokenizer, "chat_template", None)
         # Whether the chat template renders text parts or takes strings only (`probe_content_format`)
         self.content_format = probe_content_format(self._loop_tok, self._template)
+        # The text of each token id, built on the small-prompt thread (off the loop, once per tokenizer)
+        self._texts: Future[list[str]] = self._small.pool.submit(token_text_table, self._small.tok)
 
     def min_tokens(self, text_bytes: int) -> int:
         """A lower bound on the tokens of `text_bytes` bytes of text (0 when no bound is known)."""
@@ -80,7 +84,23 @@ class PromptCodec:
         return chat_prompt_ids(self._small.tok, messages, **{**(render or {}), **self._template})
 
     def token_text(self, token_id: int) -> str:
+        """The text of one token id: from the table once it is built (else one decode, on this thread)."""
+        table = self.text_table()
+        if table is not None and 0 <= token_id < len(table):
+            return table[token_id]
         return self._loop_tok.decode([token_id])
+
+    def text_table(self) -> list[str] | None:
+        """The text of every token id (index = id), or None while it is being built (or failed to build, or
+        the codec closed first); ids past its end (none for a tokenizer that reports its size) need
+        token_text."""
+        if not self._texts.done() or self._texts.cancelled() or self._texts.exception() is not None:
+            return None
+        return self._texts.result()
+
+    def token_texts(self) -> list[str]:
+        """text_table(), waiting for it if it is still being built: call it off the event loop."""
+        return self._texts.result()
 
     def decode(self, token_ids: list[int]) -> str:
         """Text of token ids, special tokens kept (cheap enough for the event loop: no model work)."""
@@ -91,22 +111,32 @@ class PromptCodec:
             lane.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def check_prompt_bytes(codec: PromptCodec, texts: list[str], max_tokens: int, max_model_len: int, param: str) -> None:
+def check_prompt_bytes(codec: PromptCodec, texts: list[str], max_tokens: int, max_model_len: int, param: str,
+                       max_tokens_field: str = "max_tokens") -> None:  # fmt: skip
     """Raise ApiError 400 when `texts` are too many bytes to fit the context with `max_tokens`, before
     anything tokenizes them. Prompts up to LARGE_PROMPT_CHARS are left to the exact check after
-    tokenization (cheap for them, and its message counts tokens). `param`: the prompt's field."""
+    tokenization (cheap for them, and its message counts tokens). `param`: the prompt's field;
+    `max_tokens_field`: the body's name for max_tokens (max_output_tokens on /v1/responses)."""
     if sum(len(t) for t in texts) <= LARGE_PROMPT_CHARS:
         return
     nbytes = text_bytes(texts)
     least = codec.min_tokens(nbytes)
     if least + max_tokens > max_model_len:
-        param = param if least >= max_model_len else "max_tokens"
+        param = param if least >= max_model_len else max_tokens_field
         raise ApiError(
             400, "invalid_request",
             f"prompt ({nbytes} bytes: at least {least} tokens, as no token is longer than "
-            f"{codec.max_bytes_per_token} bytes) + max_tokens ({max_tokens}) exceeds the context length "
+            f"{codec.max_bytes_per_token} bytes) + {max_tokens_field} ({max_tokens}) exceeds the context length "
             f"max_model_len ({max_model_len})", param=param,
         )  # fmt: skip
+
+
+def token_text_table(tokenizer: Any) -> list[str]:
+    """decode([i]) for every token id i of `tokenizer`, in one batch decode when it has one (a fast
+    tokenizer decodes the whole vocabulary in milliseconds)."""
+    ids = [[i] for i in range(len(tokenizer))]
+    batch = getattr(tokenizer, "batch_decode", None)
+    return list(batch(ids)) if batch is not None else [tokenizer.decode(i) for i in ids]
 
 
 def _encode_with_specials(tokenizer: Any, text: str) -> list[int]:

@@ -7,22 +7,36 @@ Fields (one of them per request; two -> 400 naming the second):
   guided_json, guided_regex, guided_choice, guided_grammar  vLLM's older names
 
 `GrammarService` compiles through the grammar compiler of the engine that answers (each model version
-has its own: server/serving/deployment.py), on its own threads, within `structured_compile_timeout_s`. A spec
-that does not compile, or not in time, is a 400 naming the field. Nothing here imports the backend:
-the compiler object comes from the engine, like its tokenizer.
+has its own: server/serving/deployment.py), off the event loop, within `structured_compile_timeout_s`
+(in the engine's compile worker processes, which kill a compile past it). A source over
+`structured_max_grammar_bytes`, a spec that does not compile, compiles too large, allows no output or
+does not compile in time is a 400 naming the field; routes ask for the compile only after every other
+check of the request passed (server/api/openai.py). Nothing here imports the backend: the compiler
+object comes from the engine, like its tokenizer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from concurrent.futures import ThreadPoolExecutor
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import BaseModel
 
-from engine.api import GrammarCompiler, GrammarError, GrammarSpec, InvalidParam, SamplingParams
+from engine.api import (
+    CompileQueueFull,
+    GrammarCompiler,
+    GrammarDeadEnd,
+    GrammarError,
+    GrammarSpec,
+    GrammarTimeout,
+    GrammarTooLarge,
+    InvalidParam,
+    SamplingParams,
+)
 from server.http.errors import ApiError
 
 # structured_outputs keys that tune vLLM's backends; accepted and ignored (our JSON has no free whitespace).
@@ -142,29 +156,83 @@ def with_grammar(params: SamplingParams, spec: GrammarSpec | None) -> SamplingPa
         raise ApiError(400, "invalid_request", exc.message, param=exc.field) from None
 
 
-class GrammarService:
-    """Compiles one model version's grammars: its engine's compiler, on `threads` threads of its own (a
-    slow compile holds neither the event loop, the tokenizer threads nor the engine). A compile that
-    times out goes on in its thread and lands in the compiler's cache, so a retry may find it."""
+# tokenmill_grammar_rejections_total's reasons (server/ops/metrics.py)
+REJECTION_REASONS = ("source_too_large", "compiled_too_large", "invalid", "allows_nothing", "timeout", "queue_full",
+                     "no_backend")  # fmt: skip
 
-    def __init__(self, compiler: GrammarCompiler | None, timeout_s: float, threads: int = 2) -> None:
+
+@dataclass(frozen=True)
+class GrammarObserver:
+    """Where the service reports (the version's metrics): compile time by outcome (ok, error, timeout;
+    answers from the cache are not observed) and rejections by reason (REJECTION_REASONS)."""
+
+    compiled: Callable[[str, float], None] = lambda outcome, seconds: None
+    rejected: Callable[[str], None] = lambda reason: None
+
+
+class GrammarService:
+    """Compiles one model version's grammars through its engine's compiler, never on the event loop or
+    the engine thread. A source over `max_source_bytes` is refused before anything compiles. With a
+    `budgeted` compiler (worker processes) a compile past `timeout_s` is killed; otherwise it goes on in
+    the compiler's thread after its 400, and lands in the cache, so a retry may find it."""
+
+    def __init__(self, compiler: GrammarCompiler | None, timeout_s: float, max_source_bytes: int = 65536,
+                 observer: GrammarObserver | None = None) -> None:  # fmt: skip
         self.compiler = compiler
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenmill-grammar")
+        self.max_source_bytes = max_source_bytes
+        self.observer = observer or GrammarObserver()
+
+    def check(self, asked: GrammarRequest) -> None:
+        """The bounds that need no compile: a backend, the source's size. Raises ApiError 400 naming the field."""
+        if self.compiler is None:
+            self.observer.rejected("no_backend")
+            raise _bad(asked.param, "cannot be served: structured outputs are off for this model (no grammar backend)")
+        size = len(asked.spec.source.encode())
+        if size > self.max_source_bytes:
+            self.observer.rejected("source_too_large")
+            raise _bad(asked.param, f"is {size} bytes as a grammar, more than structured_max_grammar_bytes "
+                       f"({self.max_source_bytes})")  # fmt: skip
 
     async def compile(self, asked: GrammarRequest) -> GrammarSpec:
-        """asked.spec with its compiled grammar. Raises ApiError 400 naming asked.param."""
-        if self.compiler is None:
-            raise _bad(asked.param, "cannot be served: structured outputs are off for this model (no grammar backend)")
-        work = asyncio.get_running_loop().run_in_executor(self._pool, self.compiler.compile, asked.spec)
+        """asked.spec with its compiled grammar. Raises ApiError 400 naming asked.param (429 when the
+        compile queue is full)."""
+        self.check(asked)
+        compiler = self.compiler
+        assert compiler is not None  # check() refused it otherwise
+        hit = compiler.cached(asked.spec)
+        started = time.monotonic()
+        work = asyncio.wrap_future(compiler.submit(asked.spec, self.timeout_s))
         try:
-            compiled = await asyncio.wait_for(work, self.timeout_s)
-        except asyncio.TimeoutError:
+            # A budgeted compiler stops the compile itself (worker start-up and queue wait not counted).
+            compiled = await (work if compiler.budgeted else asyncio.wait_for(work, self.timeout_s))
+        except (asyncio.TimeoutError, GrammarTimeout):
+            self._observe(hit, "timeout", started, "timeout")
             raise _bad(asked.param, f"did not compile within {self.timeout_s:g}s "
                        "(structured_compile_timeout_s)") from None  # fmt: skip
+        except CompileQueueFull as exc:
+            self.observer.rejected("queue_full")
+            raise ApiError(429, "overloaded", str(exc), headers={"Retry-After": "1"}) from None
         except GrammarError as exc:
+            reason = ("compiled_too_large" if isinstance(exc, GrammarTooLarge)
+                      else "allows_nothing" if isinstance(exc, GrammarDeadEnd) else "invalid")  # fmt: skip
+            self._observe(hit, "error", started, reason)
             raise _bad(asked.param, f"does not compile: {exc}") from None
-        return asked.spec.with_compiled(compiled)
+        self._observe(hit, "ok", started)
+        return asked.spec.with_compiled(compiled, asked.param)
+
+    def _observe(self, hit: bool, outcome: str, started: float, reason: str | None = None) -> None:
+        if not hit:
+            self.observer.compiled(outcome, time.monotonic() - started)
+        if reason is not None:
+            self.observer.rejected(reason)
+
+    def cache_size(self) -> tuple[int, int] | None:
+        """(grammars, bytes) in the compiler's cache; None without a backend."""
+        if self.compiler is None:
+            return None
+        st = self.compiler.stats()
+        return st.entries, st.bytes
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: the compiler (and its worker processes) belong to the engine."""

@@ -88,7 +88,8 @@ class ToolParser(Protocol):
     def feed(self, text: str) -> ParsedDelta: ...
 
     def finish(self) -> ParsedDelta:
-        """The end of the text: whatever was held back (an unclosed call is closed when it parses)."""
+        """The end of the text: whatever was held back (an unclosed call is closed when it parses; one
+        cut before its name is complete is dropped, markup and all)."""
         ...
 
 
@@ -175,8 +176,11 @@ class HermesToolParser:
         call, self._call = self._call, None
         assert call is not None
         parsed = _parse_call(body)
-        if call.id is None and parsed is None:  # not a call after all: it stays text
-            out.content += TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else "")
+        if call.id is None and parsed is None:
+            if closed:  # not a call after all: it stays text
+                out.content += TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE
+            # unclosed at the end of the text: a call cut short (max_tokens) before its name; dropped,
+            # as no call and no markup left in content
             return
         if call.id is None:
             assert parsed is not None

@@ -29,6 +29,7 @@ from engine.structured.spec import (
     TOOL_CALL_OPEN,
     GrammarSpec,
 )
+from server.http import json_limits
 from server.http.errors import ApiError
 from server.prompt.structured import GrammarRequest
 from server.prompt.tool_parser import PARSERS, ToolCall, ToolParser
@@ -207,7 +208,7 @@ def _history_call(call: Any, where: str) -> tuple[str, str, Any]:
     args = fn.get("arguments", "{}")
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json_limits.loads(args, f"{where}.function.arguments")
         except ValueError:
             pass
     return str(call.get("id") or ""), fn["name"], args

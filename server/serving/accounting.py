@@ -70,10 +70,12 @@ class RequestAccounting:
             line["prompt_token_ids"] = ticket.prompt_token_ids
             line["output_token_ids"] = ticket.output_token_ids
         request_log.info(json.dumps(line))
+        key = ticket.record_key
         self.records.put(RequestRecord(
-            ticket.request_id, dep.name, dep.version, ticket.lane.label, status, ticket.finish_reason,
+            key.request_id, dep.name, dep.version, ticket.lane.label, status, ticket.finish_reason,
             len(ticket.prompt_token_ids), ticket.completion_tokens, ticket.cached_tokens, timing["queue_s"],
             timing["ttft_s"], timing["e2e_s"], ticket.kv_blocks_peak, ticket.preemptions, cached, time.time(),
+            owner=key.owner, choice=key.choice,
         ))  # fmt: skip
 
 

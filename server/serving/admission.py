@@ -2,15 +2,20 @@
 no I/O. Who runs next is not decided here: lanes are the engine scheduler's priority levels
 (engine/ordering.py: interactive 0, standard 1, batch 2, with aging and deadlines).
 
-A request counts against its lane from admission until it starts (the engine scheduled it for the
-first time) or ends. Each lane is bounded in such requests and in their tokens (prompt + max_tokens);
-the caller asks `fits()` before `admit()` and answers 429 when it does not, with `retry_after()`
-estimated from the recent start rate. The caller (the worker) holds the lock; methods that need the
+What is admitted is a *unit*: the engine requests of one HTTP request (its choices: a list of prompts,
+`n` samples), admitted or refused together. A unit counts as one request against its lane's request
+bound, from admission until every member started (the engine scheduled it for the first time) or
+ended; each member's tokens (prompt + max_tokens) count against the token bound until that member
+starts or ends. The caller asks `fits()` before `admit_unit()` and answers 429 when it does not, with
+`retry_after()` estimated from the recent start rate. An empty lane takes any single request, however
+large; a unit of several requests above the token bound can never be admitted (`never_fits`: the
+caller answers 400 naming the bound). The caller (the worker) holds the lock; methods that need the
 time take `now`, so tests drive the clock.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Mapping
@@ -32,7 +37,10 @@ class Admission:
         if missing:
             raise ValueError(f"bounds missing for lanes {missing}")
         self._bounds = dict(bounds)
-        self._queued: dict[str, tuple[Lane, int]] = {}  # request id -> (lane, tokens), until it starts
+        # request id -> (lane, tokens, its unit's key), until it starts or ends
+        self._queued: dict[str, tuple[Lane, int, int]] = {}
+        self._unit_left: dict[int, int] = {}  # unit key -> its members still queued
+        self._keys = itertools.count()
         self._depth = dict.fromkeys(Lane, 0)
         self._tokens = dict.fromkeys(Lane, 0)
         self._rate_window_s = rate_window_s
@@ -63,20 +71,39 @@ class Admission:
         bound = self._bounds[lane]
         return self._depth[lane] < bound.max_requests and self._tokens[lane] + tokens <= bound.max_tokens
 
+    def never_fits(self, lane: Lane, tokens: int, requests: int) -> bool:
+        """Whether a unit of `requests` requests and `tokens` tokens in all can never be admitted: several
+        requests above the lane's token bound (only a single request may exceed it, in an empty lane)."""
+        return requests > 1 and tokens > self._bounds[lane].max_tokens
+
     def full_reason(self, lane: Lane) -> str:
         """Which bound a refused request hit: queue_requests or queue_tokens."""
         return "queue_requests" if self._depth[lane] >= self._bounds[lane].max_requests else "queue_tokens"
 
     def admit(self, request_id: str, lane: Lane, tokens: int) -> None:
-        """Count a request against its lane until started() or ended(). Call fits() first."""
-        if request_id in self._queued:
-            raise ValueError(f"request_id {request_id!r} is already queued")
-        self._queued[request_id] = (lane, tokens)
+        """Count one request (a unit of one) against its lane until started() or ended(). Call fits() first."""
+        self.admit_unit(lane, {request_id: tokens})
+
+    def admit_unit(self, lane: Lane, members: Mapping[str, int]) -> None:
+        """Count a unit (request id -> its tokens) as one request against `lane`, its tokens in all against
+        the token bound, until each member started() or ended(). Call fits() with the total first."""
+        if not members:
+            raise ValueError("a unit has at least one request")
+        for request_id in members:
+            if request_id in self._queued:
+                raise ValueError(f"request_id {request_id!r} is already queued")
+        if len(set(members)) != len(members):
+            raise ValueError("a unit names a request twice")
+        key = next(self._keys)
+        for request_id, tokens in members.items():
+            self._queued[request_id] = (lane, tokens, key)
+            self._tokens[lane] += tokens
+        self._unit_left[key] = len(members)
         self._depth[lane] += 1
-        self._tokens[lane] += tokens
 
     def started(self, request_id: str, now: float) -> None:
-        """The request left the queue (first scheduled): its lane has room again."""
+        """The request left the queue (first scheduled): its tokens free their room, and its unit's place
+        in the lane once it was the unit's last member queued."""
         if self._release(request_id):
             self._starts.append(now)
 
@@ -99,10 +126,15 @@ class Admission:
         return max(1, min(self._max_retry_after_s, math.ceil(ahead / rate)))
 
     def _release(self, request_id: str) -> bool:
+        """Stop counting `request_id`; True when that took its unit out of the lane."""
         entry = self._queued.pop(request_id, None)
         if entry is None:
             return False
-        lane, tokens = entry
-        self._depth[lane] -= 1
+        lane, tokens, key = entry
         self._tokens[lane] -= tokens
+        self._unit_left[key] -= 1
+        if self._unit_left[key]:
+            return False
+        del self._unit_left[key]
+        self._depth[lane] -= 1
         return True

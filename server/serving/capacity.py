@@ -1,4 +1,5 @@
-"""How long one request may be: the model's context, or the KV cache when that holds fewer tokens."""
+"""How much one request may take: the model's context (or the KV cache when that holds fewer tokens), and
+the engine's seats."""
 
 from __future__ import annotations
 
@@ -22,3 +23,11 @@ def usable_context(engine: Any) -> int:
                 "limited to %d tokens (prompt + max_tokens); raise kv_cache_memory or lower max_model_len",
                 kv_tokens, context, kv_tokens)  # fmt: skip
     return kv_tokens
+
+
+def engine_seats(engine: Any, configured: int) -> int:
+    """Requests the engine runs at once (its max_num_seqs); `configured` (the settings') for an engine
+    that does not say."""
+    scheduler = getattr(engine, "scheduler", None)  # the engine core's; its config is fixed
+    seats = getattr(getattr(scheduler, "config", None), "max_num_seqs", None)
+    return seats if isinstance(seats, int) and seats > 0 else configured

@@ -28,10 +28,10 @@ from server.config.versions import ModelSpec
 from server.ops.memory import memory_probe
 from server.ops.metrics import ModelInfo, Snapshot, VersionMetrics, VersionSnapshot
 from server.prompt.codec import PromptCodec
-from server.prompt.structured import GrammarService
+from server.prompt.structured import GrammarObserver, GrammarService
 from server.prompt.tools import probe_template
 from server.serving.admission import Admission
-from server.serving.capacity import usable_context
+from server.serving.capacity import engine_seats, usable_context
 from server.serving.ticket import Collector, Finished, ServerError, Ticket, Tokens
 from server.serving.worker import Worker
 
@@ -86,6 +86,7 @@ class Deployment:
         self.spec = spec
         self.engine_name = engine.model_name  # the folder's name: accepted as an alias of the model
         self.max_model_len: int = usable_context(engine)  # the KV cache's size when that is smaller
+        self.max_num_seqs: int = engine_seats(engine, settings.max_num_seqs)  # seats: a request's share of them
         self.engine_desc = {"dtype": engine.dtype_name, "device": engine.device_name}
         self.kv_cache_bytes: int | None = getattr(engine, "kv_cache_bytes", None)  # the real engine's KV budget
         # copied before the worker owns the engine; the server's --chat-template replaces the model's
@@ -93,7 +94,9 @@ class Deployment:
         self.tool_template = probe_template(engine.tokenizer, settings.chat_template_text())  # what it renders of tools
         self.tool_parser = settings.tool_call_parser
         # Compiles through this engine's grammar compiler (thread-safe), off the loop and the worker.
-        self.grammars = GrammarService(engine.grammar_compiler, settings.structured_compile_timeout_s)
+        self.grammars = GrammarService(engine.grammar_compiler, settings.structured_compile_timeout_s,
+                                       settings.structured_max_grammar_bytes,
+                                       GrammarObserver(metrics.observe_grammar_compile, metrics.observe_grammar_rejected))
         self.admission = Admission(settings.lane_bounds())
         self.metrics = metrics
         self.memory = memory_probe(engine)
@@ -103,6 +106,8 @@ class Deployment:
             dep = owner()
             if dep is not None:
                 on_finish(dep, ticket)
+                if _grammar_dead_end(ticket):
+                    metrics.observe_grammar_rejected("no_next_token")
 
         self.worker = Worker(
             engine,
@@ -232,8 +237,14 @@ class Deployment:
         info = ModelInfo(self.name, self.engine_desc["dtype"], self.engine_desc["device"], self.version,
                          self.max_model_len)  # fmt: skip
         snap = Snapshot(stats=self.worker.stats, lanes=self.worker.lane_load(), worker_alive=self.worker.alive,
-                        memory=self.memory())  # fmt: skip
+                        memory=self.memory(), grammar_cache=self.grammars.cache_size())  # fmt: skip
         return VersionSnapshot(info, self.state.value, role, weight, snap, self.metrics.seconds_since_last_step())
+
+
+def _grammar_dead_end(ticket: Ticket) -> bool:
+    """The request ended because its grammar allowed no next token (the engine named the grammar's field)."""
+    spec, error = ticket.params.structured, ticket.error
+    return spec is not None and error is not None and error.kind == "invalid_request" and error.param == spec.param
 
 
 def _no_memory() -> None:

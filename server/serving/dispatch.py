@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from server.serving.gateway import GenerationRequest, admit
+from server.serving.gateway import GenerationRequest, admit_unit
 from server.serving.handle import Handle
 from server.serving.replay import ReplayHandle
-from server.serving.response_cache import Recorder
+from server.serving.response_cache import CacheKey, Recorder
 
 if TYPE_CHECKING:
     from server.serving.deployment import Lease
@@ -40,8 +40,20 @@ def picked(rt: Runtime, model: str | None) -> Iterator[tuple[ModelSlot, Lease]]:
 def cache_scope(rt: Runtime, request: Request, user: str | None) -> str:
     """Whose response-cache entries a request may see: its API key's (unless response_cache_scope is
     global) and its `user`'s; "" when neither applies (shared)."""
+    return _principal(request, rt.settings.response_cache_scope == "api_key" and bool(rt.settings.accepted_api_keys()),
+                      user)  # fmt: skip
+
+
+def request_owner(rt: Runtime, request: Request, user: str | None) -> str:
+    """Whose request this is, for feedback (server/ops/feedback.py RecordKey): its API key's (when the
+    server has keys) and its `user`'s; "" when neither applies (a server without keys, no `user`)."""
+    return _principal(request, bool(rt.settings.accepted_api_keys()), user)
+
+
+def _principal(request: Request, by_key: bool, user: str | None) -> str:
+    """A hash of the request's bearer key (when `by_key`) and `user`; "" for neither."""
     parts = []
-    if rt.settings.response_cache_scope == "api_key" and rt.settings.accepted_api_keys():
+    if by_key:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         parts.append(f"key:{token.strip()}")
     if user:
@@ -49,18 +61,40 @@ def cache_scope(rt: Runtime, request: Request, user: str | None) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32] if parts else ""
 
 
-def start(rt: Runtime, lease: Lease, req: GenerationRequest) -> Handle:
-    """A handle that answers `req` on the leased version: from the response cache when it holds this exact
-    request, else admitted to the engine. Takes over the lease. Raises ApiError as admit() does."""
-    dep = lease.deployment
-    key = rt.cache.key(dep.name, dep.version, req.scope, req.prompt_token_ids, req.params, req.cache)
-    if key is not None:
-        hit = rt.cache.get(key)
-        if hit is not None:
-            dep.metrics.cache_hits.inc()
-            return ReplayHandle(rt, lease, req, hit)
-        dep.metrics.cache_misses.inc()
-    handle = admit(rt, lease, req)
-    if key is not None:
-        handle.recorder = Recorder(rt.cache, key)
-    return handle
+def start_unit(rt: Runtime, choices: Sequence[tuple[Lease, GenerationRequest]], held: Collection[int] = (),
+               param: str = "n") -> list[Handle]:  # fmt: skip
+    """Handles for the choices of one request (each with its lease on one version), in order: a replay for
+    each the response cache holds exactly, the others admitted together as one unit (gateway.py
+    admit_unit; `held` and `param` as there). Takes over the leases, released if it raises. Raises
+    ApiError as admit_unit() does."""
+    handles: list[Handle | None] = [None] * len(choices)
+    pending: list[tuple[int, CacheKey | None]] = []  # (position, cache key) of the choices to admit
+    try:
+        for k, (lease, req) in enumerate(choices):
+            dep = lease.deployment
+            key = rt.cache.key(dep.name, dep.version, req.scope, req.prompt_token_ids, req.params, req.cache)
+            hit = rt.cache.get(key) if key is not None else None
+            if hit is not None:
+                dep.metrics.cache_hits.inc()
+                handles[k] = ReplayHandle(rt, lease, req, hit)
+                continue
+            if key is not None:
+                dep.metrics.cache_misses.inc()
+            pending.append((k, key))
+        if pending:
+            positions = {k: i for i, (k, _) in enumerate(pending)}
+            admitted = admit_unit(rt, [choices[k] for k, _ in pending], [positions[k] for k in held if k in positions],
+                                  param)  # fmt: skip
+            for (k, key), handle in zip(pending, admitted, strict=True):
+                if key is not None:
+                    handle.recorder = Recorder(rt.cache, key)
+                handles[k] = handle
+    except BaseException:
+        for k, (lease, _) in enumerate(choices):
+            replay = handles[k]
+            if replay is not None:
+                replay.close()
+            else:
+                lease.release()
+        raise
+    return [h for h in handles if h is not None]

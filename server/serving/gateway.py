@@ -1,13 +1,14 @@
-"""The route side of a request's life in an engine: admission (lane, bounds, 429) on the model version
-the route picked (its lease), then its events (`RequestHandle`, a server/serving/handle.py Handle).
-Runs on the event loop only. Whether the server accepts requests at all is checked once per request,
-before any of this (server/api/respond.py `generation`).
+"""The route side of a request's life in an engine: admission of its choices as one unit (lane, bounds,
+the per-request share of seats, 429) on the model version the route picked (their leases), then its
+events (`RequestHandle`, a server/serving/handle.py Handle). Runs on the event loop only. Whether the
+server accepts requests at all is checked once per request, before any of this (server/api/respond.py
+`generation`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,12 +17,13 @@ from fastapi import Request
 from engine.api import SamplingParams
 from server.config.lanes import Lane
 from server.http.errors import ApiError
+from server.ops.feedback import RecordKey
 from server.serving.handle import Completed
 from server.serving.ticket import Collector, Event, Finished, ServerError, Started, Ticket, Tokens
 from server.serving.worker import DuplicateRequestId, WorkerUnavailable
 
 if TYPE_CHECKING:
-    from server.serving.deployment import Lease
+    from server.serving.deployment import Deployment, Lease
     from server.serving.response_cache import Recorder
     from server.serving.runtime import Runtime
 
@@ -40,26 +42,54 @@ class GenerationRequest:
     first_token_timeout_s: float | None = None
     cache: bool = True  # the client's `cache` field: False never reads or writes the response cache
     scope: str = ""  # whose cache entries it may see (server/serving/dispatch.py cache_scope)
+    max_tokens_field: str = "max_tokens"  # the body's name for max_tokens, as errors name it
+    record: RecordKey | None = None  # whose request it is and the id feedback rates it by; None: request_id
 
 
-def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHandle:
-    """Check the request against the context length of the version the route picked (`lease`), pick its
-    lane and queue it there. Raises ApiError: 400 (empty or too long), 409 (request_id in flight),
-    429 (lane full), 503 (not serving)."""
-    dep = lease.deployment
-    n, max_tokens, max_len = len(req.prompt_token_ids), req.params.max_tokens, dep.max_model_len
-    if n == 0:
-        raise ApiError(400, "invalid_request", "prompt must not be empty", param="prompt")
-    if n + max_tokens > max_len:
+def admit_unit(runtime: Runtime, choices: Sequence[tuple[Lease, GenerationRequest]], held: Collection[int] = (),
+               param: str = "n") -> list[RequestHandle]:  # fmt: skip
+    """Admit the choices of one request (each with its lease on one version, in index order) as one unit:
+    all or none, one lane (the client's `priority`, else chosen by the largest choice), one request
+    against its request bound and their tokens in all against its token bound. Choices past the
+    request's share of the engine's seats (`seat_share`) run one priority level lower, so another
+    client's request starts promptly. Choices whose positions are in `held` wait for their handle's
+    release(). Takes over the leases. Raises ApiError: 400 (empty or too long; a unit its lane can
+    never hold, naming `param`), 409 (request_id in flight), 429 (lane full), 503 (not serving)."""
+    dep = choices[0][0].deployment
+    for _, req in choices:
+        check_context(dep.max_model_len, len(req.prompt_token_ids), req.params.max_tokens, req.max_tokens_field)
+    req0 = choices[0][1]
+    largest = max(len(req.prompt_token_ids) + req.params.max_tokens for _, req in choices)
+    lane = req0.lane if req0.lane is not None else runtime.lane_for_size(largest)
+    share = seat_share(dep.max_num_seqs)
+    tickets = [_ticket(runtime, req, lane, None if k < share else int(lane) + 1)
+               for k, (_, req) in enumerate(choices)]  # fmt: skip
+    _check_unit_fits(dep, lane, sum(t.tokens for t in tickets), len(tickets), param)
+    _submit(runtime, dep, tickets, {tickets[k].request_id for k in held})
+    return [RequestHandle(runtime, ticket, lease) for ticket, (lease, _) in zip(tickets, choices, strict=True)]
+
+
+def _check_unit_fits(dep: Deployment, lane: Lane, total: int, count: int, param: str) -> None:
+    """400 naming `param` when `count` choices needing `total` tokens can never fit in `lane`."""
+    if dep.admission.never_fits(lane, total, count):
+        bound = dep.admission.bounds(lane).max_tokens
         raise ApiError(
             400, "invalid_request",
-            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds the context length "
-            f"max_model_len ({max_len})",
-            param="prompt" if n >= max_len else "max_tokens",
+            f"this request's {count} choices need {total} tokens (prompt + max_tokens each), more than "
+            f"the {lane.label} lane ever holds ({lane.label}_max_queued_tokens = {bound}); send fewer choices "
+            "or fewer max_tokens, or another priority", param=param,
         )  # fmt: skip
-    lane = req.lane if req.lane is not None else runtime.lane_for_size(n + max_tokens)
+
+
+def seat_share(max_num_seqs: int) -> int:
+    """How many choices of one request run at its lane's priority: a quarter of the engine's seats (at least
+    one). The rest run a level lower, so they never hold every seat against another client's request."""
+    return max(1, max_num_seqs // 4)
+
+
+def _ticket(runtime: Runtime, req: GenerationRequest, lane: Lane, priority: int | None) -> Ticket:
     defaults = runtime.settings.lane_deadlines(lane)
-    ticket = Ticket(
+    return Ticket(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
         params=req.params,
@@ -68,15 +98,55 @@ def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHand
         queue_timeout_s=defaults.queue_s,
         first_token_timeout_s=req.first_token_timeout_s or defaults.first_token_s,
         timeout_s=req.timeout_s or defaults.total_s,
+        record=req.record,
+        priority=priority,
     )
+
+
+def check_context(max_len: int, n: int, max_tokens: int, field: str = "max_tokens") -> None:
+    """Raises ApiError 400 when a prompt of `n` tokens is empty or, with max_tokens, does not fit `max_len`.
+    `field`: the body's name for max_tokens, as the error names it."""
+    if n == 0:
+        raise ApiError(400, "invalid_request", "prompt must not be empty", param="prompt")
+    if n + max_tokens > max_len:
+        raise ApiError(
+            400, "invalid_request",
+            f"prompt ({n} tokens) + {field} ({max_tokens}) = {n + max_tokens} exceeds the context length "
+            f"max_model_len ({max_len})",
+            param="prompt" if n >= max_len else field,
+        )  # fmt: skip
+
+
+def precheck(runtime: Runtime, lease: Lease, reqs: Sequence[GenerationRequest], copies: int = 1,
+             param: str = "n") -> None:
+    """admit_unit()'s checks without admitting anything, for a unit of `reqs` each run `copies` times (n):
+    each prompt's context length (400) and room in the unit's lane now for all their tokens (429). A route
+    runs them before costly work (a grammar compile), so a request admit_unit() would refuse costs
+    nothing; admit_unit() checks again."""
+    dep = lease.deployment
+    for req in reqs:
+        check_context(dep.max_model_len, len(req.prompt_token_ids), req.params.max_tokens, req.max_tokens_field)
+    sizes = [len(req.prompt_token_ids) + req.params.max_tokens for req in reqs]
+    lane = reqs[0].lane if reqs[0].lane is not None else runtime.lane_for_size(max(sizes))
+    _check_unit_fits(dep, lane, sum(sizes) * copies, len(reqs) * copies, param)
+    rejection = dep.worker.room(lane, sum(sizes) * copies)
+    if rejection is not None:
+        dep.metrics.observe_rejected(lane, rejection.reason)
+        raise ApiError(429, "overloaded", f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
+                       headers={"Retry-After": str(rejection.retry_after_s)}, extra={"lane": lane.label})  # fmt: skip
+
+
+def _submit(runtime: Runtime, dep: Deployment, tickets: list[Ticket], held: set[str]) -> None:
+    """Hand the unit to the version's worker. Raises ApiError 409, 429 (counted and logged once), 503."""
     try:
-        rejection = dep.worker.submit(ticket)
+        rejection = dep.worker.submit_unit(tickets, held)
     except DuplicateRequestId as exc:
         raise ApiError(409, "conflict", str(exc), param="request_id") from None
     except WorkerUnavailable as exc:
         raise ApiError(503, "unhealthy", str(exc), headers={"Retry-After": "5"}) from None
     if rejection is not None:
-        runtime.accounting.rejected(dep, ticket, rejection)
+        lane = tickets[0].lane
+        runtime.accounting.rejected(dep, tickets[0], rejection)  # one request, however many choices
         raise ApiError(
             429, "overloaded",
             f"the {lane.label} lane is full; retry after {rejection.retry_after_s}s",
@@ -84,7 +154,6 @@ def admit(runtime: Runtime, lease: Lease, req: GenerationRequest) -> RequestHand
             extra={"lane": lane.label},
             accounted=True,  # counted and logged by accounting.rejected
         )  # fmt: skip
-    return RequestHandle(runtime, ticket, lease)
 
 
 def start_error(error: ServerError) -> ApiError:
@@ -192,6 +261,10 @@ class RequestHandle:
     async def aclose(self) -> None:
         """close() for Starlette background tasks (a sync one would run on a thread pool)."""
         self.close()
+
+    def release(self) -> None:
+        """Hand a held choice (admit_unit's `held`) to the engine."""
+        self.worker.release(self.ticket)
 
     def close(self, error: ServerError | None = None) -> None:
         """`error`: why it is aborted if it has not finished (None: the client went away)."""

@@ -52,6 +52,10 @@ class Handle(Protocol):
         """The whole output; closes the handle. Raises ApiError when it failed or the client left."""
         ...
 
+    def release(self) -> None:
+        """Hand a choice admitted held (server/api/choices.py) to the engine; a replay has nothing to do."""
+        ...
+
     def close(self, error: ServerError | None = None) -> None:
         """`error`: why a request still running is aborted (None: the client went away)."""
         ...

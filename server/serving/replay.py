@@ -35,7 +35,8 @@ class ReplayHandle:
         self.entry = entry
         n = len(req.prompt_token_ids)
         lane = req.lane if req.lane is not None else rt.lane_for_size(n + req.params.max_tokens)
-        ticket = Ticket(req.request_id, req.prompt_token_ids, req.params, lane, Collector(asyncio.get_running_loop()))
+        ticket = Ticket(req.request_id, req.prompt_token_ids, req.params, lane, Collector(asyncio.get_running_loop()),
+                        record=req.record)  # fmt: skip
         ticket.arrival = ticket.started_at = time.monotonic()
         ticket.prompt_tokens, ticket.cached_tokens = entry.prompt_tokens, entry.cached_tokens
         self.ticket = ticket
@@ -83,6 +84,9 @@ class ReplayHandle:
         self.finished = Finished(self.entry.finish_reason)
         self.runtime.accounting.cache_hit(self.lease.deployment, ticket)
         return self.finished
+
+    def release(self) -> None:
+        pass  # nothing waits in an engine
 
     async def aclose(self) -> None:
         self.close()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.api import Deadline, Deadlines, RequestOutput, SamplingParams
 from server.config.lanes import Lane
+from server.ops.feedback import RecordKey
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class Ticket:
     first_token_timeout_s: float | None = None
     timeout_s: float | None = None
     internal: bool = False  # warm-up: not counted in metrics or logs
+    record: RecordKey | None = None  # whose it is and the ids feedback rates it by; None: (no owner, request_id)
+    # the engine priority it runs at: its lane's (None), or one level lower for a request's choices past
+    # its share of the engine's seats (server/serving/gateway.py admit_unit)
+    priority: int | None = None
     # -- written by the worker; read by the route once Finished arrived -----------------------------------
     arrival: float = 0.0  # clock time it was admitted; the engine orders it and times its deadlines by it
     started_at: float | None = None  # the engine first scheduled it
@@ -79,6 +84,14 @@ class Ticket:
     preemptions: int = 0  # times the engine preempted it (RequestOutput.num_preemptions)
     deadline_hit: Deadline | None = None  # which deadline ended it, when finish_reason is "timeout"
     output_token_ids: list[int] = field(default_factory=list)  # kept only when the server logs outputs
+
+    @property
+    def record_key(self) -> RecordKey:
+        return self.record or RecordKey("", self.request_id)
+
+    @property
+    def engine_priority(self) -> int:
+        return int(self.lane) if self.priority is None else self.priority
 
     @property
     def tokens(self) -> int:

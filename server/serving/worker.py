@@ -5,10 +5,13 @@ requests, aborts, stop), step the engine once, and post every request's events t
 `Collector` on the event loop with `loop.call_soon_threadsafe`, one call per iteration; it never
 waits for a client. New requests go to the engine at once: its scheduler alone decides who runs next
 (lanes are its priority levels, with aging and deadlines); the worker keeps only the per-lane admission
-counts that 429s are decided on.
+counts that 429s are decided on. The choices of one HTTP request are admitted together (`submit_unit`);
+those it holds (a prompt's later samples, until its first sample's prompt ran) go to the engine on
+`release`, and an abort before that ends them at once.
 
-Threads: `submit`, `abort`, `abort_all`, `stop` and the read-only properties are called from the
-event loop; everything else runs on the worker thread, the only thread that touches the engine.
+Threads: `submit`, `submit_unit`, `release`, `abort`, `abort_all`, `stop` and the read-only properties
+are called from the event loop; everything else runs on the worker thread, the only thread that touches
+the engine.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from engine.api import EngineProtocol, EngineStats, FinishReason, InvalidParam, RequestOutput
@@ -116,20 +119,42 @@ class Worker:
     def submit(self, ticket: Ticket) -> Rejection | None:
         """Admit `ticket` to its lane and hand it to the engine, or say why not.
         Raises DuplicateRequestId, WorkerUnavailable."""
+        return self.submit_unit([ticket])
+
+    def submit_unit(self, unit: Sequence[Ticket], held: Collection[str] = ()) -> Rejection | None:
+        """Admit the tickets of one request (its choices; one lane) as one unit (server/serving/admission.py),
+        or say why not; hand them to the engine, except those named in `held`, which wait (admitted,
+        counted in the lane) for release(). Raises DuplicateRequestId, WorkerUnavailable."""
         if not self.alive:
             raise WorkerUnavailable("the engine worker is not running")
+        lane, tokens = unit[0].lane, sum(t.tokens for t in unit)
         now = self._clock()
         with self._lock:
-            if ticket.request_id in self._tickets:
-                raise DuplicateRequestId(f"request_id {ticket.request_id!r} is already in flight")
-            if not self._admission.fits(ticket.lane, ticket.tokens):
-                reason = self._admission.full_reason(ticket.lane)
-                return Rejection(ticket.lane, self._admission.retry_after(ticket.lane, now), reason)
-            ticket.arrival = now
-            self._admission.admit(ticket.request_id, ticket.lane, ticket.tokens)
-            self._tickets[ticket.request_id] = ticket
-        self._inbox.put(_Submit(ticket))
+            for ticket in unit:
+                if ticket.request_id in self._tickets:
+                    raise DuplicateRequestId(f"request_id {ticket.request_id!r} is already in flight")
+            if not self._admission.fits(lane, tokens):
+                reason = self._admission.full_reason(lane)
+                return Rejection(lane, self._admission.retry_after(lane, now), reason)
+            self._admission.admit_unit(lane, {t.request_id: t.tokens for t in unit})
+            for ticket in unit:
+                ticket.arrival = now
+                self._tickets[ticket.request_id] = ticket
+        for ticket in unit:
+            if ticket.request_id not in held:
+                self._inbox.put(_Submit(ticket))
         return None
+
+    def release(self, ticket: Ticket) -> None:
+        """Hand a ticket submit_unit() held to the engine (it keeps its arrival time and place in line)."""
+        self._inbox.put(_Submit(ticket))
+
+    def room(self, lane: Lane, tokens: int) -> Rejection | None:
+        """submit()'s lane check alone (nothing is admitted): None when `tokens` fit in `lane` now."""
+        with self._lock:
+            if self._admission.fits(lane, tokens):
+                return None
+            return Rejection(lane, self._admission.retry_after(lane, self._clock()), self._admission.full_reason(lane))
 
     def abort(self, request_id: str, error: ServerError | None = None) -> None:
         """End a queued or running request (no-op when it already finished)."""
@@ -204,7 +229,7 @@ class Worker:
                 ticket.request_id,
                 prompt_token_ids=ticket.prompt_token_ids,
                 params=ticket.params,
-                priority=int(ticket.lane),
+                priority=ticket.engine_priority,
                 arrival_time=ticket.arrival,
                 deadlines=ticket.deadlines(),
             )
@@ -263,7 +288,10 @@ class Worker:
         self._post(ticket, Started())
 
     def _finish_output(self, ticket: Ticket, out: RequestOutput) -> None:
-        if out.finish_reason is FinishReason.ERROR:
+        if out.finish_reason is FinishReason.ERROR and out.error_param is not None:  # the request's fault
+            self._finish(ticket, "error", ServerError("invalid_request", out.error or "invalid request", 400,
+                                                      out.error_param))  # fmt: skip
+        elif out.finish_reason is FinishReason.ERROR:
             self._finish(ticket, "error", ServerError("engine_error", out.error or "the engine step failed", 500))
         elif out.finish_reason is FinishReason.TIMEOUT:
             ticket.deadline_hit = out.deadline
@@ -281,6 +309,11 @@ class Worker:
         if ticket is not None:
             self._safe_abort(request_id)
             self._finish(ticket, "abort", error)
+            return
+        with self._lock:
+            held = self._tickets.get(request_id)  # admitted, never handed to the engine (submit_unit held it)
+        if held is not None and held.finished_at is None:
+            self._finish(held, "abort", error)
 
     def _fail_all(self, error: ServerError) -> None:
         with self._lock:

@@ -189,3 +189,70 @@ def test_logit_bias_validation():
     for bad in ({"x": 1.0}, {1: 101.0}, {-1: 1.0}, {1: float("nan")}, [(1, 1.0), (1, 2.0)]):
         with pytest.raises(ValueError, match="logit_bias"):
             SamplingParams(logit_bias=bad)
+
+
+def test_logit_bias_tensors_are_built_once_per_request_and_match_the_reference(monkeypatch):
+    """A full-vocabulary bias on several rows: its tensors are built on the request's first step and
+    reused after (not rebuilt from the pairs each step), and every step's draws equal those of an
+    unbiased request (same seed) given logits with the bias added by hand."""
+    import engine.sampler as sampler_mod
+
+    builds: list[str] = []
+    real_build = sampler_mod._bias_row
+
+    def counting(r, vocab, device):
+        if r.bias is None:
+            builds.append(r.request_id)
+        return real_build(r, vocab, device)
+
+    monkeypatch.setattr(sampler_mod, "_bias_row", counting)
+    vocab, rows, steps = 512, 4, 6
+    gen = torch.Generator().manual_seed(0)
+    dense = (torch.rand(rows, vocab, generator=gen) * 8 - 4).round(decimals=2)  # one bias per token, per row
+    bias = [{t: float(dense[i, t]) for t in range(vocab)} for i in range(rows)]
+    bias[2] = {t: float(dense[2, t]) for t in range(0, vocab, 5)}  # a bias on every 5th token only
+    dense[2] = torch.zeros(vocab).index_put_((torch.arange(0, vocab, 5),), dense[2, ::5])
+    kinds = [dict(temperature=0.0), dict(temperature=0.9, seed=7), dict(temperature=0.8, seed=8, top_k=50),
+             dict(temperature=0.0, repetition_penalty=1.3)]
+    biased = [_req(f"b{i}", logit_bias=bias[i], **kinds[i]) for i in range(rows)]
+    plain = [_req(f"p{i}", **{k: v for k, v in kinds[i].items() if k != "repetition_penalty"}) for i in range(rows)]
+    s_biased, s_plain = Sampler(), Sampler()
+    for step in range(steps):
+        logits = torch.randn(rows, vocab, generator=gen)
+        got, _ = s_biased.sample(logits, biased)
+        # The reference: the penalty by hand first (on the raw logits), then the dense bias.
+        ref_logits = logits.clone()
+        for i in range(rows):
+            sampler_mod._penalise_row(ref_logits[i], biased[i])
+        want, _ = s_plain._sample(ref_logits + dense, logits, plain)
+        assert got == want, f"step {step}"
+        for r, t in zip(biased + plain, got + want, strict=True):
+            r.output_token_ids.append(t)
+    assert sorted(builds) == [f"b{i}" for i in range(rows)]  # once each, not once per step
+    assert all(torch.equal(r.bias, dense[i]) and r.bias.dtype == torch.float32 for i, r in enumerate(biased))
+    # The batch's bias matrix is rebuilt only when the biased rows change: here, never after step 0.
+    matrix = s_biased._bias_batch[2]
+    s_biased.sample(torch.randn(rows, vocab, generator=gen), biased)
+    assert s_biased._bias_batch[2] is matrix
+    s_biased.sample(torch.randn(rows - 1, vocab, generator=gen), biased[1:])  # another batch: rebuilt
+    assert s_biased._bias_batch[2] is not matrix and len(builds) == rows
+
+
+def test_with_seed_copies_everything_but_the_seed_and_checks_it():
+    p = SamplingParams(temperature=0.7, seed=1, logit_bias={t: 1.0 for t in range(1000)}, stop=["x"])
+    q = p.with_seed(5)
+    assert q.seed == 5 and p.seed == 1 and q.logit_bias is p.logit_bias and q.stop == p.stop
+    with pytest.raises(ValueError, match="seed"):
+        p.with_seed(2**64)
+
+
+def test_logit_bias_on_rows_apart_matches_rows_together():
+    """Biased rows that are not adjacent in the batch (index_put_) get what adjacent ones (slice add) get."""
+    vocab = 64
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(1))
+    bias = {t: (t % 5 - 2) * 3.0 for t in range(vocab)}
+    apart = [_req(f"r{i}", temperature=0.0, logit_bias=bias if i in (0, 2, 4) else {}) for i in range(5)]
+    tokens, _ = Sampler().sample(logits, apart)
+    dense = torch.tensor([bias[t] for t in range(vocab)])
+    want = [int((logits[i] + (dense if i in (0, 2, 4) else 0)).argmax()) for i in range(5)]
+    assert tokens == want

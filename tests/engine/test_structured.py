@@ -8,13 +8,21 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import jsonschema
 import pytest
 import torch
 
 from engine.api import FinishReason, InvalidParam, SamplingParams
-from engine.structured import GrammarError, GrammarSpec, masks
+from engine.structured import (
+    GrammarDeadEnd,
+    GrammarError,
+    GrammarSpec,
+    GrammarTimeout,
+    GrammarTooLarge,
+    masks,
+)
 from engine.structured.masks import allowed_tokens, apply_bitmask, new_bitmask, pack_bitmask
 
 from .helpers import make_engine
@@ -253,3 +261,122 @@ def test_the_sparse_path_masks_as_the_dense_one(monkeypatch):
         apply_bitmask(want, bitmask, [0, 1, 3])
         assert torch.equal(got, want)
     assert len(used) == 1
+
+
+# -- bounds: bytes, budgets that kill, grammars that allow nothing (issue 21) -------------------------------
+def _enum(tag: str, n: int) -> GrammarSpec:
+    return GrammarSpec.json_schema({"enum": [f"{tag}-{i}-{i * 7 % 1000}" for i in range(n)]})
+
+
+def _compiler(engine, **kw):
+    from engine.structured.xgrammar_backend import XGrammarCompiler
+
+    return XGrammarCompiler(engine.tokenizer, engine.vocab_size, engine.eos_token_ids, **kw)
+
+
+def test_the_cache_holds_at_most_its_bytes_and_a_grammar_over_them_is_refused(engine):
+    compiler = _compiler(engine, max_bytes=2 << 20)
+    sizes = [compiler.compile(_enum(f"c{i}", 500)).memory_bytes for i in range(40)]
+    st = compiler.stats()
+    assert sum(sizes) > 4 * compiler.max_bytes  # 40 grammars would hold far more than the bound
+    assert 0 < st.bytes <= compiler.max_bytes and st.entries < 40 and st.evictions == 40 - st.entries, st
+    assert compiler.cached(_enum("c39", 500)) and not compiler.cached(_enum("c0", 500))  # LRU: the oldest went
+    with pytest.raises(GrammarTooLarge, match="more than the grammar cache holds"):
+        compiler.compile(_enum("huge", 20000))
+    assert compiler.stats().bytes <= compiler.max_bytes
+    compiler.close()
+
+
+@pytest.mark.parametrize("spec", [GrammarSpec("regex", r"[^\s\S]"), GrammarSpec.json_schema({"enum": []})])
+def test_a_grammar_no_token_can_start_is_refused_when_it_compiles(engine, spec):
+    try:
+        engine.grammar_compiler.compile(spec)
+    except GrammarDeadEnd as exc:
+        assert "allows no output" in str(exc)
+    except GrammarError:  # xgrammar may refuse it outright: refused either way, never a NaN step
+        pass
+    else:
+        pytest.fail(f"{spec} compiled")
+    with pytest.raises(InvalidParam) as err:
+        engine.add_request("dead", prompt="x", params=SamplingParams(max_tokens=4, structured=spec))
+    assert err.value.field == "structured"
+
+
+def test_a_grammar_that_reaches_a_dead_end_ends_its_request_naming_its_field(engine):
+    # A raw control character in a JSON string: xgrammar allows it, the control mask forbids it.
+    spec = GrammarSpec.json_schema({"type": "string", "pattern": "\u0001+"}).with_compiled(None, "guided_json")
+    free = SamplingParams(max_tokens=6, temperature=0.0)
+    engine.add_request("dead-end", prompt="hello", params=SamplingParams(max_tokens=20, temperature=0.0,
+                                                                         structured=spec))  # fmt: skip
+    engine.add_request("free", prompt="hello", params=free)
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+    dead = outs["dead-end"][-1]
+    assert dead.finish_reason is FinishReason.ERROR and dead.error_param == "guided_json", dead
+    assert "allows no next token" in dead.error and "non-finite" not in dead.error
+    assert [t for o in outs["dead-end"] for t in o.new_token_ids]  # it got as far as the opening quote
+    assert outs["free"][-1].finish_reason is FinishReason.LENGTH and outs["free"][-1].error_param is None
+
+
+@pytest.fixture(scope="module")
+def pooled(engine):
+    compiler = _compiler(engine, processes=True, max_bytes=64 << 20)
+    yield compiler
+    compiler.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+def test_worker_processes_compile_what_the_thread_compiles(engine, pooled):
+    for spec in (_spec("schema"), _spec("regex"), _spec("choice")):
+        grammar = pooled.compile(spec, timeout_s=60)
+        assert grammar.owner is pooled and grammar.memory_bytes > 0
+        out = engine.generate(["item 3"], SamplingParams(max_tokens=96, temperature=0.0,
+                                                         structured=spec.with_compiled(grammar)))[0]  # fmt: skip
+        kind = {"json_schema": "schema", "regex": "regex", "choice": "choice"}[spec.kind]
+        assert _matches(kind, out.text), out.text
+    with pytest.raises(GrammarError, match="not closed"):
+        pooled.compile(GrammarSpec("regex", "(("), timeout_s=60)
+    with pytest.raises(GrammarDeadEnd):
+        pooled.compile(GrammarSpec("regex", r"[^\s\S]"), timeout_s=60)
+
+
+def test_a_compile_past_its_budget_is_killed_and_the_small_lane_goes_on(pooled):
+    pooled.compile(GrammarSpec.choice(["warm"]), timeout_s=60)  # both children up (started with the pool)
+    wait_s = 0.0
+    while None in pooled.pool.pids().values() and wait_s < 60:
+        time.sleep(0.1)
+        wait_s += 0.1
+    large = pooled.pool.pids()["large"]
+    huge = _enum("slow", 40000)  # ~7 s to compile on one core, ~500 KB of source
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(t0=time.monotonic()) or _catch(result, pooled, huge))
+    thread.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    pooled.compile(GrammarSpec.choice(["yes", "no", "maybe"]), timeout_s=5)  # the small lane: not behind it
+    small_s = time.monotonic() - t0
+    thread.join(30)
+    assert isinstance(result.get("error"), GrammarTimeout), result
+    assert result["elapsed"] < 3.0  # stopped at its 1 s budget, not when the compile would have ended
+    assert small_s < 1.0, small_s
+    assert not _alive(large)  # the child that held the compile is gone
+    assert pooled.pool.large.killed >= 1 and pooled.pool.pids()["large"] != large
+    assert not pooled.cached(huge)
+    assert pooled.compile(GrammarSpec.choice(["after"]), timeout_s=60).memory_bytes > 0
+
+
+def _catch(result: dict, compiler, spec) -> None:
+    try:
+        compiler.compile(spec, timeout_s=1.0)
+    except GrammarError as exc:
+        result["error"] = exc
+    result["elapsed"] = time.monotonic() - result["t0"]

@@ -50,6 +50,16 @@ def test_unsupported_flags_are_named_with_exit_2(capsys):
     assert "-tp" in capsys.readouterr().err
 
 
+def test_a_real_process_refuses_an_empty_admin_key(tiny_model_path):
+    """`python -m server --admin-api-keys ""` exits 2 before loading anything, naming the setting."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_") or k == "TOKENMILL_MODEL_CACHE"}
+    for argv, extra_env in ((["--admin-api-keys", ""], {}), ([], {"TOKENMILL_ADMIN_API_KEYS": ""})):
+        cmd = [sys.executable, "-m", "server", "serve", tiny_model_path, "--port", str(free_port()), *argv]
+        done = subprocess.run(cmd, cwd=ROOT, env={**env, **extra_env}, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "admin_api_keys" in done.stderr and "must not be empty" in done.stderr, done.stderr
+
+
 def test_a_real_process_serves_the_positional_model(tiny_model_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_") or k == "TOKENMILL_MODEL_CACHE"}

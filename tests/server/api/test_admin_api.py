@@ -3,11 +3,15 @@ naming what is wrong, loads in the background, one at a time, resolved in models
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
+
+from server.http.auth import AdminKeyMiddleware, ApiKeyMiddleware
 
 from ..fake_versions import VersionedFakeEngine, fake_loader, salted_token
 from ..helpers import make_settings, run_server, wait_until
@@ -17,6 +21,23 @@ ADMIN = {"Authorization": "Bearer adm"}
 
 def versions_url(srv, suffix: str = "") -> str:
     return f"{srv.url}/admin/models/fake-model/versions{suffix}"
+
+
+@pytest.mark.parametrize("header", ["Bearer", "Bearer ", "bearer   ", "Bearer\t"])
+def test_a_bearer_without_a_token_is_401_everywhere(header):
+    """`Authorization: Bearer` with no token opens nothing, even behind a key list holding an empty key
+    (settings refuse one at start-up; the middlewares do not rely on it)."""
+    app = FastAPI()
+    app.get("/admin/models")(lambda: {"admin": True})
+    app.get("/v1/models")(lambda: {"api": True})
+    guarded = AdminKeyMiddleware(ApiKeyMiddleware(app, keys=("",)), keys=("",))
+
+    async def statuses() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guarded), base_url="http://t") as c:
+            return [(await c.get(path, headers={"Authorization": header})).status_code
+                    for path in ("/admin/models", "/v1/models")]  # fmt: skip
+
+    assert asyncio.run(statuses()) == [401, 401]
 
 
 def test_admin_api_is_off_without_admin_keys():

@@ -3,9 +3,14 @@ Also: API keys (401), the body size limit (413), unknown routes and methods."""
 
 from __future__ import annotations
 
+import types
+
 import httpx
 import openai
 import pytest
+
+from server.http.errors import ApiError
+from server.prompt.codec import check_prompt_bytes
 
 from ..helpers import TEST_MAX_MODEL_LEN, make_settings, run_server
 
@@ -55,6 +60,16 @@ CASES = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 200}}, 400, "logit_bias", "[-100.0, 100.0]"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias", "not a token id"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1, " 5": -1}}, 400, "logit_bias", "token 5 twice"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1, "05": -1}}, 400, "logit_bias", "token 5 twice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"+7": 1, "7 ": 2}},
+     400, "logit_bias", "token 7 twice"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5_0": 1}}, 400, "logit_bias", "token ids"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": TEST_MAX_MODEL_LEN}, 400, "max_output_tokens",
+     f"max_output_tokens ({TEST_MAX_MODEL_LEN})"),
+    ("/v1/responses", {"input": "x", "text": {"format": "json"}}, 400, "text.format", "object"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens":
+     TEST_MAX_MODEL_LEN}, 400, "max_completion_tokens", "max_completion_tokens"),
     ("/v1/completions", {"prompt": []}, 400, "prompt", "must not be empty"),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "number"),
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens", ">= 1"),
@@ -103,6 +118,17 @@ def test_bad_input_gets_its_4xx(srv, path, body, status, param, text):
     if param is not None:
         assert error["param"] == param, error
     assert text in error["message"], error
+
+
+def test_the_prompt_size_check_names_the_bodys_max_tokens_field():
+    """The byte-count check before tokenizing (server/prompt/codec.py) names the route's own field."""
+    codec = types.SimpleNamespace(max_bytes_per_token=4, min_tokens=lambda n: -(-n // 4))
+    with pytest.raises(ApiError) as err:
+        check_prompt_bytes(codec, ["x" * 20000], 600, 5200, "input", max_tokens_field="max_output_tokens")
+    assert err.value.param == "max_output_tokens" and "max_output_tokens (600)" in err.value.message
+    with pytest.raises(ApiError) as err:
+        check_prompt_bytes(codec, ["x" * 20000], 600, 5200, "prompt")
+    assert err.value.param == "max_tokens"
 
 
 def test_server_still_serves_after_the_table(srv):

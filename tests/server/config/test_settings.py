@@ -19,7 +19,8 @@ CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in ("TOKENMILL_MAX_NUM_SEQS", "TOKENMILL_CONFIG", "TOKENMILL_API_KEYS", "TOKENMILL_PORT"):
+    for name in ("TOKENMILL_MAX_NUM_SEQS", "TOKENMILL_CONFIG", "TOKENMILL_API_KEYS", "TOKENMILL_PORT",
+                 "TOKENMILL_ADMIN_API_KEYS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -180,6 +181,38 @@ def test_an_empty_api_key_refuses_to_start(source, tmp_path, monkeypatch, capsys
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "invalid settings" in err and "API keys must not" in err
+
+
+@pytest.mark.parametrize("source", ["flag", "env", "env_list", "yaml_list", "yaml_string", "whitespace"])
+def test_an_empty_admin_key_refuses_to_start(source, tmp_path, monkeypatch, capsys):
+    """`--admin-api-keys ""` (or an empty TOKENMILL_ADMIN_API_KEYS, which docker-compose passes through)
+    would open the admin API to `Authorization: Bearer`: exit 2 naming the setting, as for API keys."""
+    argv = ["serve"]
+    if source == "flag":
+        argv += ["--admin-api-keys", ""]
+    elif source == "env":
+        monkeypatch.setenv("TOKENMILL_ADMIN_API_KEYS", "")
+    elif source == "env_list":
+        monkeypatch.setenv("TOKENMILL_ADMIN_API_KEYS", "adm, ,")
+    elif source in ("yaml_list", "yaml_string"):
+        cfg = tmp_path / "s.yaml"
+        cfg.write_text('admin_api_keys: ["adm", " "]\n' if source == "yaml_list" else 'admin_api_keys: ""\n')
+        argv += ["--config", str(cfg)]
+    else:
+        argv += ["--admin-api-keys", "adm,a b"]
+    if source == "env_list":  # stray commas are ignored, as for api_keys: this one is valid
+        assert parse_settings([]).accepted_admin_keys() == ("adm",)
+        return
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "invalid settings" in err and "admin_api_keys" in err and "admin API keys must not" in err
+
+
+def test_admin_keys_from_flag_env_and_yaml(tmp_path, monkeypatch):
+    assert ServerSettings().accepted_admin_keys() == ()  # unset: the admin API is off
+    assert parse_settings(["--admin-api-keys", "a1,a2,a1"]).accepted_admin_keys() == ("a1", "a2")
+    monkeypatch.setenv("TOKENMILL_ADMIN_API_KEYS", "e1")
+    assert parse_settings([]).accepted_admin_keys() == ("e1",)
 
 
 def test_connection_limits_from_settings():

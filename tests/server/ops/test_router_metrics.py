@@ -48,7 +48,9 @@ def test_vllm_waiting_gauge_counts_requests_held_in_the_lanes(real_engine):
 
 def test_error_answers_are_counted_by_reason_and_logged_without_prompt_text(real_engine, caplog):
     caplog.set_level(logging.INFO, logger="tokenmill.requests")
-    with run_server(make_settings(interactive_max_queued_requests=1, short_request_tokens=4096), real_engine) as srv:
+    engine = ControlledEngine(real_engine)
+    settings = make_settings(interactive_max_queued_requests=1, short_request_tokens=4096)
+    with run_server(settings, engine) as srv, Background() as bg:
         before = Scrape(srv.url)
         bad = httpx.post(f"{srv.url}/v1/completions", json={"prompt": SECRET, "temperature": -1})
         assert bad.status_code == 400
@@ -59,8 +61,14 @@ def test_error_answers_are_counted_by_reason_and_logged_without_prompt_text(real
         assert httpx.get(f"{srv.url}/no/such/path").status_code == 404
         tgi = httpx.post(f"{srv.url}/", json={"inputs": SECRET, "parameters": {"watermark": True}})
         assert tgi.status_code == 400
+        # A prompt list is one admission unit: a lane already holding a request refuses it whole (429).
+        park_filler(srv, engine, bg, {"prompt": "filler", "max_tokens": 4, "ignore_eos": True, "priority": "batch"})
+        queued = bg.post("queued", f"{srv.url}/generate", {"prompt": "queued", "max_tokens": 1})
+        wait_until(lambda: srv.health()["waiting"]["interactive"] == 1, what="the lane holds one request")
         listed = httpx.post(f"{srv.url}/v1/completions", json={"prompt": [SECRET] * 30, "max_tokens": 2})
         assert listed.status_code == 429
+        engine.gate.set()
+        assert queued.result(60).status_code == 200
         srv.wait_idle()
         after = Scrape(srv.url)
 

@@ -189,15 +189,24 @@ def test_text_response_format_and_ignored_options_change_nothing(smollm2_server)
 
 # -- the tiny seeded model: timeouts, no backend, the response cache, one batch of 32 -------------------------
 class SlowCompiler:
-    """The real compiler, `delay_s` slower."""
+    """The real compiler, `delay_s` slower, and not budgeted (the service bounds its wait)."""
+
+    budgeted = False
 
     def __init__(self, inner: Any, delay_s: float) -> None:
         self.inner, self.delay_s = inner, delay_s
         self.backend = inner.backend
+        self._pool = ThreadPoolExecutor(2)
 
-    def compile(self, spec):
+    def compile(self, spec, timeout_s=None):
         time.sleep(self.delay_s)
         return self.inner.compile(spec)
+
+    def submit(self, spec, timeout_s=None):
+        return self._pool.submit(self.compile, spec, timeout_s)
+
+    def cached(self, spec):
+        return False
 
     def stats(self):
         return self.inner.stats()

@@ -253,6 +253,24 @@ def test_auto_parses_the_calls_the_model_writes(scripted):
     assert [c.function.name for c in one.message.tool_calls] == ["get_weather"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_parallel_call_cut_by_max_tokens_leaves_no_markup(scripted, stream):
+    """max_tokens ends the text inside the second call's name: the first call is returned, the cut one
+    is dropped, and `content` holds no `<tool_call>` markup."""
+    cut = len(SCRIPT[: SCRIPT.index('"get_time"') + 5].encode())  # byte tokens
+    answer = scripted.chat.completions.create(model="fake-model", messages=QUESTION, tools=TOOLS, max_tokens=cut,
+                                              stream=stream)  # fmt: skip
+    if stream:
+        content, calls, reason = _reassemble(answer)
+    else:
+        done = answer.choices[0]
+        content, reason = done.message.content, done.finish_reason
+        calls = [(c.function.name, c.function.arguments) for c in done.message.tool_calls or []]
+    assert content == "Let me check." and "<tool_call>" not in content
+    assert [(name, json.loads(args)) for name, args in calls] == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+    assert reason == "length"
+
+
 def test_tool_choice_none_returns_the_text_as_written(scripted):
     done = _scripted(scripted, tool_choice="none").choices[0]
     assert done.message.content == SCRIPT and done.message.tool_calls is None and done.finish_reason == "stop"
@@ -272,6 +290,8 @@ TEXTS = [
     '<tool_call>{"name": "f", "arguments": {"q": "a</tool"}}',  # no closing tag: closed at the end
     "no calls < here <tool_ but text  ",
     "<tool_call> not json </tool_call> tail",
+    SCRIPT[: SCRIPT.index('"get_time"') + 5],  # a parallel call cut (max_tokens) inside its name
+    'Hmm <tool_call>\n{"na',  # a lone call cut before its name
 ]
 
 
@@ -304,6 +324,9 @@ def test_the_parser_reads_content_calls_and_odd_text():
     assert _parse([TEXTS[3]])[2] == [("f", '{"q": "a</tool"}')]
     assert _parse([TEXTS[4]]) == (TEXTS[4], [], [])
     assert _parse([TEXTS[5]]) == (TEXTS[5], [], [])
+    first = ("get_weather", '{"city": "Paris", "unit": "celsius"}')
+    assert _parse([TEXTS[6]]) == ("Let me check.", [first], [first])  # the cut call: no markup, no call
+    assert _parse([TEXTS[7]]) == ("Hmm", [], [])
 
 
 # -- a template that renders tools itself --------------------------------------------------------------------

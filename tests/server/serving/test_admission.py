@@ -86,3 +86,27 @@ def test_bounds_are_validated():
         LaneBounds(max_requests=0, max_tokens=1)
     with pytest.raises(ValueError, match="bounds missing"):
         Admission({Lane.INTERACTIVE: BIG})
+
+
+def test_a_unit_counts_as_one_request_with_all_its_tokens():
+    a = make_admission(interactive=LaneBounds(max_requests=2, max_tokens=100))
+    a.admit("solo", Lane.INTERACTIVE, 10)
+    assert a.fits(Lane.INTERACTIVE, 80)
+    a.admit_unit(Lane.INTERACTIVE, {"c0": 30, "c1": 30, "c2": 20})  # three choices: one request, 80 tokens
+    assert a.depth(Lane.INTERACTIVE) == 2 and a.queued_tokens(Lane.INTERACTIVE) == 90 and len(a) == 4
+    assert not a.fits(Lane.INTERACTIVE, 1) and a.full_reason(Lane.INTERACTIVE) == "queue_requests"
+    a.started("c0", now=1.0)  # a member's tokens go when it starts; the unit's place when its last one does
+    assert a.depth(Lane.INTERACTIVE) == 2 and a.queued_tokens(Lane.INTERACTIVE) == 60
+    a.ended("c1")
+    a.started("c2", now=2.0)
+    assert a.depth(Lane.INTERACTIVE) == 1 and a.queued_tokens(Lane.INTERACTIVE) == 10 and len(a) == 1
+    with pytest.raises(ValueError, match="already queued"):
+        a.admit_unit(Lane.INTERACTIVE, {"x": 1, "solo": 1})
+    assert a.depth(Lane.INTERACTIVE) == 1  # a refused unit changed nothing
+
+
+def test_several_requests_over_the_token_bound_never_fit_one_may():
+    a = make_admission(batch=LaneBounds(max_requests=5, max_tokens=100))
+    assert a.never_fits(Lane.BATCH, 101, requests=2)
+    assert not a.never_fits(Lane.BATCH, 100, requests=40)
+    assert not a.never_fits(Lane.BATCH, 5000, requests=1)  # an empty lane takes one request, however large
