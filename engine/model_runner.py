@@ -12,6 +12,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.prompt_logprobs import compute_prompt_logprobs
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec_verify import verify_rows
 
 
 class ModelRunner:
@@ -34,20 +35,27 @@ class ModelRunner:
         input_ids, positions, layout = self._pack(items)
         hidden = self._forward(input_ids, positions, layout)  # [T, hidden]
         prompt_lps = compute_prompt_logprobs(self.model, hidden, items)  # {} unless a request asked
-        ends, reqs, offset = [], [], 0
+        ends, plain, reqs, spec, offset = [], [], [], [], 0
         for s in items:
             offset += s.num_tokens
-            if s.sample:
+            if s.sample and s.draft_token_ids:  # logits at the known token and at every draft
+                spec.append((s, len(ends)))
+                ends.extend(range(offset - len(s.draft_token_ids) - 1, offset))
+            elif s.sample:
+                plain.append(len(ends))
                 ends.append(offset - 1)
                 reqs.append(s.request)
-        if not reqs:
+        if not ends:
             return ModelRunnerOutput({}, {}, prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])
-        tokens, lps = self.sampler.sample(logits, reqs)
+        tokens, lps = self.sampler.sample(logits[plain] if spec else logits, reqs) if reqs else ([], [])
         sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True) if t is not None}
         failed = [r.request_id for r, t in zip(reqs, tokens, strict=True) if t is None]
         logprobs = {r.request_id: lp for r, lp in zip(reqs, lps, strict=True) if lp is not None}
-        return ModelRunnerOutput(sampled, logprobs, failed, prompt_lps)
+        verified = verify_rows(self.sampler, logits, spec)
+        failed += [rid for rid, toks in verified.items() if toks is None]
+        spec_tokens = {rid: toks for rid, toks in verified.items() if toks is not None}
+        return ModelRunnerOutput(sampled, logprobs, failed, prompt_lps, spec_tokens)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """The model over one packed step (host tensors in): a decode graph's replay when one fits."""
@@ -70,7 +78,7 @@ class ModelRunner:
         bs = self.block_size
         for s in items:
             req, start, end = s.request, s.start, s.start + s.num_tokens
-            ids.extend(req.tokens(start, end))
+            ids.extend(req.tokens(start, end - len(s.draft_token_ids)) + s.draft_token_ids)
             pos.extend(range(start, end))
             table = req.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
