@@ -30,8 +30,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        # Decodes first (the backend batches them), then prefill chunks.
-        items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
+        # Decodes first (the backend batches them; a row with drafts is one decode per position), then
+        # prefill chunks.
+        items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1 and not s.draft_token_ids)
         input_ids, positions, layout = self._pack(items)
         hidden = self._forward(input_ids, positions, layout)  # [T, hidden]
         prompt_lps = compute_prompt_logprobs(self.model, hidden, items)  # {} unless a request asked
@@ -75,6 +76,9 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
         bs = self.block_size
         for s in items:
             req, start, end = s.request, s.start, s.start + s.num_tokens
@@ -82,11 +86,18 @@ class ModelRunner:
             pos.extend(range(start, end))
             table = req.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            # A row with drafts (a decode) attends as one decode per position over the same block table:
+            # every token's K/V is stored before attention, so position p sees the drafts before it.
+            split = bool(s.draft_token_ids)  # (drafts come with a one-token decode only)
+            for a, b in ([(p, p + 1) for p in range(start, end)] if split else [(start, end)]):
+                query_lens.append(b - a)
+                context_lens.append(b)
+                tables.append(table)
         layout = BatchLayout(
-            num_decodes=sum(1 for s in items if s.num_tokens == 1),
-            query_lens=[s.num_tokens for s in items],
-            context_lens=[s.start + s.num_tokens for s in items],
-            block_tables=[s.request.block_ids for s in items],
+            num_decodes=sum(1 for q in query_lens if q == 1),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=tables,
             block_size=bs,
             slot_mapping=torch.tensor(slots, dtype=torch.long),
         )

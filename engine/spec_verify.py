@@ -37,10 +37,12 @@ def accepted_prefix(drafts: list[int], targets: list[int | None]) -> list[int] |
     return out
 
 
-def verify_sampled(sampler: Sampler, logits: torch.Tensor, req: Request, drafts: list[int]) -> list[int] | None:
-    """Rejection sampling for one sampled row. logits: [k + 1, vocab] (model dtype). The accepted drafts
-    and the correction/bonus token; None when a distribution used was not finite."""
-    probs = target_probs(logits, req)
+def verify_sampled(sampler: Sampler, logits: torch.Tensor, req: Request, drafts: list[int],
+                   probs: torch.Tensor | None = None) -> list[int] | None:  # fmt: skip
+    """Rejection sampling for one sampled row. logits: [k + 1, vocab] (model dtype), or probs: its
+    target_probs. The accepted drafts and the correction/bonus token; None when a distribution used was
+    not finite."""
+    probs = target_probs(logits, [req] * logits.shape[0]) if probs is None else probs
     g = sampler.generator(req)
     out: list[int] = []
     for j, d in enumerate(drafts):
@@ -59,16 +61,16 @@ def verify_sampled(sampler: Sampler, logits: torch.Tensor, req: Request, drafts:
     return _then(out, probs[len(drafts)], g)
 
 
-def target_probs(logits: torch.Tensor, req: Request) -> torch.Tensor:
-    """The (unnormalised after filtering) distribution the sampler draws req's token from, per row:
-    logit_bias added, then temperature, softmax, top-k/top-p/min-p. [rows, vocab] float32."""
+def target_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """The (unnormalised after filtering) distribution the sampler draws each row's token from (row i:
+    reqs[i]'s): logit_bias added, then temperature, softmax, top-k/top-p/min-p. [rows, vocab] float32."""
     x = logits.float().clone()
-    p = req.params
-    if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], device=x.device)
-        x[:, ids] += torch.tensor([b for _, b in p.logit_bias], device=x.device)
-    probs = torch.softmax(x / p.temperature, dim=-1)
-    return _filter(probs, [req] * x.shape[0])
+    for i, r in enumerate(reqs):
+        if r.params.logit_bias:
+            ids = torch.tensor([t for t, _ in r.params.logit_bias], device=x.device)
+            x[i, ids] += torch.tensor([b for _, b in r.params.logit_bias], device=x.device)
+    temp = torch.tensor([r.params.temperature for r in reqs], device=x.device)
+    return _filter(torch.softmax(x / temp[:, None], dim=-1), reqs)
 
 
 def _then(out: list[int], p: torch.Tensor, g: torch.Generator) -> list[int] | None:
@@ -94,8 +96,15 @@ def verify_rows(sampler: Sampler, logits: torch.Tensor, rows: list) -> dict[str,
             n = len(s.draft_token_ids) + 1
             out[s.request.request_id] = accepted_prefix(s.draft_token_ids, targets[at : at + n])
             at += n
-    for s, j in rows:
-        if not s.request.params.greedy:
+    sampled = [(s, j) for s, j in rows if not s.request.params.greedy]
+    if sampled:  # every sampled row's distributions in one pass
+        idx = [j + i for s, j in sampled for i in range(len(s.draft_token_ids) + 1)]
+        reqs = [s.request for s, _ in sampled for _ in range(len(s.draft_token_ids) + 1)]
+        probs = target_probs(logits[torch.tensor(idx, device=logits.device)], reqs).cpu()
+        at = 0
+        for s, _ in sampled:
             n = len(s.draft_token_ids) + 1
-            out[s.request.request_id] = verify_sampled(sampler, logits[j : j + n], s.request, s.draft_token_ids)
+            out[s.request.request_id] = verify_sampled(sampler, logits, s.request, s.draft_token_ids,
+                                                       probs[at : at + n])  # fmt: skip
+            at += n
     return out
