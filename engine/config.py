@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from engine.speculative import SpeculativeConfig
+from engine.spec_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
