@@ -88,7 +88,7 @@ class RequestOutput:
     every request that started, sampled a token or finished in it."""
 
     request_id: str
-    new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
+    new_token_ids: list[int]  # tokens emitted this step (0 or 1; up to k + 1 with speculative decoding)
     text_delta: str  # newly decodable text; stop strings are never included
     logprobs: list[TokenLogprob] | None  # one per new token, when asked for
     finished: bool

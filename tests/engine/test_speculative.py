@@ -178,6 +178,36 @@ def test_greedy_parity_with_speculation(tiny, regime):
         assert st.prefix_cache_hits > 0
 
 
+def test_greedy_parity_under_priority_preemption(tiny):
+    """Batch-priority requests fill the seats, interactive ones arrive later and take them (slot
+    preemption while rows speculate); every request still matches non-speculative greedy."""
+    path, vocab, case, ref = tiny
+    engine = _oracle_engine(path, vocab, ref, max_num_seqs=4)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(case.prompts))}
+
+    def add(i: int, priority: int) -> None:
+        p = SamplingParams(max_tokens=case.max_tokens[i], temperature=0.0)
+        engine.add_request(f"r{i}", prompt_token_ids=case.prompts[i], params=p, priority=priority)
+
+    def step() -> None:
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+        engine.check_integrity()
+
+    late = set(range(0, len(case.prompts), 2))
+    for i in sorted(set(range(len(case.prompts))) - late):
+        add(i, 2)
+    for _ in range(6):
+        step()
+    for i in sorted(late):
+        add(i, 0)
+    while engine.has_unfinished():
+        step()
+    assert [got[f"r{i}"] for i in range(len(case.prompts))] == ref
+    st = engine.stats()
+    assert st.preemptions > 0 and st.spec_accepted_tokens > 0
+
+
 def test_rollback_frees_the_rejected_tail(tiny):
     """A request whose drafts are all wrong across a block boundary holds exactly the blocks of its
     computed tokens after each step, and nothing rejected is registered in the prefix cache."""
