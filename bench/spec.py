@@ -21,6 +21,7 @@ import torch
 
 from bench.machine import machine_info
 from engine import Engine, EngineConfig, SamplingParams
+from engine.spec_config import SpeculativeConfig
 
 NAMES = ["total", "count", "value", "result", "items", "buffer", "offset", "index", "score", "width"]
 OPS = ["+", "-", "*"]
@@ -35,11 +36,11 @@ def code_edit_prompts(engine: Engine, n: int) -> list[list[int]]:
         body = "\n".join([
             f"def update_{a}_{i}({a}, {b}, limit={i + 3}):",
             f"    {c} = []",
-            f"    for step in range(limit):",
+            "    for step in range(limit):",
             f"        {a} = {a} {op} step",
             f"        if {a} > {b}:",
             f"            {c}.append({a})",
-            f"        else:",
+            "        else:",
             f"            {b} = {b} {op} {a}",
             f"    return {c}, {a}, {b}",
         ])  # fmt: skip
@@ -97,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
             "prompt_lookup_min": args.lookup_min, "disable_by_batch_size": args.disable_by_batch_size}  # fmt: skip
     base = dict(model=model, dtype=args.dtype, show_progress=False, max_num_seqs=max(args.concurrency))
-    engines = {"off": Engine(EngineConfig(**base)), "on": Engine(EngineConfig(**base, speculative=spec))}
+    on = EngineConfig(**base, speculative=SpeculativeConfig.from_dict(spec))
+    engines = {"off": Engine(EngineConfig(**base)), "on": Engine(on)}
     prompts = (code_edit_prompts(engines["off"], args.prompts) if args.workload == "code-edit"
                else random_prompts(engines["off"].vocab_size, args.prompts))  # fmt: skip
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.workload == "random")

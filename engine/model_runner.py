@@ -36,7 +36,11 @@ class ModelRunner:
         input_ids, positions, layout = self._pack(items)
         hidden = self._forward(input_ids, positions, layout)  # [T, hidden]
         prompt_lps = compute_prompt_logprobs(self.model, hidden, items)  # {} unless a request asked
-        ends, plain, reqs, spec, offset = [], [], [], [], 0
+        ends: list[int] = []  # rows of `hidden` whose logits are needed
+        plain: list[int] = []  # of those, the rows sampled as usual (index into ends)
+        reqs: list = []
+        spec: list[tuple[ScheduledRequest, int]] = []  # rows with drafts, index of their first row in ends
+        offset = 0
         for s in items:
             offset += s.num_tokens
             if s.sample and s.draft_token_ids:  # logits at the known token and at every draft

@@ -20,7 +20,14 @@ from engine.api import Deadline, FinishReason, PreemptionCause
 from engine.block_manager import BlockManager
 from engine.ordering import PriorityPolicy
 from engine.request import Request, RequestStatus
-from engine.speculative import NgramProposer, Proposer, SpeculativeConfig, draft_length, may_speculate, update_acceptance
+from engine.speculative import (
+    NgramProposer,
+    Proposer,
+    SpeculativeConfig,
+    draft_length,
+    may_speculate,
+    update_acceptance,
+)
 from engine.waiting_queue import WaitingQueue
 
 
@@ -201,8 +208,8 @@ class _StepPlanner:
     def _drafts(self, req: Request, n: int) -> list[int]:
         """Draft tokens for req's decode (n == 1) when it speculates in this step: within the budget
         left and the tokens it may still emit (max_tokens)."""
-        spec = self.s.config.speculative
-        if spec is None or n != 1 or req.num_tokens - req.num_computed_tokens != 1 or not self.speculate:
+        spec, proposer = self.s.config.speculative, self.s.proposer
+        if spec is None or proposer is None or n != 1 or req.num_tokens - req.num_computed_tokens != 1 or not self.speculate:
             return []
         if not may_speculate(req):
             return []
@@ -210,7 +217,7 @@ class _StepPlanner:
                 req.params.max_tokens - req.num_output_tokens - 1)  # fmt: skip
         if k <= 0:
             return []
-        return self.s.proposer.propose(req, k)
+        return proposer.propose(req, k)
 
     # -- waiting requests ---------------------------------------------------------------------------
     def _start(self, req: Request) -> bool:
