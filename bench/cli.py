@@ -22,6 +22,7 @@ from bench import (
     offline,
     priority,
     quality,
+    spec,
     startup,
     structured,
     swap,
@@ -44,6 +45,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     startup.add_parser(subparsers)
     swap.add_parser(subparsers)
     structured.add_parser(subparsers)
+    spec.add_parser(subparsers)
     return parser
 
 

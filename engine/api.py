@@ -100,7 +100,7 @@ class RequestOutput:
     every request that started, sampled a token or finished in it."""
 
     request_id: str
-    new_token_ids: list[int]  # tokens sampled this step (0 or 1 today)
+    new_token_ids: list[int]  # tokens emitted this step (0 or 1; up to k + 1 with speculative decoding)
     text_delta: str  # newly decodable text; stop strings are never included
     logprobs: list[TokenLogprob] | None  # one per new token, when asked for
     finished: bool
@@ -143,6 +143,22 @@ class EngineStats:
     last_step_decode_tokens: int = 0
     last_step_time_s: float = 0.0  # wall time of the last step
     steps: int = 0  # cumulative
+    # Speculative decoding, cumulative (vLLM's spec_decode counters): rows verified with drafts, draft
+    # tokens verified, drafts accepted, and accepted by position (entry i: drafts accepted at index i)
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record_drafts(self, drafted: int, accepted: int) -> None:
+        """Count one verified row: `drafted` draft tokens, of which the first `accepted` were taken."""
+        self.spec_drafts += 1
+        self.spec_draft_tokens += drafted
+        self.spec_accepted_tokens += accepted
+        if len(self.spec_accepted_per_pos) < drafted:
+            self.spec_accepted_per_pos.extend([0] * (drafted - len(self.spec_accepted_per_pos)))
+        for i in range(accepted):
+            self.spec_accepted_per_pos[i] += 1
 
     @property
     def kv_cache_usage(self) -> float:

@@ -137,6 +137,20 @@ class BlockManager:
         request.num_hashed_blocks = 0
         request.last_block_hash = None
 
+    def truncate(self, request: Request) -> None:
+        """Free the blocks past the request's computed tokens (a rejected draft tail's). They were
+        never full and computed, so none carries a prefix-cache hash; they are reused first."""
+        keep = -(-request.num_computed_tokens // self.block_size)
+        if keep < request.num_hashed_blocks:
+            raise RuntimeError("truncate would drop blocks registered in the prefix cache")
+        for block_id in reversed(request.block_ids[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+        del request.block_ids[keep:]
+
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]

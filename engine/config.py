@@ -6,6 +6,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from engine.spec_config import SpeculativeConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine.attention.select_backend
@@ -49,8 +51,14 @@ class EngineConfig:
     cpu_gemv: str = "auto"  # CPU small-batch linear kernels: auto (where measured faster at start-up), on, off
     fused_decode: bool = True  # CPU kernels: decode-only steps run the layer loop in C++ (same results, less overhead)
     cpu_threads: int | None = None  # CPU: torch's intra-op threads, set at start-up (process-wide); None: torch's
+    # Speculative decoding (vLLM's --speculative-config; a dict of its keys is accepted); None: off
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):
+            object.__setattr__(self, "speculative", SpeculativeConfig.from_dict(self.speculative))
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a SpeculativeConfig, a dict or None, got {self.speculative!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty path")
         if self.dtype not in DTYPES:

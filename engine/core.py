@@ -19,6 +19,7 @@ from engine.output_processor import (
     RequestTextState,
     add_prompt_logprobs,
     error_output,
+    merge_outputs,
     prompt_only_output,
     started_output,
     timeout_output,
@@ -26,7 +27,7 @@ from engine.output_processor import (
 )
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.structured import GrammarCompiler, GrammarError
 from engine.tokenization import chat_prompt_ids, encode_prompt
 
@@ -47,6 +48,9 @@ class ModelRunnerOutput:
     # request_id -> log-probabilities of the prompt tokens this step's chunk predicted, in order (for
     # requests with params.prompt_logprobs; engine/prompt_logprobs.py)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # request_id -> the tokens a row with draft tokens emits: its accepted drafts, then the target's
+    # correction or bonus token (engine/spec_verify.py); such a row is not in `sampled`
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):
@@ -228,6 +232,9 @@ class EngineCore:
         for s in sched.scheduled:
             req = s.request
             add_prompt_logprobs(req, result.prompt_logprobs.get(req.request_id))
+            if req.request_id in result.spec_tokens:
+                outputs.append(self._verified_output(s, result.spec_tokens[req.request_id], id(req) in started))
+                continue
             token = result.sampled.get(req.request_id)
             dead_end = _grammar_dead_end(req) if token is None and req.request_id in failed else None
             if dead_end is not None:  # the request's fault, not the engine's
@@ -253,6 +260,23 @@ class EngineCore:
             outputs.append(out)
         return outputs
 
+    def _verified_output(self, s: ScheduledRequest, tokens: list[int], started: bool) -> RequestOutput:
+        """Append a verified row's tokens (up to a finish), roll its rejected drafts' KV back, count."""
+        req, outs = s.request, []
+        for t in tokens:
+            outs.append(token_output(req, t, None, self.max_model_len, started=started))
+            if outs[-1].finished:
+                break
+        accepted = len(tokens) - 1
+        self._stats.record_drafts(len(s.draft_token_ids), accepted)
+        self._stats.generation_tokens += len(outs) - 1  # the step's count has one per sampled row
+        out = merge_outputs(outs)
+        if out.finished:
+            self.scheduler.finish(req, out.finish_reason or FinishReason.STOP)
+        else:
+            self.scheduler.settle_drafts(s, accepted)
+        return out
+
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         log.exception("engine step failed; failing its %d requests", len(sched.scheduled))
         message = f"engine step failed: {type(exc).__name__}: {exc}"
@@ -265,7 +289,8 @@ class EngineCore:
 
     def _record_step(self, sched: SchedulerOutput, elapsed: float) -> None:
         st = self._stats
-        decode = sum(1 for s in sched.scheduled if s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens)
+        decode = sum(s.num_tokens for s in sched.scheduled
+                     if s.draft_token_ids or (s.num_tokens == 1 and s.start >= s.request.num_prompt_tokens))  # fmt: skip
         st.steps += 1
         st.last_step_tokens = sched.num_tokens
         st.last_step_decode_tokens = decode
@@ -288,6 +313,7 @@ class EngineCore:
             "prefix_cache_hits": self.block_manager.prefix_hits,
             "preemptions": sched.num_preemptions,
             "preemptions_by": dict(sched.preemptions_by),
+            "spec_accepted_per_pos": list(st.spec_accepted_per_pos),
         })  # fmt: skip
 
     def check_integrity(self) -> None:

@@ -71,7 +71,7 @@ class Engine(EngineCore):
             runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs),
             block_manager=BlockManager(num_blocks, self.block_size, config.enable_prefix_caching),
             scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.aging_s,
-                                             config.outranked_chunk_tokens),
+                                             config.outranked_chunk_tokens, config.speculative),
             max_model_len=self.max_model_len,
             vocab_size=int(self.hf_config.vocab_size),
             eos_token_ids=source.eos_token_ids,

@@ -12,6 +12,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.prompt_logprobs import compute_prompt_logprobs
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec_verify import verify_rows
 
 
 class ModelRunner:
@@ -29,25 +30,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        # Decodes first (the backend batches them), then prefill chunks.
-        items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
+        # Decodes first (the backend batches them; a row with drafts is one decode per position), then
+        # prefill chunks.
+        items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1 and not s.draft_token_ids)
         input_ids, positions, layout = self._pack(items)
         hidden = self._forward(input_ids, positions, layout)  # [T, hidden]
         prompt_lps = compute_prompt_logprobs(self.model, hidden, items)  # {} unless a request asked
-        ends, reqs, offset = [], [], 0
+        ends: list[int] = []  # rows of `hidden` whose logits are needed
+        plain: list[int] = []  # of those, the rows sampled as usual (index into ends)
+        reqs: list = []
+        spec: list[tuple[ScheduledRequest, int]] = []  # rows with drafts, index of their first row in ends
+        offset = 0
         for s in items:
             offset += s.num_tokens
-            if s.sample:
+            if s.sample and s.draft_token_ids:  # logits at the known token and at every draft
+                spec.append((s, len(ends)))
+                ends.extend(range(offset - len(s.draft_token_ids) - 1, offset))
+            elif s.sample:
+                plain.append(len(ends))
                 ends.append(offset - 1)
                 reqs.append(s.request)
-        if not reqs:
+        if not ends:
             return ModelRunnerOutput({}, {}, prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])
-        tokens, lps = self.sampler.sample(logits, reqs)
+        tokens, lps = self.sampler.sample(logits[plain] if spec else logits, reqs) if reqs else ([], [])
         sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True) if t is not None}
         failed = [r.request_id for r, t in zip(reqs, tokens, strict=True) if t is None]
         logprobs = {r.request_id: lp for r, lp in zip(reqs, lps, strict=True) if lp is not None}
-        return ModelRunnerOutput(sampled, logprobs, failed, prompt_lps)
+        verified = verify_rows(self.sampler, logits, spec)
+        failed += [rid for rid, toks in verified.items() if toks is None]
+        spec_tokens = {rid: toks for rid, toks in verified.items() if toks is not None}
+        return ModelRunnerOutput(sampled, logprobs, failed, prompt_lps, spec_tokens)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """The model over one packed step (host tensors in): a decode graph's replay when one fits."""
@@ -67,18 +80,28 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
         bs = self.block_size
         for s in items:
             req, start, end = s.request, s.start, s.start + s.num_tokens
-            ids.extend(req.tokens(start, end))
+            ids.extend(req.tokens(start, end - len(s.draft_token_ids)) + s.draft_token_ids)
             pos.extend(range(start, end))
             table = req.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            # A row with drafts (a decode) attends as one decode per position over the same block table:
+            # every token's K/V is stored before attention, so position p sees the drafts before it.
+            split = bool(s.draft_token_ids)  # (drafts come with a one-token decode only)
+            for a, b in ([(p, p + 1) for p in range(start, end)] if split else [(start, end)]):
+                query_lens.append(b - a)
+                context_lens.append(b)
+                tables.append(table)
         layout = BatchLayout(
-            num_decodes=sum(1 for s in items if s.num_tokens == 1),
-            query_lens=[s.num_tokens for s in items],
-            context_lens=[s.start + s.num_tokens for s in items],
-            block_tables=[s.request.block_ids for s in items],
+            num_decodes=sum(1 for q in query_lens if q == 1),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=tables,
             block_size=bs,
             slot_mapping=torch.tensor(slots, dtype=torch.long),
         )

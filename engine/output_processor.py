@@ -4,6 +4,7 @@ and the outputs of requests that started, timed out or failed. Writes `Request.o
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from engine.api import Deadline, FinishReason, RequestOutput, TokenLogprob
@@ -47,6 +48,20 @@ def token_output(req: Request, token: int, logprob: TokenLogprob | None, max_mod
     prompt_lps = _prompt_logprobs(req) if req.num_output_tokens == 1 else None  # with the first token only
     return _output(req, [token], text, [logprob] if logprob is not None else None, reason, started=started,
                    prompt_logprobs=prompt_lps)  # fmt: skip
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """One step's outputs of one request (several tokens: speculative decoding) as one."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    return replace(
+        last,
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        text_delta="".join(o.text_delta for o in outs),
+        logprobs=None if any(o.logprobs is None for o in outs) else [lp for o in outs for lp in o.logprobs or []],
+        prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None),
+    )
 
 
 def add_prompt_logprobs(req: Request, new: list[TokenLogprob] | None) -> None:

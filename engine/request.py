@@ -37,6 +37,7 @@ class Request:
     started: bool = False  # scheduled at least once (its queue deadline no longer applies)
     num_preemptions: int = 0
     budget_deferred: bool = False  # left out of a step by more important work; counted once until it runs
+    spec_acceptance: float = 1.0  # recent share of draft tokens accepted (engine/speculative.py); sets k
     # Tokens whose K/V are in the cache. Reset to 0 on preemption (we recompute).
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache at the first schedule (reported as cached_tokens).

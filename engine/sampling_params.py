@@ -49,6 +49,9 @@ class SamplingParams:
     # The output's grammar (JSON schema, regex, choice, EBNF, tool calls); None: unconstrained. Hashed by
     # its kind and source only (the compiled grammar it carries is not part of eq/hash).
     structured: GrammarSpec | None = None
+    # False: this request never speculates (when the engine does; engine/speculative.py). Output is the
+    # same either way for greedy requests, and the same in distribution for sampled ones.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers, store tuples so the object stays hashable.
@@ -78,6 +81,8 @@ class SamplingParams:
             raise InvalidParam("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParam("ignore_eos", "ignore_eos must be a boolean")
+        if not isinstance(self.speculative, bool):
+            raise InvalidParam("speculative", "speculative must be a boolean")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidParam("stop", "stop must contain non-empty strings")

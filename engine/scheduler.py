@@ -20,6 +20,14 @@ from engine.api import Deadline, FinishReason, PreemptionCause
 from engine.block_manager import BlockManager
 from engine.ordering import PriorityPolicy
 from engine.request import Request, RequestStatus
+from engine.speculative import (
+    NgramProposer,
+    Proposer,
+    SpeculativeConfig,
+    draft_length,
+    may_speculate,
+    update_acceptance,
+)
 from engine.waiting_queue import WaitingQueue
 
 
@@ -27,8 +35,11 @@ from engine.waiting_queue import WaitingQueue
 class ScheduledRequest:
     request: Request
     start: int  # first token position computed this step (== num_computed_tokens before the step)
-    num_tokens: int  # tokens computed this step (1 for a decode)
+    num_tokens: int  # tokens computed this step (1 for a decode), draft tokens included
     sample: bool  # whether this step ends the request's known tokens, so a new token is sampled
+    # Draft tokens run after the known ones (speculative decoding; engine/speculative.py): the runner
+    # verifies them and the core settles the accepted ones (Scheduler.settle_drafts). [] : none.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -57,6 +68,7 @@ class SchedulerConfig:
     # many tokens (None: the whole budget), so that step, and the more important request's next token,
     # is not held up by a long low-priority prefill (the step's time grows with its tokens).
     outranked_chunk_tokens: int | None = 256
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
 
 class Scheduler:
@@ -72,6 +84,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.preemptions_by: Counter[tuple[int, PreemptionCause]] = Counter()  # (victim priority, cause)
         self._deadlines = _DeadlineHeap()
+        spec = config.speculative
+        self.proposer: Proposer | None = NgramProposer(spec) if spec is not None else None  # drafts tokens
 
     # ---- admission ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -123,10 +137,21 @@ class Scheduler:
 
     # ---- after the model ran -------------------------------------------------------------------
     def advance(self, out: SchedulerOutput) -> None:
-        """Mark this step's tokens computed and register newly full blocks in the prefix cache."""
+        """Mark this step's tokens computed and register newly full blocks in the prefix cache. Draft
+        tokens are not counted: `settle_drafts` adds the accepted ones once they are appended."""
         for s in out.scheduled:
-            s.request.num_computed_tokens = s.start + s.num_tokens
+            s.request.num_computed_tokens = s.start + s.num_tokens - len(s.draft_token_ids)
             self.blocks.register_computed_blocks(s.request)
+
+    def settle_drafts(self, s: ScheduledRequest, accepted: int) -> None:
+        """After a verified row's tokens were appended: its first `accepted` drafts' K/V are valid, the
+        rest are rolled back (the block table shrinks to the computed tokens), full blocks are registered
+        and the request's acceptance rate (its next draft length) is updated."""
+        req = s.request
+        req.num_computed_tokens += accepted
+        self.blocks.truncate(req)
+        self.blocks.register_computed_blocks(req)
+        update_acceptance(req, len(s.draft_token_ids), accepted)
 
 
 class _StepPlanner:
@@ -140,6 +165,9 @@ class _StepPlanner:
         self.budget = sched.config.max_num_batched_tokens
         self.preempted_now: set[str] = set()  # preempted in this step: not started again in it
         self.best: int | None = None  # the most important effective priority scheduled so far this step
+        # Whether decodes may carry drafts in this step: not in a large batch (disable_by_batch_size)
+        spec = sched.config.speculative
+        self.speculate = spec is not None and len(sched.running) <= spec.disable_by_batch_size
 
     def plan(self) -> None:
         running = sorted(self.s.running, key=self._key)
@@ -163,15 +191,33 @@ class _StepPlanner:
 
     # -- running requests ---------------------------------------------------------------------------
     def _continue(self, req: Request) -> None:
-        """Schedule req's next chunk, preempting the least important running requests (maybe req
-        itself) while KV blocks are short."""
+        """Schedule req's next chunk (a decode may carry draft tokens), preempting the least important
+        running requests (maybe req itself) while KV blocks are short; drafts are dropped first."""
         n = self._chunk(req, req.num_tokens - req.num_computed_tokens)
-        while not self.s.blocks.allocate(req, n):
+        drafts = self._drafts(req, n)
+        while not self.s.blocks.allocate(req, n + len(drafts)):
+            if drafts:
+                drafts = []
+                continue
             victim = max(self.s.running, key=lambda r: self.policy.victim_key(r, self.now))
             self._preempt(victim, PreemptionCause.KV)
             if victim is req:
                 return
-        self._schedule(req, n)
+        self._schedule(req, n, drafts)
+
+    def _drafts(self, req: Request, n: int) -> list[int]:
+        """Draft tokens for req's decode (n == 1) when it speculates in this step: within the budget
+        left and the tokens it may still emit (max_tokens)."""
+        spec, proposer = self.s.config.speculative, self.s.proposer
+        if spec is None or proposer is None or n != 1 or req.num_tokens - req.num_computed_tokens != 1 or not self.speculate:
+            return []
+        if not may_speculate(req):
+            return []
+        k = min(draft_length(req, spec.num_speculative_tokens), self.budget - 1,
+                req.params.max_tokens - req.num_output_tokens - 1)  # fmt: skip
+        if k <= 0:
+            return []
+        return proposer.propose(req, k)
 
     # -- waiting requests ---------------------------------------------------------------------------
     def _start(self, req: Request) -> bool:
@@ -230,12 +276,14 @@ class _StepPlanner:
             n = min(n, cap)
         return n
 
-    def _schedule(self, req: Request, n: int) -> None:
+    def _schedule(self, req: Request, n: int, drafts: list[int] | None = None) -> None:
         start = req.num_computed_tokens
         ends = start + n == req.num_tokens
+        drafts = drafts or []
         # max_tokens 0 (prompt log-probabilities only): the prompt runs, nothing is sampled
-        self.out.scheduled.append(ScheduledRequest(req, start, n, sample=ends and req.params.max_tokens > 0))
-        self.budget -= n
+        sample = ends and req.params.max_tokens > 0
+        self.out.scheduled.append(ScheduledRequest(req, start, n + len(drafts), sample, drafts))
+        self.budget -= n + len(drafts)
         req.budget_deferred = False
         eff = self.policy.effective_priority(req, self.now)
         self.best = eff if self.best is None else min(self.best, eff)

@@ -32,7 +32,7 @@ _TOKEN_KEY = re.compile(r"\s*[+-]?[0-9]+\s*")  # a logit_bias key: what int() re
 
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "min_tokens",
+    "frequency_penalty", "stop", "stop_token_ids", "seed", "ignore_eos", "min_tokens", "speculative",
 )  # fmt: skip
 
 
@@ -62,6 +62,7 @@ class SamplingFields(BaseModel):
     seed: Int | None = None
     ignore_eos: Bool | None = None
     min_tokens: Int | None = None
+    speculative: Bool | None = None  # false: this request never speculates (when --speculative-config is on)
     priority: PriorityName | Int | None = None
     timeout_s: Seconds | None = None
     first_token_timeout_s: Seconds | None = None

@@ -5,6 +5,7 @@ command-line flags. It builds the engine's `EngineConfig` and the lanes' bounds 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -19,6 +20,7 @@ from pydantic_settings import (
 )
 
 from engine.config import EngineConfig, default_engine_threads
+from engine.spec_config import SpeculativeConfig
 from server.config.lanes import Lane, LaneBounds, LaneDeadlines
 from server.config.units import parse_size, parse_token_count
 from server.config.versions import ModelEntry, check_version, parse_entries
@@ -69,6 +71,9 @@ class ServerSettings(BaseSettings):
     grammar_backend: Literal["xgrammar", "none"] = Field("xgrammar", description="structured outputs and enforced "
                                                          "tool calls; none: such requests get a 400")
     quantization: Literal["int8"] | None = Field(None, description="int8: INT8 weight-only linears (CPU; half the weight bytes)")
+    speculative_config: dict[str, Any] | None = Field(
+        None, description="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (docs/ENGINE.md); none: off")
     engine_threads: int | None = Field(
         None, ge=1, description="CPU: engine compute threads; default: OMP_NUM_THREADS, else one per core "
         "(but one above 4 cores)"
@@ -180,6 +185,17 @@ class ServerSettings(BaseSettings):
     def _parse_length(cls, value: Any) -> Any:
         return parse_token_count(value)
 
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _parse_speculative(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.strip().lower() not in ("", "none", "null"):
+            value = json.loads(value)  # a JSONDecodeError is a ValueError: the setting is named
+        elif isinstance(value, str):
+            return None
+        if value is not None:
+            SpeculativeConfig.from_dict(value)  # ValueError naming the key
+        return value
+
     @field_validator("dtype", mode="before")
     @classmethod
     def _vllm_dtype(cls, value: Any) -> Any:
@@ -274,6 +290,7 @@ class ServerSettings(BaseSettings):
             grammar_cache_bytes=self.structured_cache_bytes,
             grammar_compile_processes=self.structured_compile_processes,
             quantization=self.quantization,
+            speculative=SpeculativeConfig.from_dict(self.speculative_config) if self.speculative_config else None,
             cpu_threads=self.engine_threads or default_engine_threads(),
             show_progress=True,  # a bar on a terminal only (tqdm stays quiet in logs and pipes)
         )

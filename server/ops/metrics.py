@@ -337,6 +337,7 @@ class _EngineCollector(Collector):
             families.add(v, self._metrics.server_version)
         yield from families.all()
         yield from router_families(versions, self._metrics.clock_wall())
+        yield from spec_decode_families(versions)
         yield from _cache_gauges(self._cache_stats())
         yield from _grammar_gauges(versions)
         memory = next((v.snapshot.memory for v in versions if v.snapshot.memory is not None), None)
@@ -471,6 +472,29 @@ def router_families(versions: list[VersionSnapshot], now: float) -> Iterator[Met
         config.add_metric([name, str(head.block_size), str(head.kv_blocks_total)], 1)
         lora.add_metric([name, "0", "", ""], now)
     yield from (waiting, running, usage, config, lora)
+
+
+def spec_decode_families(versions: list[VersionSnapshot]) -> Iterator[Metric]:
+    """Speculative decoding's counters under vLLM's names, per `model_name` (versions summed): rows
+    verified with drafts, draft tokens, accepted drafts, and accepted drafts by position (0 first)."""
+    c = CounterMetricFamily
+    drafts = c("vllm:spec_decode_num_drafts", "Rows verified with draft tokens.", labels=["model_name"])
+    tokens = c("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", labels=["model_name"])
+    accepted = c("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels=["model_name"])
+    per_pos = c("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position.",
+                labels=["model_name", "position"])  # fmt: skip
+    by_name: dict[str, list[EngineStats]] = {}
+    for v in versions:
+        by_name.setdefault(v.info.model, []).append(v.snapshot.stats)
+    for name, stats in by_name.items():
+        drafts.add_metric([name], sum(st.spec_drafts for st in stats))
+        tokens.add_metric([name], sum(st.spec_draft_tokens for st in stats))
+        accepted.add_metric([name], sum(st.spec_accepted_tokens for st in stats))
+        width = max(len(st.spec_accepted_per_pos) for st in stats)
+        for pos in range(width):
+            n = sum(st.spec_accepted_per_pos[pos] for st in stats if pos < len(st.spec_accepted_per_pos))
+            per_pos.add_metric([name, str(pos)], n)
+    yield from (drafts, tokens, accepted, per_pos)
 
 
 def _cache_gauges(stats: list[CacheStats]) -> Iterator[Metric]:

@@ -226,3 +226,22 @@ def test_connection_limits_from_settings():
     for flag in ("--header-timeout-s", "--write-timeout-s", "--max-connections", "--stream-max-pending-tokens"):
         with pytest.raises(ValidationError):
             parse_settings([flag, "0"])
+
+
+def test_speculative_config_flag_as_vllm_spells_it(monkeypatch):
+    """`--speculative-config` takes vLLM's JSON (flag or TOKENMILL_SPECULATIVE_CONFIG); the engine gets
+    a SpeculativeConfig; a bad key or method is refused naming it; off by default."""
+    assert parse_settings([]).engine_config("/m").speculative is None
+    js = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 2}'
+    spec = parse_settings(["--speculative-config", js]).engine_config("/m").speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == ("ngram", 3, 5, 2)
+    monkeypatch.setenv("TOKENMILL_SPECULATIVE_CONFIG", '{"num_speculative_tokens": 2}')
+    assert parse_settings([]).engine_config("/m").speculative.num_speculative_tokens == 2
+    from server.config.vllm_flags import flag_problems
+
+    serve_parser = cli.build_parsers()[1]
+    assert flag_problems(serve_parser, ["--speculative-config", js]) is None  # no longer "vLLM only"
+    for bad, word in (('{"method": "eagle"}', "method"), ('{"num_speculative_tokenz": 2}', "unknown keys"),
+                      ("{not json", "speculative_config")):  # fmt: skip
+        with pytest.raises(ValidationError, match=word):
+            parse_settings(["--speculative-config", bad])

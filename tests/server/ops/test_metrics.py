@@ -88,6 +88,10 @@ FAMILIES = {
     "vllm:kv_cache_usage_perc": "gauge",
     "vllm:cache_config_info": "gauge",
     "vllm:lora_requests_info": "gauge",
+    "vllm:spec_decode_num_drafts": "counter",
+    "vllm:spec_decode_num_draft_tokens": "counter",
+    "vllm:spec_decode_num_accepted_tokens": "counter",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
 }
 # Process-wide series: the only ones without `model` and `version` labels.
 PROCESS_WIDE = ("process_", "python_", "tokenmill_device_memory_", "tokenmill_http_")  # connections are the server's

@@ -1,0 +1,170 @@
+"""Speculative decoding in the engine (no HTTP): output tokens/s and TPOT with and without the n-gram
+proposer, on a prompt-grounded workload, at each concurrency.
+
+Workload `code-edit`: "rename this variable in the following function, output the whole function",
+over generated Python functions (greedy, up to --max-tokens, stopping at EOS): the answer copies most
+of the prompt, which is what prompt lookup drafts from. `random`: random token prompts (nothing to
+copy; what speculation costs when it cannot help). Each concurrency runs a closed loop: c requests in
+flight, the next one added as one finishes. The arms alternate per round (off, on, off, on, ...) and
+each arm's median round is reported, with the acceptance rate and whether both arms' outputs agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.machine import machine_info
+from engine import Engine, EngineConfig, SamplingParams
+from engine.spec_config import SpeculativeConfig
+
+NAMES = ["total", "count", "value", "result", "items", "buffer", "offset", "index", "score", "width"]
+OPS = ["+", "-", "*"]
+
+
+def code_edit_prompts(engine: Engine, n: int) -> list[list[int]]:
+    """n chat prompts: rename one variable of a small generated function."""
+    prompts = []
+    for i in range(n):
+        a, b, c = NAMES[i % 10], NAMES[(i + 3) % 10], NAMES[(i + 6) % 10]
+        op = OPS[i % 3]
+        body = "\n".join([
+            f"def update_{a}_{i}({a}, {b}, limit={i + 3}):",
+            f"    {c} = []",
+            "    for step in range(limit):",
+            f"        {a} = {a} {op} step",
+            f"        if {a} > {b}:",
+            f"            {c}.append({a})",
+            "        else:",
+            f"            {b} = {b} {op} {a}",
+            f"    return {c}, {a}, {b}",
+        ])  # fmt: skip
+        text = (f"Rename the variable `{a}` to `new_{a}` in the following function. Output only the whole "
+                f"function, changed.\n\n```python\n{body}\n```")  # fmt: skip
+        prompts.append(engine.apply_chat_template([{"role": "user", "content": text}]))
+    return prompts
+
+
+def random_prompts(vocab: int, n: int, length: int = 128) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(100, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def run_closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int, params: SamplingParams) -> dict:
+    """Every prompt through the engine, `concurrency` at a time. Output tokens, wall time, mean TPOT
+    (per request: (last token - first token) / (tokens - 1)), the outputs."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    outs: dict[str, list[int]] = {}
+    pending = list(range(len(prompts)))
+    inflight = 0
+    before = engine.stats()
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and inflight < concurrency:
+            i = pending.pop(0)
+            engine.add_request(f"p{i}", prompt_token_ids=prompts[i], params=params)
+            outs[f"p{i}"] = []
+            inflight += 1
+        for out in engine.step():
+            now = time.perf_counter()
+            if out.new_token_ids:
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                outs[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                inflight -= 1
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    tpots = [(last[r] - first[r]) / (len(o) - 1) for r, o in outs.items() if len(o) > 1]
+    tokens = sum(len(o) for o in outs.values())
+    drafted = after.spec_draft_tokens - before.spec_draft_tokens
+    return {
+        "output_tokens": tokens, "wall_s": wall, "output_tok_s": tokens / wall,
+        "tpot_ms": 1000 * statistics.mean(tpots) if tpots else None,
+        "draft_tokens": drafted, "accepted_tokens": after.spec_accepted_tokens - before.spec_accepted_tokens,
+        "steps": after.steps - before.steps,
+        "outputs": [outs[f"p{i}"] for i in range(len(prompts))],
+    }  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    model = args.model or _default_model()
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
+            "prompt_lookup_min": args.lookup_min, "disable_by_batch_size": args.disable_by_batch_size}  # fmt: skip
+    base = dict(model=model, dtype=args.dtype, show_progress=False, max_num_seqs=max(args.concurrency))
+    on = EngineConfig(**base, speculative=SpeculativeConfig.from_dict(spec))
+    engines = {"off": Engine(EngineConfig(**base)), "on": Engine(on)}
+    prompts = (code_edit_prompts(engines["off"], args.prompts) if args.workload == "code-edit"
+               else random_prompts(engines["off"].vocab_size, args.prompts))  # fmt: skip
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.workload == "random")
+    for e in engines.values():  # warm-up
+        run_closed_loop(e, prompts[:1], 1, SamplingParams(max_tokens=8, temperature=0.0))
+    report = {"workload": args.workload, "model": str(model), "speculative": spec, "prompts": args.prompts,
+              "max_tokens": args.max_tokens, "machine": machine_info(torch.get_num_threads(), torch.__version__),
+              "dtype": engines["off"].dtype_name, "results": []}  # fmt: skip
+    for c in args.concurrency:
+        rounds: dict[str, list[dict]] = {"off": [], "on": []}
+        for r in range(args.rounds):
+            for arm in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                rounds[arm].append(run_closed_loop(engines[arm], prompts, c, params))
+        row = {"concurrency": c}
+        for arm, runs in rounds.items():
+            med = sorted(runs, key=lambda x: x["wall_s"])[len(runs) // 2]
+            row[arm] = {k: v for k, v in med.items() if k != "outputs"}
+            row[arm]["rounds_tok_s"] = [round(x["output_tok_s"], 1) for x in runs]
+            row[arm]["best_tok_s"] = max(x["output_tok_s"] for x in runs)  # the least disturbed round
+            row[arm]["best_tpot_ms"] = min(x["tpot_ms"] for x in runs if x["tpot_ms"] is not None)
+        same = sum(a == b for a, b in zip(rounds["off"][0]["outputs"], rounds["on"][0]["outputs"], strict=True))
+        row["identical_outputs"] = f"{same}/{len(prompts)}"
+        row["speedup"] = row["on"]["output_tok_s"] / row["off"]["output_tok_s"]
+        row["best_speedup"] = row["on"]["best_tok_s"] / row["off"]["best_tok_s"]
+        on = row["on"]
+        row["acceptance"] = on["accepted_tokens"] / on["draft_tokens"] if on["draft_tokens"] else None
+        report["results"].append(row)
+        _print_row(row)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _print_row(row: dict) -> None:
+    off, on = row["off"], row["on"]
+    acc = f"{row['acceptance']:.2f}" if row["acceptance"] is not None else "-"
+    print(f"c{row['concurrency']}: median off {off['output_tok_s']:.1f} tok/s TPOT {off['tpot_ms']:.1f} ms | "
+          f"on {on['output_tok_s']:.1f} tok/s TPOT {on['tpot_ms']:.1f} ms | x{row['speedup']:.2f}; best off "
+          f"{off['best_tok_s']:.1f} / {off['best_tpot_ms']:.1f} ms, on {on['best_tok_s']:.1f} / {on['best_tpot_ms']:.1f} ms"
+          f" | x{row['best_speedup']:.2f} | steps {off['steps']} -> {on['steps']} | acceptance {acc} "
+          f"({on['accepted_tokens']}/{on['draft_tokens']}) | identical {row['identical_outputs']}", flush=True)  # fmt: skip
+
+
+def _default_model() -> str:
+    from server.config.default_model import default_model_file
+
+    path = default_model_file()
+    if path is None:
+        raise SystemExit("--model: the default model package is not installed")
+    return str(path)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("spec", help="speculative decoding on/off (engine, no HTTP)", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default=None, help="model path (default: the installed SmolLM2 GGUF)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--workload", choices=("code-edit", "random"), default="code-edit")
+    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--rounds", type=int, default=3, help="rounds per arm, alternating (default: 3)")
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: 4)")
+    p.add_argument("--lookup-max", type=int, default=4)
+    p.add_argument("--lookup-min", type=int, default=2)
+    p.add_argument("--disable-by-batch-size", type=int, default=8)
+    p.add_argument("--json", type=Path, default=None)
+    p.set_defaults(func=run)
