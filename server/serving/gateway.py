@@ -64,6 +64,8 @@ def admit_unit(runtime: Runtime, choices: Sequence[tuple[Lease, GenerationReques
     share = seat_share(dep.max_num_seqs)
     tickets = [_ticket(runtime, req, lane, None if k < share else int(lane) + 1)
                for k, (_, req) in enumerate(choices)]  # fmt: skip
+    for t in tickets:
+        t.choices = len(tickets)
     _check_unit_fits(dep, lane, sum(t.tokens for t in tickets), len(tickets), param)
     _submit(runtime, dep, tickets, {tickets[k].request_id for k in held})
     return [RequestHandle(runtime, ticket, lease) for ticket, (lease, _) in zip(tickets, choices, strict=True)]
