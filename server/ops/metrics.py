@@ -328,7 +328,10 @@ class VersionMetrics:
             if queue_s is not None:
                 _observe(max(ttft_s - queue_s, 0.0), m.prefill_time.labels(*mv, label), v.prefill_time)
             if e2e_s is not None:
-                _observe(max(e2e_s - ttft_s, 0.0), m.decode_time.labels(*mv, label), v.decode_time)
+                decode_s = max(e2e_s - ttft_s, 0.0)
+                _observe(decode_s, m.decode_time.labels(*mv, label), v.decode_time)
+                if lengths[1] > 1:  # the request's mean gap between tokens
+                    v.request_tpot.observe(decode_s / (lengths[1] - 1))
         if e2e_s is not None:
             _observe(e2e_s, m.e2e.labels(*mv, label, status), v.e2e)
             if queue_s is not None:  # it ran: scheduled until its end (prefill + decode)
@@ -385,6 +388,8 @@ class VllmSeries:
                      VLLM_ITL_BUCKETS)  # fmt: skip
         self.tpot = h("vllm:time_per_output_token_seconds", "Same observations as vllm:inter_token_latency_seconds "
                       "(the name before vLLM 0.10).", VLLM_ITL_BUCKETS)  # fmt: skip
+        self.request_tpot = h("vllm:request_time_per_output_token_seconds", "Per request: first token to the "
+                              "end over generated tokens - 1.", VLLM_ITL_BUCKETS)  # fmt: skip
         self.queue_time = h("vllm:request_queue_time_seconds", "Arrival until the request left its lane.",
                             VLLM_REQUEST_BUCKETS)  # fmt: skip
         self.prefill_time = h("vllm:request_prefill_time_seconds", "Start in the engine to first token.",
@@ -414,6 +419,7 @@ class VllmChildren:
         s, labels = series, (model_name, VLLM_ENGINE)
         self.ttft, self.e2e = s.ttft.labels(*labels), s.e2e.labels(*labels)
         self.itl, self.tpot = s.itl.labels(*labels), s.tpot.labels(*labels)
+        self.request_tpot = s.request_tpot.labels(*labels)
         self.queue_time, self.prefill_time = s.queue_time.labels(*labels), s.prefill_time.labels(*labels)
         self.decode_time, self.inference_time = s.decode_time.labels(*labels), s.inference_time.labels(*labels)
         self.prompt_len, self.generation_len = s.prompt_len.labels(*labels), s.generation_len.labels(*labels)

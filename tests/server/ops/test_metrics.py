@@ -38,6 +38,7 @@ VLLM_FAMILIES = {
     "vllm:e2e_request_latency_seconds": "histogram",
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
     "vllm:request_queue_time_seconds": "histogram",
     "vllm:request_prefill_time_seconds": "histogram",
     "vllm:request_decode_time_seconds": "histogram",
@@ -273,6 +274,10 @@ def test_vllm_series_agree_with_ours_after_traffic(srv):
     assert after.get("vllm:request_inference_time_seconds_sum", **vllm) == pytest.approx(
         after.sum("tokenmill_request_prefill_time_seconds_sum") + after.sum("tokenmill_request_decode_time_seconds_sum"),
         abs=1e-3)  # fmt: skip
+    # Per request, the mean gap: the 4 choices that ran to max_tokens at least (a stop may end the other early).
+    assert delta(before, after, "vllm:request_time_per_output_token_seconds_count") >= 4
+    assert after.get("vllm:request_time_per_output_token_seconds_count", **vllm) <= \
+        after.get("vllm:request_decode_time_seconds_count", **vllm)  # fmt: skip
     # One observation per client request (the n=2 request once), of what it asked.
     assert delta(before, after, "vllm:request_params_max_tokens_count") == 4
     assert delta(before, after, "vllm:request_params_max_tokens_sum") == 6 + 3 + 40 + 5
