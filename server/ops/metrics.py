@@ -16,6 +16,11 @@ Every series but the process-wide ones (process_*, device memory) carries `model
 Every admitted request is counted when it ends, whatever the outcome (timeouts and client aborts
 included), and its queue time, end-to-end latency and lengths are observed too. Series of a version
 that was unloaded stay (counters keep their last value); its scrape-time gauges go.
+
+vLLM's request and step series (`vllm:time_to_first_token_seconds`, `vllm:request_success_total`, ...;
+`VllmSeries`) are filled by the same `observe_*` calls as their `tokenmill_*` twins, with vLLM's buckets
+and labels (`model_name`, `engine="0"`; the versions of one model share them); vLLM's engine counters
+(`vllm:prompt_tokens_total`, ...) are read from the same `EngineStats` at scrape time.
 """
 
 from __future__ import annotations
@@ -63,6 +68,33 @@ TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.0
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
                 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LENGTH_BUCKETS = tuple(float(2**i) for i in range(18))  # 1 .. 131072 tokens
+
+# vLLM v1's bucket boundaries (vllm/v1/metrics/loggers.py), so its dashboards' quantiles read the same.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+VLLM_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                        120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+VLLM_N_BUCKETS = (1, 2, 5, 10, 20)
+VLLM_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # eager mode's
+VLLM_ENGINE = "0"  # label `engine`: vLLM's engine index; one engine per served model version here
+# vllm:request_success_total's finished_reason by our (status, reason); a request refused is not counted
+VLLM_FINISHED = {"ok": None, "timeout": "abort", "cancelled": "abort", "error": "error"}  # ok: stop/length
+VLLM_REASONS = ("stop", "length", "abort", "error")
+
+
+def build_1_2_5_buckets(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets for a context of `limit`)."""
+    out: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > limit:
+                return tuple(out)
+            out.append(float(value))
+        exponent += 1
 
 
 @dataclass(frozen=True)
@@ -119,9 +151,12 @@ class ServerMetrics:
         versions: Callable[[], list[VersionSnapshot]],
         clock: Callable[[], float] = time.monotonic,
         cache_stats: Callable[[], list[CacheStats]] = list,
+        max_model_len: int = 131072,
     ) -> None:
+        """`max_model_len`: the longest context served (the top of vLLM's token-count buckets)."""
         self.registry = CollectorRegistry()
         r = self.registry
+        self.vllm = VllmSeries(r, max_model_len)
         self.server_version = server_version
         self.clock = clock
         self._versions: dict[tuple[str, str], VersionMetrics] = {}
@@ -231,6 +266,7 @@ class VersionMetrics:
         self._step_by_phase = {phase: m.step_time.labels(*mv, phase) for phase in PHASES}
         self._step_tokens = m.step_tokens.labels(*mv)
         self._gap_by_lane = {lane: m.token_gap.labels(*mv, lane.label) for lane in Lane}
+        self._vllm = m.vllm.bind(model)
         self.cache_hits = m.cache_hits.labels(*mv)
         self.cache_misses = m.cache_misses.labels(*mv)
         self.cache_evictions = m.cache_evictions.labels(*mv)
@@ -264,33 +300,47 @@ class VersionMetrics:
         phase = "mixed" if prefill and decode else ("prefill" if prefill else "decode")
         self._step_by_phase[phase].observe(stats.last_step_time_s)
         self._step_tokens.observe(stats.last_step_tokens)
+        self._vllm.iteration_tokens.observe(stats.last_step_tokens)
 
     def observe_token_gap(self, lane: Lane, seconds: float) -> None:
         """A request got a token `seconds` after its previous one."""
         self._gap_by_lane[lane].observe(seconds)
+        self._vllm.itl.observe(seconds)
+        self._vllm.tpot.observe(seconds)
 
     def observe_finished(self, lane: Lane, status: str, reason: str, lengths: tuple[int, int],
-                         timing: dict[str, float | None]) -> None:  # fmt: skip
+                         timing: dict[str, float | None], params: tuple[int, int] | None = None) -> None:  # fmt: skip
         """An admitted request ended, any outcome. `lengths`: (prompt, generated) tokens; `timing`: seconds
-        since arrival of start (`queue_s`), first token (`ttft_s`) and end (`e2e_s`), None if it never came."""
-        m, mv, label = self._m, self.labels, lane.label
+        since arrival of start (`queue_s`), first token (`ttft_s`) and end (`e2e_s`), None if it never came;
+        `params`: (max_tokens, n) when this ticket stands for its client request (its first choice), else
+        None. Feeds the `tokenmill_*` series and their vLLM twins from the same values."""
+        m, mv, label, v = self._m, self.labels, lane.label, self._vllm
         m.requests.labels(*mv, label, status, reason).inc()
         if status == "ok":
             m.finished.labels(*mv, reason).inc()
+        v.success[VLLM_FINISHED.get(status) or reason].inc()
         queue_s, ttft_s, e2e_s = timing.get("queue_s"), timing.get("ttft_s"), timing.get("e2e_s")
         waited = queue_s if queue_s is not None else e2e_s  # never started: it waited until it ended
         if waited is not None:
-            m.queue_time.labels(*mv, label).observe(waited)
+            _observe(waited, m.queue_time.labels(*mv, label), v.queue_time)
         if ttft_s is not None:
-            m.ttft.labels(*mv, label).observe(ttft_s)
+            _observe(ttft_s, m.ttft.labels(*mv, label), v.ttft)
             if queue_s is not None:
-                m.prefill_time.labels(*mv, label).observe(max(ttft_s - queue_s, 0.0))
+                _observe(max(ttft_s - queue_s, 0.0), m.prefill_time.labels(*mv, label), v.prefill_time)
             if e2e_s is not None:
-                m.decode_time.labels(*mv, label).observe(max(e2e_s - ttft_s, 0.0))
+                decode_s = max(e2e_s - ttft_s, 0.0)
+                _observe(decode_s, m.decode_time.labels(*mv, label), v.decode_time)
+                if lengths[1] > 1:  # the request's mean gap between tokens
+                    v.request_tpot.observe(decode_s / (lengths[1] - 1))
         if e2e_s is not None:
-            m.e2e.labels(*mv, label, status).observe(e2e_s)
-        m.prompt_len.labels(*mv, label).observe(lengths[0])
-        m.generation_len.labels(*mv, label).observe(lengths[1])
+            _observe(e2e_s, m.e2e.labels(*mv, label, status), v.e2e)
+            if queue_s is not None:  # it ran: scheduled until its end (prefill + decode)
+                v.inference_time.observe(max(e2e_s - queue_s, 0.0))
+        _observe(lengths[0], m.prompt_len.labels(*mv, label), v.prompt_len)
+        _observe(lengths[1], m.generation_len.labels(*mv, label), v.generation_len)
+        if params is not None:
+            v.max_tokens.observe(params[0])
+            v.n.observe(params[1])
 
     # -- event loop --------------------------------------------------------------------------------------
     def observe_rejected(self, lane: Lane, reason: str) -> None:
@@ -313,6 +363,70 @@ class VersionMetrics:
 
     def seconds_since_last_step(self) -> float:
         return max(self._clock() - self.last_step_at, 0.0)
+
+
+def _observe(value: float, *histograms: Histogram) -> None:
+    """One observation into a `tokenmill_*` series and its vLLM twin."""
+    for h in histograms:
+        h.observe(value)
+
+
+class VllmSeries:
+    """vLLM v1's request and step series (its names, types, buckets and `model_name`/`engine` labels),
+    fed by VersionMetrics from the same observations as the `tokenmill_*` ones."""
+
+    def __init__(self, registry: CollectorRegistry, max_model_len: int) -> None:
+        r, labels, tokens = registry, ["model_name", "engine"], build_1_2_5_buckets(max_model_len)
+
+        def h(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        self.ttft = h("vllm:time_to_first_token_seconds", "Arrival to first token.", VLLM_TTFT_BUCKETS)
+        self.e2e = h("vllm:e2e_request_latency_seconds", "Arrival to the end of a request, every outcome but "
+                     "429.", VLLM_REQUEST_BUCKETS)  # fmt: skip
+        self.itl = h("vllm:inter_token_latency_seconds", "Time between two consecutive tokens of a request.",
+                     VLLM_ITL_BUCKETS)  # fmt: skip
+        self.tpot = h("vllm:time_per_output_token_seconds", "Same observations as vllm:inter_token_latency_seconds "
+                      "(the name before vLLM 0.10).", VLLM_ITL_BUCKETS)  # fmt: skip
+        self.request_tpot = h("vllm:request_time_per_output_token_seconds", "Per request: first token to the "
+                              "end over generated tokens - 1.", VLLM_ITL_BUCKETS)  # fmt: skip
+        self.queue_time = h("vllm:request_queue_time_seconds", "Arrival until the request left its lane.",
+                            VLLM_REQUEST_BUCKETS)  # fmt: skip
+        self.prefill_time = h("vllm:request_prefill_time_seconds", "Start in the engine to first token.",
+                              VLLM_REQUEST_BUCKETS)  # fmt: skip
+        self.decode_time = h("vllm:request_decode_time_seconds", "First token to the end of the request.",
+                             VLLM_REQUEST_BUCKETS)  # fmt: skip
+        self.inference_time = h("vllm:request_inference_time_seconds", "Start in the engine to the end of the "
+                                "request (prefill + decode).", VLLM_REQUEST_BUCKETS)  # fmt: skip
+        self.prompt_len = h("vllm:request_prompt_tokens", "Prompt length of admitted requests.", tokens)
+        self.generation_len = h("vllm:request_generation_tokens", "Tokens generated per admitted request.", tokens)
+        self.max_tokens = h("vllm:request_params_max_tokens", "max_tokens of admitted client requests.", tokens)
+        self.n = h("vllm:request_params_n", "Choices per prompt (n) of admitted client requests.", VLLM_N_BUCKETS)
+        self.iteration_tokens = h("vllm:iteration_tokens_total", "Tokens (prompt chunks + decodes) in one engine "
+                                  "step.", VLLM_ITERATION_BUCKETS)  # fmt: skip
+        self.success = Counter("vllm:request_success", "Requests that ended, by finish reason (stop, length; "
+                               "abort: timed out or cancelled; error).", [*labels, "finished_reason"],
+                               registry=r)  # fmt: skip
+
+    def bind(self, model_name: str) -> VllmChildren:
+        return VllmChildren(self, model_name)
+
+
+class VllmChildren:
+    """VllmSeries' children of one served model (`model_name`, engine "0"), resolved once."""
+
+    def __init__(self, series: VllmSeries, model_name: str) -> None:
+        s, labels = series, (model_name, VLLM_ENGINE)
+        self.ttft, self.e2e = s.ttft.labels(*labels), s.e2e.labels(*labels)
+        self.itl, self.tpot = s.itl.labels(*labels), s.tpot.labels(*labels)
+        self.request_tpot = s.request_tpot.labels(*labels)
+        self.queue_time, self.prefill_time = s.queue_time.labels(*labels), s.prefill_time.labels(*labels)
+        self.decode_time, self.inference_time = s.decode_time.labels(*labels), s.inference_time.labels(*labels)
+        self.prompt_len, self.generation_len = s.prompt_len.labels(*labels), s.generation_len.labels(*labels)
+        self.max_tokens, self.n = s.max_tokens.labels(*labels), s.n.labels(*labels)
+        self.iteration_tokens = s.iteration_tokens.labels(*labels)
+        # every reason at 0 from the start, as the tokenmill_* outcome series
+        self.success = {reason: s.success.labels(*labels, reason) for reason in VLLM_REASONS}
 
 
 def _histogram(registry: CollectorRegistry, name: str, doc: str, labels: list[str],
@@ -338,6 +452,7 @@ class _EngineCollector(Collector):
         yield from families.all()
         yield from router_families(versions, self._metrics.clock_wall())
         yield from spec_decode_families(versions)
+        yield from vllm_engine_counters(versions)
         yield from _cache_gauges(self._cache_stats())
         yield from _grammar_gauges(versions)
         memory = next((v.snapshot.memory for v in versions if v.snapshot.memory is not None), None)
@@ -472,6 +587,30 @@ def router_families(versions: list[VersionSnapshot], now: float) -> Iterator[Met
         config.add_metric([name, str(head.block_size), str(head.kv_blocks_total)], 1)
         lora.add_metric([name, "0", "", ""], now)
     yield from (waiting, running, usage, config, lora)
+
+
+_VLLM_COUNTERS = {  # vLLM's name -> (the EngineStats field, also tokenmill_<field>_total's; help)
+    "vllm:prompt_tokens": ("prompt_tokens", "Prompt tokens computed (prefill: prefix-cache hits excluded)."),
+    "vllm:generation_tokens": ("generation_tokens", "Tokens sampled."),
+    "vllm:num_preemptions": ("preemptions", "Requests preempted by the engine."),
+    "vllm:prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "vllm:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+}
+
+
+def vllm_engine_counters(versions: list[VersionSnapshot]) -> Iterator[Metric]:
+    """The engine's cumulative counters under vLLM's names, per `model_name` (the loaded versions of one
+    model summed; a version that unloads takes its part with it, which rate() reads as a reset), engine "0";
+    the same EngineStats fields as tokenmill_prompt_tokens_total and its neighbours."""
+    families = {name: CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+                for name, (_, doc) in _VLLM_COUNTERS.items()}  # fmt: skip
+    by_name: dict[str, list[EngineStats]] = {}
+    for v in versions:
+        by_name.setdefault(v.info.model, []).append(v.snapshot.stats)
+    for model_name, stats in by_name.items():
+        for name, (field, _) in _VLLM_COUNTERS.items():
+            families[name].add_metric([model_name, VLLM_ENGINE], sum(getattr(st, field) for st in stats))
+    yield from families.values()
 
 
 def spec_decode_families(versions: list[VersionSnapshot]) -> Iterator[Metric]:

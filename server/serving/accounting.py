@@ -44,7 +44,7 @@ class RequestAccounting:
             return
         status, reason = request_status(ticket)
         lengths = (len(ticket.prompt_token_ids), ticket.completion_tokens)
-        dep.metrics.observe_finished(ticket.lane, status, reason, lengths, ticket.timing())
+        dep.metrics.observe_finished(ticket.lane, status, reason, lengths, ticket.timing(), _params(ticket))
         self._account(dep, ticket, status, reason, cached=False)
 
     def cache_hit(self, dep: Deployment, ticket: Ticket) -> None:
@@ -52,7 +52,7 @@ class RequestAccounting:
         like any other; the engine counters do not move."""
         reason = ticket.finish_reason or "stop"
         lengths = (len(ticket.prompt_token_ids), ticket.completion_tokens)
-        dep.metrics.observe_finished(ticket.lane, "ok", reason, lengths, ticket.timing())
+        dep.metrics.observe_finished(ticket.lane, "ok", reason, lengths, ticket.timing(), _params(ticket))
         self._account(dep, ticket, "ok", reason, cached=True)
 
     def _account(self, dep: Deployment, ticket: Ticket, status: str, reason: str, cached: bool) -> None:
@@ -101,3 +101,8 @@ _ERROR_STATUS = {
     "slow_client": ("cancelled", "slow_client"),  # stopped reading its stream (server/api/stream_guard.py)
     "invalid_request": ("rejected", "invalid_request"),
 }
+
+
+def _params(ticket: Ticket) -> tuple[int, int] | None:
+    """(max_tokens, n) of the client request, from its first choice only (one observation per request)."""
+    return (ticket.params.max_tokens, ticket.choices) if ticket.record_key.choice == 0 else None

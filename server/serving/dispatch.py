@@ -76,7 +76,9 @@ def start_unit(rt: Runtime, choices: Sequence[tuple[Lease, GenerationRequest]], 
             hit = rt.cache.get(key) if key is not None else None
             if hit is not None:
                 dep.metrics.cache_hits.inc()
-                handles[k] = ReplayHandle(rt, lease, req, hit)
+                cached = ReplayHandle(rt, lease, req, hit)
+                cached.ticket.choices = len(choices)
+                handles[k] = cached
                 continue
             if key is not None:
                 dep.metrics.cache_misses.inc()
@@ -84,7 +86,7 @@ def start_unit(rt: Runtime, choices: Sequence[tuple[Lease, GenerationRequest]], 
         if pending:
             positions = {k: i for i, (k, _) in enumerate(pending)}
             admitted = admit_unit(rt, [choices[k] for k, _ in pending], [positions[k] for k in held if k in positions],
-                                  param)  # fmt: skip
+                                  param, len(choices))  # fmt: skip
             for (k, key), handle in zip(pending, admitted, strict=True):
                 if key is not None:
                     handle.recorder = Recorder(rt.cache, key)

@@ -47,13 +47,14 @@ class GenerationRequest:
 
 
 def admit_unit(runtime: Runtime, choices: Sequence[tuple[Lease, GenerationRequest]], held: Collection[int] = (),
-               param: str = "n") -> list[RequestHandle]:  # fmt: skip
+               param: str = "n", size: int | None = None) -> list[RequestHandle]:  # fmt: skip
     """Admit the choices of one request (each with its lease on one version, in index order) as one unit:
     all or none, one lane (the client's `priority`, else chosen by the largest choice), one request
     against its request bound and their tokens in all against its token bound. Choices past the
     request's share of the engine's seats (`seat_share`) run one priority level lower, so another
     client's request starts promptly. Choices whose positions are in `held` wait for their handle's
-    release(). Takes over the leases. Raises ApiError: 400 (empty or too long; a unit its lane can
+    release(). `size`: the request's choices, these and any the response cache answered (default: these).
+    Takes over the leases. Raises ApiError: 400 (empty or too long; a unit its lane can
     never hold, naming `param`), 409 (request_id in flight), 429 (lane full), 503 (not serving)."""
     dep = choices[0][0].deployment
     for _, req in choices:
@@ -64,6 +65,8 @@ def admit_unit(runtime: Runtime, choices: Sequence[tuple[Lease, GenerationReques
     share = seat_share(dep.max_num_seqs)
     tickets = [_ticket(runtime, req, lane, None if k < share else int(lane) + 1)
                for k, (_, req) in enumerate(choices)]  # fmt: skip
+    for t in tickets:
+        t.choices = size or len(tickets)
     _check_unit_fits(dep, lane, sum(t.tokens for t in tickets), len(tickets), param)
     _submit(runtime, dep, tickets, {tickets[k].request_id for k in held})
     return [RequestHandle(runtime, ticket, lease) for ticket, (lease, _) in zip(tickets, choices, strict=True)]

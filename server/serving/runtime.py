@@ -50,7 +50,9 @@ class Runtime:
     ) -> None:
         self.settings = settings
         self.loop = asyncio.get_running_loop()
-        self.metrics = ServerMetrics(_version(), self._snapshots, cache_stats=self._cache_stats)
+        longest = max((int(engine.max_model_len) for _, engine, _ in initial), default=131072)
+        self.metrics = ServerMetrics(_version(), self._snapshots, cache_stats=self._cache_stats,
+                                     max_model_len=longest)  # fmt: skip
         self.cache = ResponseCache(settings.response_cache_bytes, settings.response_cache_ttl_s,
                                    on_evict=self._on_evict)  # fmt: skip
         self.records = RequestRecords(settings.request_records, settings.request_record_ttl_s)

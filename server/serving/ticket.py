@@ -69,6 +69,7 @@ class Ticket:
     # the engine priority it runs at: its lane's (None), or one level lower for a request's choices past
     # its share of the engine's seats (server/serving/gateway.py admit_unit)
     priority: int | None = None
+    choices: int = 1  # choices admitted with it as one unit (n, or prompts x n); what vllm:request_params_n reads
     # -- written by the worker; read by the route once Finished arrived -----------------------------------
     arrival: float = 0.0  # clock time it was admitted; the engine orders it and times its deadlines by it
     started_at: float | None = None  # the engine first scheduled it

@@ -10,6 +10,11 @@ from .conftest import DASHBOARD, REPO, load_yaml
 
 GRAFANA = REPO / "grafana"
 DS = {"type": "prometheus", "uid": "${datasource}"}
+SERIES = "${prefix}"  # the Series variable: tokenmill_* or vLLM's vllm:* names
+# Panels that switch to vLLM's series (vllm:x has the same name after the prefix as tokenmill_x).
+SWITCHED = ["Output tokens/s", "Time to first token p50 / p99 by lane", "Inter-token latency p50 / p99",
+            "End-to-end latency p99 by lane", "Queue wait p99 by lane", "Running batch size", "Tokens/s",
+            "Prompt and generation length p50 / p99", "KV cache usage", "Prefix cache hit rate"]
 
 # The panel list -> the panel title that answers it.
 REQUIRED = [
@@ -74,9 +79,20 @@ def test_every_panel_queries_the_selected_prometheus():
         for t in p["targets"]:
             assert t["datasource"] == DS and t["expr"].strip()
             # Every selector honours the job and instance variables, so one dashboard serves many fleets.
-            assert t["expr"].count("{") == t["expr"].count('job=~"$job", instance=~"$instance"'), t["expr"]
+            expr = t["expr"].replace(SERIES, "")
+            assert expr.count("{") == expr.count('job=~"$job", instance=~"$instance"'), t["expr"]
             if "rate(" in t["expr"]:
                 assert "[$__rate_interval]" in t["expr"], t["expr"]
+
+
+def test_the_series_variable_switches_to_vllm_names():
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    series = variables["prefix"]
+    assert series["type"] == "custom" and not series["multi"] and not series["includeAll"]
+    assert [o["value"] for o in series["options"]] == series["query"].split(",") == ["tokenmill_", "vllm:"]
+    assert series["current"]["value"] == "tokenmill_"  # ours by default
+    uses = [p["title"] for p in panels() if any(SERIES in t["expr"] for t in p["targets"])]
+    assert uses == SWITCHED  # each returns data with either value: test_prometheus_e2e.py
 
 
 def test_provisioning_loads_the_dashboard_without_clicks():

@@ -2,7 +2,8 @@
 the repo's rule files loaded, while a short load runs (successes, 429s, a timeout, a client that
 leaves). Then every dashboard query, every rule and every autoscaler query goes through Prometheus'
 HTTP API: each must parse and evaluate, every rule must evaluate without error, and every dashboard
-panel must return data. `promtool check metrics` lints a real scrape."""
+panel must return data (with the Series variable on tokenmill_ and on vllm:). vLLM production-stack's
+TTFT p99 and token throughput queries get data. `promtool check metrics` lints a real scrape."""
 
 from __future__ import annotations
 
@@ -156,9 +157,11 @@ def _evaluated_after(rule: dict, t: float) -> bool:
     return datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}+00:00").timestamp() > t
 
 
-def substitute(expr: str) -> str:
-    """A dashboard query as Grafana sends it, with this test's variable values."""
+def substitute(expr: str, series: str = "tokenmill_") -> str:
+    """A dashboard query as Grafana sends it, with this test's variable values (`series`: the Series
+    variable, tokenmill_ or vllm:)."""
     out = expr.replace("$__rate_interval", RATE_WINDOW).replace("$job", "tokenmill").replace("$instance", ".*")
+    out = out.replace("${prefix}", series)
     assert "$" not in out, out
     return out
 
@@ -169,14 +172,15 @@ def finite_values(body: dict) -> list[float]:
     return [v for v in values if math.isfinite(v)]
 
 
-def test_every_dashboard_panel_returns_data(stack):
+@pytest.mark.parametrize("series", ["tokenmill_", "vllm:"])
+def test_every_dashboard_panel_returns_data(stack, series):
     _, prom = stack
     dashboard = json.loads(DASHBOARD.read_text())
     empty, errors, seen = [], [], {}
     for panel in (p for p in dashboard["panels"] if p["type"] != "row"):
         values = []
         for target in panel["targets"]:
-            body = prom.query(substitute(target["expr"]))
+            body = prom.query(substitute(target["expr"], series))
             if body["status"] != "success":
                 errors.append(f"{panel['title']}: {body.get('error')}: {target['expr']}")
                 continue
@@ -242,6 +246,32 @@ def test_vllm_named_autoscaler_queries_evaluate(stack):
         body = prom.query(query)
         assert body["status"] == "success" and finite_values(body), query
     assert prom.value(VLLM_STYLE_QUERIES[-1]) == 1
+
+
+# vLLM production-stack's dashboard (and vLLM's own Grafana example): TTFT p99 and token throughput.
+PRODUCTION_STACK_QUERIES = {
+    "ttft_p99": f"histogram_quantile(0.99, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket[{RATE_WINDOW}])))",
+    "generation_tps": f"sum(rate(vllm:generation_tokens_total[{RATE_WINDOW}]))",
+    "prompt_tps": f"sum(rate(vllm:prompt_tokens_total[{RATE_WINDOW}]))",
+    "itl_p50": f"histogram_quantile(0.5, sum by(le) (rate(vllm:inter_token_latency_seconds_bucket[{RATE_WINDOW}])))",
+    "e2e_p99": f"histogram_quantile(0.99, sum by(le, model_name) (rate(vllm:e2e_request_latency_seconds_bucket[{RATE_WINDOW}])))",
+    "success_rps": f"sum by (finished_reason) (rate(vllm:request_success_total[{RATE_WINDOW}]))",
+}
+
+
+def test_vllm_production_stack_queries_get_data(stack):
+    _, prom = stack
+    got = {name: finite_values(prom.query(q)) for name, q in PRODUCTION_STACK_QUERIES.items()}
+    assert all(got.values()), got
+    assert 0 < got["ttft_p99"][0] <= 2560 and got["generation_tps"][0] > 0 and got["prompt_tps"][0] > 0
+    # The same facts as ours, evaluated at one instant: token and first-token rates equal tokenmill's
+    # (the quantiles differ only by bucket edges).
+    for ours, theirs in (("tokenmill_generation_tokens_total", "vllm:generation_tokens_total"),
+                         ("tokenmill_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count")):
+        diff = f"sum(rate({theirs}[{RATE_WINDOW}])) - sum(rate({ours}[{RATE_WINDOW}]))"
+        assert finite_values(prom.query(diff)) == [pytest.approx(0.0, abs=1e-9)], diff
+    labels = prom.query("vllm:time_to_first_token_seconds_count")["data"]["result"][0]["metric"]
+    assert labels["model_name"] == "tiny-llama" and labels["engine"] == "0"
 
 
 def test_promtool_check_metrics_on_a_real_scrape(stack, promtool):

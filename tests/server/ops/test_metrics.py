@@ -32,6 +32,50 @@ from ..helpers import Background, ControlledEngine, make_settings, park_filler, 
 
 PROMPT = "def fibonacci(n):"
 
+# vLLM's request and engine series (vLLM v1's names and types; docs/SERVER.md's metric table).
+VLLM_FAMILIES = {
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+    "vllm:request_params_max_tokens": "histogram",
+    "vllm:request_params_n": "histogram",
+    "vllm:iteration_tokens_total": "histogram",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+}
+# vLLM's series and the tokenmill_* one filled by the same observations (counts and sums agree).
+VLLM_TWINS = {
+    "vllm:time_to_first_token_seconds": "tokenmill_time_to_first_token_seconds",
+    "vllm:e2e_request_latency_seconds": "tokenmill_e2e_request_latency_seconds",
+    "vllm:inter_token_latency_seconds": "tokenmill_inter_token_latency_seconds",
+    "vllm:time_per_output_token_seconds": "tokenmill_inter_token_latency_seconds",
+    "vllm:request_queue_time_seconds": "tokenmill_request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds": "tokenmill_request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds": "tokenmill_request_decode_time_seconds",
+    "vllm:request_prompt_tokens": "tokenmill_request_prompt_tokens",
+    "vllm:request_generation_tokens": "tokenmill_request_generation_tokens",
+    "vllm:iteration_tokens_total": "tokenmill_iteration_tokens",
+}
+VLLM_COUNTER_TWINS = {
+    "vllm:prompt_tokens_total": "tokenmill_prompt_tokens_total",
+    "vllm:generation_tokens_total": "tokenmill_generation_tokens_total",
+    "vllm:num_preemptions_total": "tokenmill_num_preemptions_total",
+    "vllm:prefix_cache_queries_total": "tokenmill_prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total": "tokenmill_prefix_cache_hits_total",
+}
+
 # Every family the server exposes and its type (what promtool and dashboards rely on).
 FAMILIES = {
     "tokenmill_requests": "counter",
@@ -92,6 +136,7 @@ FAMILIES = {
     "vllm:spec_decode_num_draft_tokens": "counter",
     "vllm:spec_decode_num_accepted_tokens": "counter",
     "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
+    **VLLM_FAMILIES,
 }
 # Process-wide series: the only ones without `model` and `version` labels.
 PROCESS_WIDE = ("process_", "python_", "tokenmill_device_memory_", "tokenmill_http_")  # connections are the server's
@@ -195,6 +240,53 @@ def test_one_request_moves_each_series_by_what_it_did(srv):
     assert d("tokenmill_iteration_tokens_sum") == d("tokenmill_prompt_tokens_total") + 9
     assert d("tokenmill_prefix_cache_queries_total") >= d("tokenmill_prefix_cache_hits_total") >= 0
     assert after.get("tokenmill_seconds_since_last_step") < 5
+
+
+def test_vllm_series_agree_with_ours_after_traffic(srv):
+    srv.wait_idle()
+    before = Scrape(srv.url)
+    bodies = [{"max_tokens": 6, "ignore_eos": True}, {"max_tokens": 3, "ignore_eos": True, "priority": "batch"},
+              {"max_tokens": 40, "stop": ["\n"]}]  # fmt: skip
+    for body in bodies:
+        assert generate(srv.url, **body).status_code == 200
+    r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny-llama", "prompt": PROMPT, "n": 2,
+                                                      "max_tokens": 5, "ignore_eos": True}, timeout=60)  # fmt: skip
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
+    srv.wait_idle()
+    after = Scrape(srv.url)
+    assert {name: after.types.get(name) for name in VLLM_FAMILIES} == VLLM_FAMILIES
+    vllm = {"model_name": "tiny-llama", "engine": "0"}
+    for name, ours in VLLM_TWINS.items():  # same observations: same count and sum, any lane and status
+        for part in ("_count", "_sum"):
+            assert after.get(f"{name}{part}", **vllm) == pytest.approx(after.sum(f"{ours}{part}"), abs=1e-9), name
+        assert after.get(f"{name}_bucket", le="+Inf", **vllm) == after.get(f"{name}_count", **vllm)
+    assert delta(before, after, "vllm:time_to_first_token_seconds_count") == 5  # 3 + 2 choices
+    assert delta(before, after, "vllm:inter_token_latency_seconds_count") >= 5 + 2 + 8
+    for name, ours in VLLM_COUNTER_TWINS.items():
+        assert after.get(name, **vllm) == after.get(ours), name
+    assert delta(before, after, "vllm:generation_tokens_total") >= 6 + 3 + 10
+    for reason in ("stop", "length"):
+        assert after.get("vllm:request_success_total", finished_reason=reason, **vllm) == \
+            after.get("tokenmill_request_success_total", finished_reason=reason)  # fmt: skip
+    # Started and ended: inference time is prefill + decode, request by request.
+    assert after.get("vllm:request_inference_time_seconds_count", **vllm) == \
+        after.get("vllm:request_prefill_time_seconds_count", **vllm)  # fmt: skip
+    assert after.get("vllm:request_inference_time_seconds_sum", **vllm) == pytest.approx(
+        after.sum("tokenmill_request_prefill_time_seconds_sum") + after.sum("tokenmill_request_decode_time_seconds_sum"),
+        abs=1e-3)  # fmt: skip
+    # Per request, the mean gap: the 4 choices that ran to max_tokens at least (a stop may end the other early).
+    assert delta(before, after, "vllm:request_time_per_output_token_seconds_count") >= 4
+    assert after.get("vllm:request_time_per_output_token_seconds_count", **vllm) <= \
+        after.get("vllm:request_decode_time_seconds_count", **vllm)  # fmt: skip
+    # One observation per client request (the n=2 request once), of what it asked.
+    assert delta(before, after, "vllm:request_params_max_tokens_count") == 4
+    assert delta(before, after, "vllm:request_params_max_tokens_sum") == 6 + 3 + 40 + 5
+    assert delta(before, after, "vllm:request_params_n_sum") == 1 + 1 + 1 + 2
+    # vLLM's buckets: the TTFT list starts at 1 ms, token counts go 1, 2, 5, 10, ...
+    les = {dict(lab)["le"] for (n, lab) in after.samples if n == "vllm:time_to_first_token_seconds_bucket"}
+    assert {"0.001", "0.005", "2560.0", "+Inf"} <= les
+    les = {dict(lab)["le"] for (n, lab) in after.samples if n == "vllm:request_prompt_tokens_bucket"}
+    assert {"1.0", "2.0", "5.0", "10.0", "20.0", "50.0"} <= les and "4.0" not in les
 
 
 def test_engine_counters_never_go_down_and_match_the_engine(srv, real_engine):
