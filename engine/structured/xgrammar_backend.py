@@ -1,14 +1,17 @@
 """xgrammar (https://github.com/mlc-ai/xgrammar) behind the GrammarCompiler interface.
 
-JSON is compiled without free whitespace (separators ", " and ": "): a small model left free to add
-whitespace can emit newlines until max_tokens. Objects are closed where the schema does not say
-otherwise (xgrammar's strict mode), which every output still validates against. Tool calls are xgrammar
-structural tags in the Hermes format of engine/structured/spec.py.
+JSON is compiled with bounded whitespace: at most _MAX_WHITESPACE_IN_JSON whitespace characters
+between two JSON tokens, so a model may write `{\n  "` (a small one writes `{"` badly: SmolLM2 gave `{`
+a logprob of -10.4 and then ran away in the string) yet cannot emit blank space until max_tokens.
+Objects are closed where the schema does not say otherwise (xgrammar's strict mode), which every output
+still validates against. Tool calls are xgrammar structural tags in the Hermes format of
+engine/structured/spec.py.
 
 xgrammar 0.2.9 lets raw control characters into JSON strings with a maxLength (its length-bounded
 string rule excludes only quote, backslash, CR and LF), which no strict JSON parser accepts. So JSON
-grammars also forbid every token holding a byte below 0x20 (their JSON needs none), and tool-call
-grammars every such token but newlines (the format's own separators).
+grammars also forbid every token holding a byte below 0x20 other than LF and CR (whitespace between
+tokens, which no string rule admits; tabs are refused, as a bounded string would take them), and
+tool-call grammars every such token but LF (the format's own separators).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from engine.structured.spec import (
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")  # "[11:37:21] /project/cpp/x.cc:94: " on C++ errors
 _CONTROL_BYTES = frozenset(range(0x20))
 _MAX_WHITESPACE_IN_TOOL_ARGS = 1  # whitespace characters allowed between JSON tokens of tool arguments
+_MAX_WHITESPACE_IN_JSON = 4  # ... of JSON outputs: `{\n  "` fits, a runaway does not
 
 
 class XGrammarMatcher:
@@ -111,8 +115,8 @@ class XGrammarCompiler(CachingCompiler):
         # Ids past the tokenizer's vocabulary (padding rows) are left to the grammar (which forbids them).
         controls = [set(b) & _CONTROL_BYTES for b in info.decoded_vocab[:vocab_size]]
         controls += [set()] * (vocab_size - len(controls))
-        self._no_controls = pack_bitmask(torch.tensor([not c for c in controls]))
         self._newlines_only = pack_bitmask(torch.tensor([c <= {10} for c in controls]))
+        self._line_breaks_only = pack_bitmask(torch.tensor([c <= {10, 13} for c in controls]))
 
     @property
     def budgeted(self) -> bool:  # type: ignore[override]
@@ -125,7 +129,7 @@ class XGrammarCompiler(CachingCompiler):
             self.pool.close()
 
     def _compile(self, spec: GrammarSpec, timeout_s: float | None) -> XGrammar:
-        also = {"json_schema": self._no_controls, "json_object": self._no_controls,
+        also = {"json_schema": self._line_breaks_only, "json_object": self._line_breaks_only,
                 "tool_calls": self._newlines_only}.get(spec.kind)  # fmt: skip
         if self.pool is not None:
             done = self.pool.compile(spec.kind, spec.source, timeout_s)
@@ -159,9 +163,11 @@ def _check_first_step(grammar: XGrammar, vocab_size: int) -> None:
 def build_grammar(c: xgr.GrammarCompiler, kind: str, source: str) -> xgr.CompiledGrammar:
     """`source` of `kind` (GrammarSpec) compiled by `c`. Raises what xgrammar raises."""
     if kind == "json_schema":
-        return c.compile_json_schema(source, any_whitespace=False, strict_mode=True)
+        return c.compile_json_schema(source, any_whitespace=True, max_whitespace_cnt=_MAX_WHITESPACE_IN_JSON,
+                                     strict_mode=True)  # fmt: skip
     if kind == "json_object":
-        return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        return c.compile_json_schema('{"type": "object"}', any_whitespace=True,
+                                     max_whitespace_cnt=_MAX_WHITESPACE_IN_JSON, strict_mode=False)  # fmt: skip
     if kind == "regex":
         return c.compile_regex(source)
     if kind == "choice":

@@ -1,41 +1,49 @@
 """POST /generate: the native API. Streams SSE (`token`... then `done`, or `error`) or answers JSON.
-Every answer names the model version that produced it (`model_version`, header X-Model-Version)."""
+Every answer names the model version that produced it (`model_version`, header X-Model-Version).
+A TGI body (`inputs` and no `prompt` or `prompt_token_ids`) goes to TGI's handler (server/api/tgi.py);
+`inputs` beside a native prompt is a 422 naming `inputs`."""
 
 from __future__ import annotations
 
 import json
 import uuid
 from collections.abc import AsyncGenerator
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 from sse_starlette import ServerSentEvent
 
 from engine.api import RequestOutput, TokenLogprob
 from server.api.choices import start_choices
-from server.api.protocol import GenerateRequest
-from server.api.respond import Call, ChoiceEvents, generation, respond
+from server.api.protocol import GenerateRequest, parse_body
+from server.api.respond import Call, ChoiceEvents, respond
+from server.api.tgi import TGIRequest, tgi_generate
 from server.http import sse
-from server.http.errors import ApiError
+from server.http.errors import ApiError, validation_to_api_error
+from server.http.json_limits import check_depth
 from server.ops.feedback import RecordKey
 from server.prompt.codec import PromptCodec, check_prompt_bytes
 from server.serving.dispatch import cache_scope, picked, request_owner
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Completed, Handle
+from server.serving.runtime import Runtime
 from server.serving.ticket import Finished, Ticket, Tokens
 
 DEFAULT_MAX_TOKENS = 16
-
-# The preamble (server/api/respond.py generation): runtime, readiness check, parsed body.
-GenerateCall = Annotated[Call[GenerateRequest], generation(GenerateRequest)]
+_NATIVE_PROMPTS = frozenset({"prompt", "prompt_token_ids"})
 
 router = APIRouter()
 
 
 @router.post("/generate")
-async def generate(request: Request, call: GenerateCall) -> Response:
-    rt, body = call.runtime, call.body
+async def generate(request: Request) -> Response:
+    rt: Runtime = request.app.state.runtime
+    rt.readiness.check_accepting()
+    body = await _native_or_tgi(request)
+    if isinstance(body, TGIRequest):
+        return await tgi_generate(request, Call(rt, body))
     with picked(rt, body.model) as (_, lease):
         dep = lease.deployment
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
@@ -47,6 +55,23 @@ async def generate(request: Request, call: GenerateCall) -> Response:
                                 record=RecordKey(request_owner(rt, request, body.user), request_id))  # fmt: skip
         handles = await start_choices(rt, request, lease, [[req]])
     return await respond(rt, request, handles, NativeShape(body.logprobs is not None), body.stream)
+
+
+async def _native_or_tgi(request: Request) -> GenerateRequest | TGIRequest:
+    """The body as ours, or as TGI's when it is TGI's: `inputs` without a native prompt field."""
+    raw = await request.body()
+    check_depth(raw, "body")
+    try:
+        return GenerateRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = exc.errors()
+    if not any(e.get("type") == "extra_forbidden" and tuple(e.get("loc", ())) == ("inputs",) for e in errors):
+        raise validation_to_api_error(request.url.path, errors)
+    if _NATIVE_PROMPTS.isdisjoint(json.loads(raw)):  # an extra field was found: the body is a JSON object
+        return await parse_body(request, TGIRequest)
+    raise ApiError(422, "invalid_request", "inputs is TGI's prompt field and this body has a native one: send "
+                   "prompt (or prompt_token_ids) with our fields, or inputs and parameters (TGI's body)",
+                   param="inputs")  # fmt: skip
 
 
 async def _prompt_ids(codec: PromptCodec, max_model_len: int, body: GenerateRequest, max_tokens: int) -> list[int]:

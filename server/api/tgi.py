@@ -1,9 +1,11 @@
 """Text Generation Inference's API, so Hugging Face's `InferenceClient.text_generation` (and other TGI
 clients) work: `POST /` with `{"inputs", "parameters", "stream"}` answers `[{"generated_text", "details"?}]`
-or a stream; `POST /generate_stream` always streams. Stream events are TGI's: `data: {"index", "token":
+or a stream; `POST /generate_stream` always streams; `POST /generate` with TGI's body (`inputs`, no
+`prompt`: server/api/generate.py) answers TGI's one object `{"generated_text", "details"?}`, never a
+stream; `GET /info` describes the server as TGI's router does. Stream events are TGI's: `data: {"index", "token":
 {"id", "text", "logprob", "special"}, "generated_text", "details"}`, the last one carrying the whole text
-and the details. Errors are TGI's `{"error", "error_type"}` (server/http/errors.py). Our own `POST /generate`
-keeps its native body.
+and the details. Errors are TGI's `{"error", "error_type"}` on `/` and `/generate_stream`
+(server/http/errors.py); on `/generate` they keep the native shape.
 
 Sampling as TGI decides it: greedy unless `do_sample` or a sampling parameter (temperature != 1,
 top_k, top_p < 1) is given.
@@ -25,6 +27,7 @@ from engine.api import SamplingParams, TokenLogprob
 from server.api.choices import start_choices
 from server.api.protocol import Bool, Int, Num
 from server.api.respond import Call, ChoiceEvents, generation, respond
+from server.api.tokenize import deployment
 from server.http import sse
 from server.http.errors import ApiError
 from server.ops.feedback import RecordKey
@@ -106,6 +109,27 @@ class TGIRequest(BaseModel):
 TGICall = Annotated[Call[TGIRequest], generation(TGIRequest)]
 
 
+@router.get("/info")
+async def info(request: Request) -> dict[str, Any]:
+    """TGI's `Info` for the default model (TGI serves one): what we know, and TGI's names for it."""
+    rt = request.app.state.runtime
+    dep = deployment(rt, None)
+    s = rt.settings
+    longest_input = max(dep.max_model_len - 1, 0)  # room for one new token
+    return {
+        "model_id": dep.spec.name, "model_sha": None, "model_pipeline_tag": "text-generation",
+        "model_dtype": f"torch.{dep.engine_desc['dtype']}", "model_device_type": dep.engine_desc["device"],
+        # running seats and the standard lane's queue: past them a request gets 429, as past TGI's bound
+        "max_concurrent_requests": dep.max_num_seqs + s.standard_max_queued_requests,
+        "max_best_of": 1, "max_stop_sequences": None,  # best_of > 1 is refused; stop strings are not counted
+        "max_input_tokens": longest_input, "max_input_length": longest_input,  # TGI 2+ and 1.x names
+        "max_total_tokens": dep.max_model_len,
+        "max_batch_total_tokens": s.max_num_batched_tokens, "max_batch_size": dep.max_num_seqs,
+        "max_client_batch_size": 1,  # one `inputs` per request
+        "router": "tokenmill", "version": rt.metrics.server_version, "sha": None, "docker_label": None,
+    }  # fmt: skip
+
+
 @router.post("/")
 async def tgi_compat(request: Request, call: TGICall) -> Response:
     return await _generate(request, call, stream=None)
@@ -116,7 +140,12 @@ async def tgi_generate_stream(request: Request, call: TGICall) -> Response:
     return await _generate(request, call, stream=True)
 
 
-async def _generate(request: Request, call: Call[TGIRequest], stream: bool | None) -> Response:
+async def tgi_generate(request: Request, call: Call[TGIRequest]) -> Response:
+    """TGI's `POST /generate`: one JSON object, whatever `stream` says (TGI streams on /generate_stream)."""
+    return await _generate(request, call, stream=False, as_list=False)
+
+
+async def _generate(request: Request, call: Call[TGIRequest], stream: bool | None, as_list: bool = True) -> Response:
     rt, body = call.runtime, call.body
     p = body.parameters
     p.check()
@@ -133,7 +162,7 @@ async def _generate(request: Request, call: Call[TGIRequest], stream: bool | Non
                                 max_tokens_field="parameters.max_new_tokens",
                                 record=RecordKey(request_owner(rt, request, None), rid))  # fmt: skip
         handles = await start_choices(rt, request, lease, [[req]])
-    shape = TGIShape(dep.codec, body, ids)
+    shape = TGIShape(dep.codec, body, ids, as_list)
     return await respond(rt, request, handles, shape, body.stream if stream is None else stream)
 
 
@@ -148,8 +177,9 @@ def _error_type(kind: str) -> str:
 class TGIShape:
     """TGI's token entries, details and full text for one request."""
 
-    def __init__(self, codec: PromptCodec, body: TGIRequest, prompt_ids: list[int]) -> None:
+    def __init__(self, codec: PromptCodec, body: TGIRequest, prompt_ids: list[int], as_list: bool = True) -> None:
         self.codec = codec
+        self.as_list = as_list  # `POST /` answers [result], `POST /generate` the result alone
         self.asked = body  # the request body
         self.prompt_ids = prompt_ids
         tok = codec.tokenizer
@@ -176,8 +206,8 @@ class TGIShape:
         return self.asked.inputs + text if self.asked.parameters.return_full_text else text
 
     # -- the two answers (server/api/respond.py Shape) ------------------------------------------------
-    def body(self, handles: list[Handle], done: list[Completed]) -> list[dict[str, Any]]:
-        return [self.result(done[0])]
+    def body(self, handles: list[Handle], done: list[Completed]) -> list[dict[str, Any]] | dict[str, Any]:
+        return [self.result(done[0])] if self.as_list else self.result(done[0])
 
     async def stream(self, handles: list[Handle], events: ChoiceEvents) -> AsyncGenerator[ServerSentEvent, None]:
         """Each token's event is sent when the next event comes, so the last one can carry the details."""

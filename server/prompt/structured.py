@@ -39,7 +39,7 @@ from engine.api import (
 )
 from server.http.errors import ApiError
 
-# structured_outputs keys that tune vLLM's backends; accepted and ignored (our JSON has no free whitespace).
+# structured_outputs keys that tune vLLM's backends; accepted and ignored (our JSON's whitespace is bounded).
 _IGNORED_OPTIONS = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties",
                     "whitespace_pattern", "backend"}  # fmt: skip
 _CONSTRAINT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -55,7 +55,7 @@ class StructuredFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # ignored: the engine has one backend
-    guided_whitespace_pattern: str | None = None  # ignored: JSON is compiled without free whitespace
+    guided_whitespace_pattern: str | None = None  # ignored: JSON is compiled with bounded whitespace
 
 
 @dataclass(frozen=True)

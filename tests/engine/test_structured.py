@@ -380,3 +380,51 @@ def _catch(result: dict, compiler, spec) -> None:
     except GrammarError as exc:
         result["error"] = exc
     result["elapsed"] = time.monotonic() - result["t0"]
+
+
+# -- bounded whitespace in JSON (issue 27) -----------------------------------------------------------------
+PAIR = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def _accepts(grammar, text: str) -> bool:
+    """Whether the grammar takes `text` whole and may end there (xgrammar's matcher, characters not tokens)."""
+    import xgrammar as xgr
+
+    m = xgr.GrammarMatcher(grammar.compiled)
+    return bool(m.accept_string(text)) and m.is_terminated() is False and m.accept_token(m.stop_token_ids[0])
+
+
+@pytest.mark.parametrize("spec", [GrammarSpec.json_schema(PAIR), GrammarSpec("json_object", "")])
+def test_json_takes_a_few_blanks_and_newlines_but_no_more_than_the_bound(engine, spec):
+    grammar = engine.grammar_compiler.compile(spec)
+    for text in ('{"a": 1}', '{"a":1}', '{\n  "a": 1\n}', '{\r\n  "a" :  1 }', '{\n   "a": 1}'):
+        assert _accepts(grammar, text), repr(text)
+    for text in ('{     "a": 1}', '{\n    "a": 1}', '{"a":      1}', '{"a": 1\n\n\n\n\n}'):  # 5 blanks: one past the bound
+        assert not _accepts(grammar, text), repr(text)
+
+
+def test_json_masks_allow_line_break_tokens_and_no_other_control_character(engine):
+    """Newlines may be whitespace now; a tab (which xgrammar 0.2.9 lets into a string with a maxLength)
+    or any other byte below 0x20 stays out of every JSON output, strings included."""
+    import xgrammar as xgr
+
+    grammar = engine.grammar_compiler.compile(GrammarSpec.json_schema(SCHEMA))
+    allowed = allowed_tokens(grammar.also.unsqueeze(0), engine.vocab_size)[0]
+    info = xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=engine.vocab_size)
+    controls = [set(b) & set(range(0x20)) for b in info.decoded_vocab]
+    newline = [i for i, c in enumerate(controls) if c == {10}]
+    others = [i for i, c in enumerate(controls) if c - {10, 13}]
+    assert newline and others and 9 in set().union(*controls)  # the vocabulary has both kinds
+    assert all(allowed[i] for i in newline) and not any(allowed[i] for i in others)
+
+
+def test_json_outputs_with_free_whitespace_still_validate(engine):
+    """Greedy and sampled, the tiny model's JSON parses and validates, and never holds more blank space
+    in a row than the bound allows."""
+    params = [SamplingParams(max_tokens=96, temperature=t, seed=7 + i, structured=GrammarSpec.json_schema(SCHEMA))
+              for i, t in enumerate([0.0, 1.0, 1.0, 1.3])]  # fmt: skip
+    results = engine.generate(PROMPTS[:4], params)
+    for r in results:
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+        assert not re.search(r"\s{5}", r.text), repr(r.text)
+        assert not re.search(r"[\x00-\x09\x0b\x0c\x0e-\x1f]", r.text), repr(r.text)

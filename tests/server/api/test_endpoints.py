@@ -143,3 +143,57 @@ def test_huggingface_client_errors(srv):
     r = httpx.post(f"{srv.url}/generate_stream", json={"inputs": "x", "parameters": {"watermark": True}})
     assert r.status_code == 400 and r.json() == {"error": "parameters.watermark is not supported",
                                                  "error_type": "validation"}
+
+
+def test_tgi_info(srv, offline_engine):
+    """GET /info in TGI's shape (its router's `Info`), read by huggingface_hub's get_endpoint_info."""
+    from huggingface_hub import InferenceClient
+
+    info = InferenceClient(model=srv.url, provider="hf-inference", timeout=60).get_endpoint_info()
+    assert info == httpx.get(f"{srv.url}/info").json()
+    types = {"model_id": str, "model_dtype": str, "model_device_type": str, "model_pipeline_tag": str,
+             "max_concurrent_requests": int, "max_best_of": int, "max_input_tokens": int, "max_input_length": int,
+             "max_total_tokens": int, "max_batch_size": int, "max_client_batch_size": int, "router": str,
+             "version": str}  # fmt: skip
+    for name, kind in types.items():
+        assert type(info[name]) is kind, (name, info[name])
+    for name in ("model_sha", "max_stop_sequences", "sha", "docker_label", "max_batch_total_tokens"):
+        assert name in info
+    max_len = srv.runtime.max_model_len
+    assert info["model_id"] == MODEL and info["model_dtype"] == "torch.float32" and info["model_device_type"] == "cpu"
+    assert info["max_total_tokens"] == max_len and info["max_input_tokens"] == info["max_input_length"] == max_len - 1
+    assert info["max_best_of"] == 1 and info["max_client_batch_size"] == 1 and info["router"] == "tokenmill"
+    assert info["version"] == httpx.get(f"{srv.url}/version").json()["version"]
+    assert info["max_concurrent_requests"] > info["max_batch_size"] >= 1
+
+
+def test_a_tgi_body_on_generate_answers_as_tgi_generate(srv, offline_engine, greedy):
+    want = greedy(offline_engine.encode(PROMPT), 6, ignore_eos=False)
+    body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 6, "details": True}}
+    r = httpx.post(f"{srv.url}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()  # TGI's /generate: one object (POST / answers a list of them)
+    assert isinstance(out, dict) and out["generated_text"] == want
+    d = out["details"]
+    assert d["generated_tokens"] == len(d["tokens"]) <= 6 and d["finish_reason"] in ("length", "eos_token")
+    assert "".join(t["text"] for t in d["tokens"]) == want
+    plain = httpx.post(f"{srv.url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 6},
+                                                    "stream": True}, timeout=60)  # fmt: skip
+    assert plain.headers["content-type"].startswith("application/json") and plain.json() == {"generated_text": want}
+    compat = httpx.post(f"{srv.url}/", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 6}}, timeout=60)
+    assert compat.json() == [{"generated_text": want}]
+    native = httpx.post(f"{srv.url}/generate", json={"prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                                                     "stream": False}, timeout=60)  # fmt: skip
+    assert native.json()["text"] == want  # the native body is served as before
+
+
+def test_an_ambiguous_or_bad_tgi_body_on_generate_is_a_422_naming_the_field(srv):
+    both = httpx.post(f"{srv.url}/generate", json={"inputs": "x", "prompt": "x", "stream": False})
+    assert both.status_code == 422 and both.json()["error"]["param"] == "inputs"
+    assert "prompt" in both.json()["error"]["message"]
+    bad = httpx.post(f"{srv.url}/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 0}})
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "parameters.max_new_tokens"
+    refused = httpx.post(f"{srv.url}/generate", json={"inputs": "x", "parameters": {"best_of": 2}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "parameters.best_of"
+    other = httpx.post(f"{srv.url}/generate", json={"prompt": "x", "nonsense": 1})
+    assert other.status_code == 422 and other.json()["error"]["param"] == "nonsense"

@@ -110,3 +110,29 @@ def test_greedy_equals_transformers_on_the_same_weights(srv, model_file):
 
 def _ids(encoded) -> list[int]:
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+USER_SCHEMA = {"properties": {"name": {"title": "Name", "type": "string"}, "age": {"title": "Age", "type": "integer"}},
+               "required": ["name", "age"], "title": "UserDetail", "type": "object"}  # fmt: skip
+# instructor's system prompt in its JSON modes (the schema as pydantic writes it, indented)
+INSTRUCTOR_SYSTEM = ("As a genius expert, your task is to understand the content and provide the parsed objects in "
+                     "json that match the following json_schema:\n\n" + json.dumps(USER_SCHEMA, indent=2) +
+                     "\n\nMake sure to return an instance of the JSON, not the schema itself")  # fmt: skip
+
+
+@pytest.mark.parametrize("system", [INSTRUCTOR_SYSTEM, None], ids=["instructor", "bare"])
+def test_a_json_schema_answer_is_the_right_object_and_stops(srv, system):
+    """instructor-style JSON_SCHEMA extraction on the default model. Compact JSON (`{"` forced first) made
+    the bare request's name "25"; with bounded whitespace SmolLM2 writes `{\n"name": "Jason", ...}`."""
+    messages = [{"role": "user", "content": "Extract Jason is 25 years old"}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    body = {"model": NAME, "messages": messages, "temperature": 0, "max_tokens": 64,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "UserDetail", "schema": USER_SCHEMA}}}
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    user = json.loads(choice["message"]["content"])
+    assert set(user) == {"name", "age"} and type(user["age"]) is int, user
+    assert user == {"name": "Jason", "age": 25}, choice["message"]["content"]
