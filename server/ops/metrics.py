@@ -84,6 +84,16 @@ VLLM_FINISHED = {"ok": None, "timeout": "abort", "cancelled": "abort", "error": 
 VLLM_REASONS = ("stop", "length", "abort", "error")
 
 
+def vllm_finished_reason(status: str, reason: str) -> str:
+    """vLLM's finished_reason for one of our (status, reason) pairs: a finished request's own stop/length;
+    timeouts and cancellations abort; anything else (an engine error, a grammar dead end answered 400) is
+    an error."""
+    mapped = VLLM_FINISHED.get(status, "error")
+    if mapped is None:
+        return reason if reason in VLLM_REASONS else "stop"
+    return mapped
+
+
 def build_1_2_5_buckets(limit: int) -> tuple[float, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets for a context of `limit`)."""
     out: list[float] = []
@@ -318,7 +328,7 @@ class VersionMetrics:
         m.requests.labels(*mv, label, status, reason).inc()
         if status == "ok":
             m.finished.labels(*mv, reason).inc()
-        v.success[VLLM_FINISHED.get(status) or reason].inc()
+        v.success[vllm_finished_reason(status, reason)].inc()
         queue_s, ttft_s, e2e_s = timing.get("queue_s"), timing.get("ttft_s"), timing.get("e2e_s")
         waited = queue_s if queue_s is not None else e2e_s  # never started: it waited until it ended
         if waited is not None:

@@ -489,3 +489,14 @@ def test_request_status_labels(fields, expected):
     status, reason = request_status(_ticket(**fields))
     assert (status, reason) == expected
     assert status in STATUSES and reason in REASONS[status]
+
+
+def test_vllm_finished_reason_maps_every_outcome():
+    from server.ops.metrics import VLLM_REASONS, vllm_finished_reason
+
+    assert vllm_finished_reason("ok", "stop") == "stop" and vllm_finished_reason("ok", "length") == "length"
+    assert vllm_finished_reason("timeout", "queue_timeout") == "abort"
+    assert vllm_finished_reason("cancelled", "client_disconnected") == "abort"
+    # a request the engine ended with a client error (a grammar dead end answered 400) is no KeyError
+    assert vllm_finished_reason("invalid_request", "invalid_request") == "error"
+    assert all(vllm_finished_reason(s, r) in VLLM_REASONS for s in ("ok", "error", "x") for r in ("stop", "y"))
