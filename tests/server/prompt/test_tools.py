@@ -292,6 +292,11 @@ TEXTS = [
     "<tool_call> not json </tool_call> tail",
     SCRIPT[: SCRIPT.index('"get_time"') + 5],  # a parallel call cut (max_tokens) inside its name
     'Hmm <tool_call>\n{"na',  # a lone call cut before its name
+    '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "f", "arguments": {"a":1}}'
+    '</tool_call><tool_call>{"name": "f", "arguments": {"a": 2}}</tool_call>',  # a repeat, then another call
+    "<tool_response>\nIt is 21 C in Paris.\n</tool_response>",  # the tool result's wrapper echoed
+    "  <tool_resp",  # a start that may be the wrapper, cut short
+    "It is </tool_response> warm.",  # a closing tag inside the answer stays
 ]
 
 
@@ -327,6 +332,19 @@ def test_the_parser_reads_content_calls_and_odd_text():
     first = ("get_weather", '{"city": "Paris", "unit": "celsius"}')
     assert _parse([TEXTS[6]]) == ("Let me check.", [first], [first])  # the cut call: no markup, no call
     assert _parse([TEXTS[7]]) == ("Hmm", [], [])
+
+
+def test_a_repeated_call_is_returned_once():
+    """tool_choice required lets the grammar write more calls; the same name and arguments twice is one
+    call (the stream holds later calls until complete, so it never announces the repeat)."""
+    assert _parse([TEXTS[8]])[2] == [("f", '{"a": 1}'), ("f", '{"a": 2}')]
+    assert [c.index for c in HermesToolParser().feed(TEXTS[8]).calls] == [0, 1]
+
+
+def test_an_echoed_tool_response_wrapper_is_cut_from_the_answer():
+    assert _parse([TEXTS[9]]) == ("It is 21 C in Paris.", [], [])
+    assert _parse([TEXTS[10]])[0] == "  <tool_resp"
+    assert _parse([TEXTS[11]])[0] == TEXTS[11]
 
 
 # -- a template that renders tools itself --------------------------------------------------------------------
