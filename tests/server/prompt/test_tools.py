@@ -122,6 +122,25 @@ def test_parallel_tool_calls_false_allows_one_call(smollm2_client):
     _validate(calls[0].function.name, calls[0].function.arguments)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_with_parallel_unset_returns_each_distinct_call_once(smollm2_client, stream):
+    """With one tool, SmolLM2 writes the same call twice when the grammar lets it write more (before the
+    fix: two identical get_weather({"city": "Paris"}) calls): the repeat is dropped."""
+    one = [{"type": "function", "function": {"name": "get_weather", "description": "Get the weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                           "additionalProperties": False}}}]  # fmt: skip
+    answer = smollm2_client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=one,
+        tool_choice="required", temperature=0, max_tokens=200, stream=stream)  # fmt: skip
+    if stream:
+        _, calls, reason = _reassemble(answer)
+    else:
+        calls = [(c.function.name, c.function.arguments) for c in answer.choices[0].message.tool_calls]
+        reason = answer.choices[0].finish_reason
+    assert [(name, json.loads(args)) for name, args in calls] == [("get_weather", {"city": "Paris"})]
+    assert reason == "tool_calls"
+
+
 def test_tool_choice_none_leaves_tools_out_and_parses_nothing(smollm2_client):
     none = _ask(smollm2_client, "none")
     auto = _ask(smollm2_client, "auto")
