@@ -398,6 +398,32 @@ def test_a_template_that_renders_tools_gets_them_and_the_calls():
         chat_prompt_ids(tok, QUESTION, tools=evil)
 
 
+def test_the_answer_after_a_tool_result_does_not_echo_its_wrapper(smollm2_client):
+    """SmolLM2 sees the result as a user turn in <tool_response> tags and starts its answer with
+    `<tool_response>\n` (before the fix: '<tool_response>\n21 C and sunny in Paris.'): cut, on chat
+    (streamed and not) and on /v1/responses."""
+    one = [{"type": "function", "function": {"name": "get_weather", "description": "Get the weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                           "additionalProperties": False}}}]  # fmt: skip
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = [{"role": "system", "content": "You answer weather questions."},
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "It is 21 C and sunny in Paris."}]  # fmt: skip
+    kw = dict(model=NAME, messages=msgs, tools=one, temperature=0, max_tokens=60)
+    done = smollm2_client.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in smollm2_client.chat.completions.create(
+        stream=True, **kw) if c.choices)  # fmt: skip
+    assert done == streamed and "tool_response" not in done and "21 C" in done, done
+    items = [{"role": "user", "content": "What is the weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "It is 21 C and sunny in Paris."}]  # fmt: skip
+    r = smollm2_client.responses.create(model=NAME, input=items, instructions="You answer weather questions.",
+                                        tools=[{"type": "function", **one[0]["function"]}], temperature=0,
+                                        max_output_tokens=60)  # fmt: skip
+    assert r.output_text == done
+
+
 # -- openai-agents (the Responses API) ---------------------------------------------------------------------
 def test_an_openai_agents_agent_calls_its_tool_once_and_answers(smollm2_server):
     """openai-agents' default model is the Responses API: with one function tool (tool_choice required,
