@@ -1,8 +1,13 @@
-"""POST /v1/responses: OpenAI's Responses API, not stored. `input` is a string or a list of messages
-(`instructions` becomes a leading system message); the answer is one assistant message with one
-`output_text` part, as JSON or as the API's typed stream events (response.created ... response.completed).
-Nothing is kept after the response: `previous_response_id` and `background` get 400, `store` is
-answered false. Tools and structured `text.format` are not taken here (400 naming the field).
+"""POST /v1/responses: OpenAI's Responses API, not stored. `input` is a string or a list of items:
+messages, `function_call` (an earlier call of the model) and `function_call_output` (its result);
+`instructions` becomes a leading system message. The answer is an assistant message with one
+`output_text` part and/or `function_call` items, as JSON or as the API's typed stream events
+(response.created ... response.completed). Function tools come in the Responses shape (`{"type":
+"function", "name", "description", "parameters", "strict"}`) with `tool_choice` and
+`parallel_tool_calls`, and go through the chat path's machinery (server/prompt/tools.py plan_tools, the
+tool-call grammar, server/prompt/tool_parser.py). Nothing is kept after the response:
+`previous_response_id` and `background` get 400, `store` is answered false. Structured `text.format`
+is not taken here (400 naming the field).
 """
 
 from __future__ import annotations
@@ -25,8 +30,11 @@ from server.api.respond import Call, ChoiceEvents, generation, respond
 from server.http import sse
 from server.http.errors import ApiError
 from server.ops.feedback import RecordKey
-from server.prompt.chat import TEXT_PART_TYPES, ChatMessage, ContentPart, chat_prompt, template_messages
+from server.prompt.chat import TEXT_PART_TYPES, ChatMessage, ContentPart, template_messages
 from server.prompt.codec import check_prompt_bytes
+from server.prompt.structured import with_grammar
+from server.prompt.tool_parser import ParsedDelta, ToolCall, ToolParser
+from server.prompt.tools import ToolFields, ToolPlan, plan_tools
 from server.serving.dispatch import cache_scope, picked, request_owner
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Completed, Handle
@@ -51,6 +59,8 @@ class ResponsesRequest(SamplingFields):
     previous_response_id: str | None = None
     background: Bool | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
@@ -61,9 +71,6 @@ class ResponsesRequest(SamplingFields):
             if getattr(self, name):
                 raise ApiError(400, "invalid_request", f"{name} is not supported: responses are not stored",
                                param=name)  # fmt: skip
-        if self.tools:
-            raise ApiError(400, "invalid_request", "tools are not supported on /v1/responses (use chat "
-                           "completions)", param="tools")  # fmt: skip
         fmt = (self.text or {}).get("format")
         if fmt is not None and not (isinstance(fmt, dict) and isinstance(fmt.get("type", "text"), str)):
             raise ApiError(400, "invalid_request", "text.format must be an object with a string `type` "
@@ -74,19 +81,67 @@ class ResponsesRequest(SamplingFields):
                            param="text.format")  # fmt: skip
 
     def messages(self) -> list[ChatMessage]:
-        """`instructions` and `input` as chat messages. Raises ApiError 400 naming the item."""
+        """`instructions` and `input` as chat messages (consecutive function calls: one assistant turn
+        with those tool_calls). Raises ApiError 400 naming the item."""
         out = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         if isinstance(self.input, str):
             return [*out, ChatMessage(role="user", content=self.input)]
         for i, item in enumerate(self.input):
-            out.append(_message(item, f"input.{i}"))
+            kind, field = item.get("type", "message"), f"input.{i}"
+            if kind == "function_call":
+                call = _history_call(item, field)
+                if out and out[-1].role == "assistant" and out[-1].tool_calls and not out[-1].content:
+                    out[-1].tool_calls.append(call)
+                else:
+                    out.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            elif kind == "function_call_output":
+                out.append(_tool_output(item, field))
+            else:
+                out.append(_message(item, field))
         return out
+
+    def tool_fields(self) -> ToolFields:
+        """The tool fields in the chat shape plan_tools reads (tools nested under `function`, a named
+        tool_choice as {"type": "function", "function": {"name": ...}})."""
+        tools = [_chat_tool(t, f"tools.{i}") for i, t in enumerate(self.tools or [])]
+        choice = self.tool_choice
+        if isinstance(choice, dict) and "function" not in choice:
+            choice = {"type": choice.get("type"), "function": {"name": choice.get("name")}}
+        return ToolFields(tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls)
+
+
+def _chat_tool(tool: Any, field: str) -> Any:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else tool
+        raise ApiError(400, "invalid_request", f"tool type {kind!r} is not supported (function tools only)",
+                       param=f"{field}.type")  # fmt: skip
+    if isinstance(tool.get("function"), dict):  # the chat shape, taken too
+        return tool
+    fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    return {"type": "function", "function": fn}
+
+
+def _history_call(item: dict[str, Any], field: str) -> dict[str, Any]:
+    name, args = item.get("name"), item.get("arguments", "{}")
+    if not isinstance(name, str) or not isinstance(args, str):
+        raise ApiError(400, "invalid_request", "a function_call item needs a string name and arguments",
+                       param=f"{field}.name")  # fmt: skip
+    return {"id": str(item.get("call_id") or ""), "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _tool_output(item: dict[str, Any], field: str) -> ChatMessage:
+    output = item.get("output")
+    if isinstance(output, list):  # output parts: their text
+        output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
+    if not isinstance(output, str):
+        raise ApiError(400, "invalid_request", "output must be a string", param=f"{field}.output")
+    return ChatMessage(role="tool", content=output, tool_call_id=item.get("call_id"))
 
 
 def _message(item: dict[str, Any], field: str) -> ChatMessage:
     if item.get("type", "message") != "message":
-        raise ApiError(400, "invalid_request", f"input item type {item.get('type')!r} is not supported (messages "
-                       "only)", param=f"{field}.type")  # fmt: skip
+        raise ApiError(400, "invalid_request", f"input item type {item.get('type')!r} is not supported (messages, "
+                       "function_call and function_call_output)", param=f"{field}.type")  # fmt: skip
     role = item.get("role")
     if role not in _ROLES:
         raise ApiError(400, "invalid_request", f"role must be one of {', '.join(_ROLES)}", param=f"{field}.role")
@@ -117,13 +172,23 @@ async def responses(request: Request, call: ResponsesCall) -> Response:
     messages = body.messages()
     with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
-        texts = message_texts(template_messages(messages, dep.codec.content_format))
-        check_prompt_bytes(dep.codec, texts, body.max_output_tokens or 1, dep.max_model_len, "input",
-                           max_tokens_field="max_output_tokens")  # fmt: skip
-        ids = await chat_prompt(dep.codec, messages, {"add_generation_prompt": True})
+        tools = plan_tools(body.tool_fields(), messages, template_messages(messages, dep.codec.content_format),
+                           dep.tool_template, dep.tool_parser, dep.grammars.compiler is not None)  # fmt: skip
+        if tools.grammar is not None:
+            dep.grammars.check(tools.grammar)
+        check_prompt_bytes(dep.codec, message_texts(tools.messages), body.max_output_tokens or 1, dep.max_model_len,
+                           "input", max_tokens_field="max_output_tokens")  # fmt: skip
+        try:
+            ids = await dep.codec.chat(tools.messages, {"add_generation_prompt": True}, tools.template_tools)
+        except ApiError:
+            raise
+        except Exception as exc:
+            raise ApiError(400, "invalid_request", f"chat template failed: {exc}", param="input") from None
         max_tokens = body.max_output_tokens or max(1, dep.max_model_len - len(ids))
         params = body.sampling_params(max_tokens, None)
-        shape = ResponseShape(body, slot.name, dep.version)
+        if tools.grammar is not None:
+            params = with_grammar(params, await dep.grammars.compile(tools.grammar))
+        shape = ResponseShape(body, slot.name, dep.version, tools)
         req = GenerationRequest(shape.id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
                                 body.cache, cache_scope(rt, request, body.user), max_tokens_field="max_output_tokens",
                                 record=RecordKey(request_owner(rt, request, body.user), shape.id))  # fmt: skip
@@ -132,9 +197,11 @@ async def responses(request: Request, call: ResponsesCall) -> Response:
 
 
 class ResponseShape:
-    """The Response object and its stream events, for one request."""
+    """The Response object and its stream events, for one request. With tools, the text goes through
+    the tool-call parser: content becomes the message item (only when there is some, or no call), each
+    call a `function_call` item after it."""
 
-    def __init__(self, body: ResponsesRequest, model: str, version: str) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, version: str, tools: ToolPlan | None = None) -> None:
         self.asked = body  # the request body
         self.model = model
         self.version = version
@@ -142,40 +209,108 @@ class ResponseShape:
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._seq = 0
+        self._parser: ToolParser | None = tools.new_parser() if tools is not None else None
+        self._text = ""  # the message's text streamed so far
+        self._open = False  # the message item was added to the stream
+        self._offset: int | None = None  # output_index of the first call (after the message when open)
 
     # -- the two answers (server/api/respond.py Shape) ------------------------------------------------
     def body(self, handles: list[Handle], done: list[Completed]) -> dict[str, Any]:
-        return self.response(done[0].ticket, done[0].text, done[0].finished.reason)
+        text, calls = done[0].text, []
+        if self._parser is not None:
+            text = self._parser.feed(text).content + self._parser.finish().content
+            calls = self._parser.calls
+        return self.response(done[0].ticket, text, done[0].finished.reason, calls)
 
     async def stream(self, handles: list[Handle], events: ChoiceEvents) -> AsyncGenerator[ServerSentEvent, None]:
         """The Responses API's typed events: created, in_progress, the item and part opened, text deltas,
-        then everything closed and `response.completed` (or `incomplete`); `error` ends it."""
-        ticket, text = handles[0].ticket, ""
+        then everything closed and `response.completed` (or `incomplete`); `error` ends it. A function
+        call: its item added (once its name is known), arguments deltas, arguments done, item done."""
+        ticket = handles[0].ticket
         yield self.event("response.created", response=self.response(ticket, "", None))
         yield self.event("response.in_progress", response=self.response(ticket, "", None))
-        yield self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress"))
-        yield self.event("response.content_part.added", **self.where(), part=self.part(""))
+        if self._parser is None:
+            for e in self._open_message():
+                yield e
         async for _, event in events:
             if isinstance(event, Tokens) and event.output.text_delta:
-                text += event.output.text_delta
-                yield self.event("response.output_text.delta", **self.where(), delta=event.output.text_delta,
-                                 logprobs=[])  # fmt: skip
+                delta = event.output.text_delta
+                pieces = self._parser.feed(delta) if self._parser is not None else ParsedDelta(delta)
+                for e in self._stream_delta(pieces):
+                    yield e
             elif isinstance(event, Finished) and event.error is not None:
                 yield self.event("error", code=event.error.kind, message=event.error.message, param=None)
                 return
             elif isinstance(event, Finished):
-                yield self.event("response.output_text.done", **self.where(), text=text, logprobs=[])
-                yield self.event("response.content_part.done", **self.where(), part=self.part(text))
-                yield self.event("response.output_item.done", output_index=0, item=self.message(text, "completed"))
-                final = self.response(ticket, text, event.reason)
+                calls: list[ToolCall] = []
+                if self._parser is not None:
+                    for e in self._stream_delta(self._parser.finish()):
+                        yield e
+                    calls = self._parser.calls
+                for e in self._close_calls(calls):
+                    yield e
+                if not self._open and not calls:
+                    for e in self._open_message():
+                        yield e
+                if self._open:
+                    for e in self._close_message(calls):
+                        yield e
+                final = self.response(ticket, self._text, event.reason, calls)
                 yield self.event(f"response.{final['status']}", response=final)
 
-    def response(self, ticket: Ticket, text: str, reason: str | None) -> dict[str, Any]:
+    def _open_message(self) -> list[ServerSentEvent]:
+        self._open = True
+        return [self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress")),
+                self.event("response.content_part.added", **self.where(), part=self.part(""))]  # fmt: skip
+
+    def _close_message(self, calls: list[ToolCall]) -> list[ServerSentEvent]:
+        text = self._text
+        return [self.event("response.output_text.done", **self.where(), text=text, logprobs=[]),
+                self.event("response.content_part.done", **self.where(), part=self.part(text)),
+                self.event("response.output_item.done", output_index=0, item=self.message(text, "completed"))]  # fmt: skip
+
+    def _stream_delta(self, pieces: ParsedDelta) -> list[ServerSentEvent]:
+        out = []
+        if pieces.content:
+            if not self._open:
+                out += self._open_message()
+            self._text += pieces.content
+            out.append(self.event("response.output_text.delta", **self.where(), delta=pieces.content, logprobs=[]))
+        for c in pieces.calls:
+            index = self._call_index(c.index)
+            if c.id is not None:
+                item = self.call_item(ToolCall(c.id, c.name or "", ""), "in_progress", c.index)
+                out.append(self.event("response.output_item.added", output_index=index, item=item))
+            if c.arguments:
+                out.append(self.event("response.function_call_arguments.delta", item_id=_call_item_id(self, c.index),
+                                      output_index=index, delta=c.arguments))  # fmt: skip
+        return out
+
+    def _close_calls(self, calls: list[ToolCall]) -> list[ServerSentEvent]:
+        out = []
+        for i, call in enumerate(calls):
+            index, item = self._call_index(i), self.call_item(call, "completed", i)
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  name=call.name, arguments=call.arguments))  # fmt: skip
+            out.append(self.event("response.output_item.done", output_index=index, item=item))
+        return out
+
+    def _call_index(self, call: int) -> int:
+        """output_index of call `call`: after the message when one was open at the first call."""
+        if self._offset is None:
+            self._offset = 1 if self._open else 0
+        return call + self._offset
+
+    def response(self, ticket: Ticket, text: str, reason: str | None, calls: list[ToolCall] = ()) -> dict[str, Any]:
         """The Response object: in progress while `reason` is None, else completed (or incomplete when
         it ran out of max_output_tokens)."""
         b = self.asked
         status = "in_progress" if reason is None else ("incomplete" if reason == "length" else "completed")
-        output = [] if reason is None else [self.message(text, "completed" if status == "completed" else "incomplete")]
+        output = []
+        if reason is not None and (text or not calls):
+            output.append(self.message(text, "completed" if status == "completed" else "incomplete"))
+        if reason is not None:
+            output += [self.call_item(c, "completed", i) for i, c in enumerate(calls)]
         prompt = len(ticket.prompt_token_ids)
         usage = None if reason is None else {
             "input_tokens": prompt, "input_tokens_details": {"cached_tokens": ticket.cached_tokens},
@@ -186,16 +321,28 @@ class ResponseShape:
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
             "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
-            "output": output, "parallel_tool_calls": False, "previous_response_id": None,
+            "output": output, "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
             "temperature": b.temperature if b.temperature is not None else 1.0,
-            "top_p": b.top_p if b.top_p is not None else 1.0, "tool_choice": "none", "tools": [],
+            "top_p": b.top_p if b.top_p is not None else 1.0, "tool_choice": self._tool_choice(),
+            "tools": [_response_tool(t) for t in b.tools or []],
             "text": {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
             "metadata": b.metadata or {}, "user": b.user, "usage": usage, "system_fingerprint": self.version,
         }  # fmt: skip
 
+    def _tool_choice(self) -> Any:
+        choice = self.asked.tool_choice
+        if choice is None:
+            return "auto" if self.asked.tools else "none"
+        return choice
+
     def message(self, text: str, status: str) -> dict[str, Any]:
         content = [self.part(text)] if status != "in_progress" else []
         return {"id": self.item_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    def call_item(self, call: ToolCall, status: str, index: int) -> dict[str, Any]:
+        """A function_call output item (`index`: the call's place among the calls; its id derives from it)."""
+        return {"id": _call_item_id(self, index), "type": "function_call", "status": status, "call_id": call.id,
+                "name": call.name, "arguments": call.arguments}  # fmt: skip
 
     @staticmethod
     def part(text: str) -> dict[str, Any]:
@@ -208,3 +355,18 @@ class ResponseShape:
         payload = {"type": kind, "sequence_number": self._seq, **data}
         self._seq += 1
         return sse.event(json.dumps(payload, separators=(",", ":"), ensure_ascii=False), kind)
+
+
+def _call_item_id(shape: ResponseShape, index: int) -> str:
+    return f"fc_{shape.id[5:29]}_{index}"
+
+
+def _response_tool(tool: Any) -> Any:
+    """A tool as the Response echoes it (the Responses shape: flat)."""
+    if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+        fn = tool["function"]
+        return {"type": "function", "name": fn.get("name"), "description": fn.get("description"),
+                "parameters": fn.get("parameters"), "strict": fn.get("strict")}  # fmt: skip
+    if isinstance(tool, dict):
+        return {"description": None, "parameters": None, "strict": None, **tool}
+    return tool

@@ -4,8 +4,11 @@
 the Hermes format of engine/structured/spec.py, `<tool_call>{"name": ..., "arguments": ...}</tool_call>`.
 Feeding the whole text at once or in any pieces yields the same content and the same calls, so a
 streamed response reassembles into the non-streamed one. What streams: content up to the last
-non-space character (a possible `<tool_call>` start and trailing whitespace are held back), a call's
-id, type and name once its name is complete, then its arguments text as it arrives.
+non-space character (a possible `<tool_call>` start and trailing whitespace are held back), the first
+call's id, type and name once its name is complete, then its arguments text as it arrives; a later call
+only once it is complete, so a repeat of an earlier call (same name, same arguments) is dropped unseen:
+one call per distinct call. A `<tool_response>` wrapper that the model echoes from a tool result around
+its answer (a leading `<tool_response>`, a trailing `</tool_response>`) is cut from the content.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.structured.spec import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+# How server/prompt/tools.py wraps a tool result for a template that has no tool turn.
+TOOL_RESPONSE_OPEN, TOOL_RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
 
 # The start of a call up to its arguments: {"name": "<name>", "arguments": (then the arguments' first
 # character: the match must not end inside whitespace that a later piece continues).
@@ -115,6 +121,8 @@ class HermesToolParser:
         self._buf = ""  # text not yet released: content held back, or the open call's text
         self._call: _OpenCall | None = None
         self._done = False  # parallel False and one call complete
+        self._started = False  # content released (a leading echoed `<tool_response>` is cut before)
+        self._echo_cut = False  # a leading `<tool_response>` was cut
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
@@ -135,6 +143,7 @@ class HermesToolParser:
                     self._release_content(out, final)
                     return
                 out.content += self._buf[:start].rstrip()
+                self._started = True
                 self._buf = self._buf[start + len(TOOL_CALL_OPEN):]
                 self._call = _OpenCall(index=len(self.calls))
                 continue
@@ -147,19 +156,45 @@ class HermesToolParser:
         self._buf = ""
 
     def _release_content(self, out: ParsedDelta, final: bool) -> None:
-        """Content up to the last non-space character before a possible `<tool_call>` start."""
+        """Content up to the last non-space character before a possible `<tool_call>` start or an
+        echoed `</tool_response>` (whole or begun) at the end."""
+        if not self._started and not self._cut_echo_head(final):
+            return
         if final:
-            out.content += self._buf.rstrip() if self.calls else self._buf
+            text = self._buf.rstrip() if self.calls else self._buf
+            stripped = text.rstrip()
+            if stripped.endswith(TOOL_RESPONSE_CLOSE):
+                text = stripped[: -len(TOOL_RESPONSE_CLOSE)].rstrip()
+            out.content += text
             self._buf = ""
             return
-        held = _partial_suffix(self._buf, TOOL_CALL_OPEN)
-        cut = len(self._buf[: len(self._buf) - held].rstrip())
+        kept = self._buf.rstrip()
+        before_open = self._buf[: len(self._buf) - _partial_suffix(self._buf, TOOL_CALL_OPEN)].rstrip()
+        before_close = kept[: len(kept) - _suffix(kept, TOOL_RESPONSE_CLOSE)].rstrip()
+        cut = min(len(before_open), len(before_close))
         out.content += self._buf[:cut]
         self._buf = self._buf[cut:]
+
+    def _cut_echo_head(self, final: bool) -> bool:
+        """Cut a leading echoed `<tool_response>` (and the space after it) from the content; False while
+        the start may still be one."""
+        head = self._buf.lstrip()
+        if not self._echo_cut and head.startswith(TOOL_RESPONSE_OPEN):
+            self._echo_cut, self._buf = True, head[len(TOOL_RESPONSE_OPEN):]
+        elif not self._echo_cut and not final and TOOL_RESPONSE_OPEN.startswith(head):
+            return False
+        if self._echo_cut:
+            self._buf = self._buf.lstrip()
+            if not self._buf and not final:
+                return False
+        self._started = True
+        return True
 
     def _stream_call(self, out: ParsedDelta) -> None:
         call = self._call
         assert call is not None
+        if self.calls:  # a later call waits until complete: it may repeat an earlier one
+            return
         if call.id is None:
             head = _HEAD.match(self._buf)
             if head is None:
@@ -184,6 +219,8 @@ class HermesToolParser:
             return
         if call.id is None:
             assert parsed is not None
+            if any(_same_call(c, parsed) for c in self.calls):
+                return  # a repeat (same name and arguments) of a call already made
             call.id, call.name = new_call_id(), parsed[0]
             out.add_call(CallDelta(call.index, call.id, call.name))
             head = _HEAD.match(body)  # the arguments as the model wrote them, as a stream sends them
@@ -211,6 +248,15 @@ def _parse_call(body: str) -> tuple[str, str] | None:
     return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
+def _same_call(call: ToolCall, parsed: tuple[str, str]) -> bool:
+    if call.name != parsed[0]:
+        return False
+    try:
+        return json.loads(call.arguments) == json.loads(parsed[1])
+    except ValueError:
+        return call.arguments == parsed[1]
+
+
 def _arguments_end(region: str, held: int) -> int:
     """Where the arguments end in `region` (the text after `"arguments":`), its last `held` characters
     possibly the start of `</tool_call>`: before trailing space, the call object's `}` and space."""
@@ -226,6 +272,11 @@ def _partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+def _suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a start of `marker`, the whole marker included."""
+    return len(marker) if text.endswith(marker) else _partial_suffix(text, marker)
 
 
 # Tool-call formats by name (the `tool_call_parser` setting): one parser class per model family's format.

@@ -5,6 +5,7 @@ body on POST / and /generate_stream driven by Hugging Face's own InferenceClient
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import httpx
@@ -102,12 +103,64 @@ def test_responses_messages_and_stream(client, offline_engine, greedy):
 
 def test_responses_refuses_what_it_cannot_do(client):
     for extra, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
-                         ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
-                         ({"input": [{"type": "function_call_output", "call_id": "x", "output": "1"}]}, "input.0.type")):
+                         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+                         ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type")):
         body = {"model": MODEL, "input": "hi", **extra}
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(**body)
         assert e.value.body["param"] == param
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+           "additionalProperties": False}  # fmt: skip
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": WEATHER,
+          "strict": True}]  # fmt: skip
+
+
+def test_responses_function_tools(client):
+    """tool_choice required: the grammar forces one call; it comes back as one function_call item, and
+    the stream's events (item added, arguments deltas, done) add up to it."""
+    kw = dict(model=MODEL, input="Weather in Paris?", tools=TOOLS, tool_choice="required", max_output_tokens=120,
+              temperature=0, parallel_tool_calls=False)  # fmt: skip
+    r = client.responses.create(**kw)
+    assert r.status == "completed" and [o.type for o in r.output] == ["function_call"]
+    [call] = r.output
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.status == "completed"
+    assert set(json.loads(call.arguments)) == {"city"}
+    assert r.tools[0].name == "get_weather" and r.tool_choice == "required"
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert "response.output_text.delta" not in kinds and kinds.count("response.output_item.added") == 1
+    added, done = events[2].item, events[-2].item
+    assert added.type == "function_call" and added.name == "get_weather" and added.arguments == ""
+    streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert streamed == done.arguments == events[-3].arguments and done.id == added.id == events[-3].item_id
+    assert events[-1].response.output[0].arguments == streamed
+    named = client.responses.create(**{**kw, "tool_choice": {"type": "function", "name": "get_weather"}})
+    assert [o.name for o in named.output] == ["get_weather"]
+    with client.responses.stream(**kw) as stream:
+        final = stream.get_final_response()
+    assert final.output[0].type == "function_call"
+
+
+def test_responses_tool_history_reaches_the_prompt(client, offline_engine):
+    """function_call and function_call_output input items become the chat history's call and result."""
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "21 C and sunny"}]  # fmt: skip
+    r = client.responses.create(model=MODEL, input=items, tools=TOOLS, tool_choice="none", max_output_tokens=4,
+                                temperature=0)  # fmt: skip
+    assert r.output[0].type == "message" and r.tool_choice == "none"
+    with_tools = client.responses.create(model=MODEL, input=items, tools=TOOLS, max_output_tokens=4, temperature=0)
+    assert with_tools.usage.input_tokens > r.usage.input_tokens  # auto: the tools are described too
+    text = offline_engine.tokenizer.decode(offline_engine.apply_chat_template(
+        [{"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+          '</tool_call>'},
+         {"role": "user", "content": "<tool_response>\n21 C and sunny\n</tool_response>"}]))  # fmt: skip
+    assert r.usage.input_tokens == len(offline_engine.tokenizer.encode(text, add_special_tokens=False))
 
 
 def test_huggingface_inference_client(srv, offline_engine, greedy):
