@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
@@ -301,7 +301,7 @@ class ResponseShape:
             self._offset = 1 if self._open else 0
         return call + self._offset
 
-    def response(self, ticket: Ticket, text: str, reason: str | None, calls: list[ToolCall] = ()) -> dict[str, Any]:
+    def response(self, ticket: Ticket, text: str, reason: str | None, calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
         """The Response object: in progress while `reason` is None, else completed (or incomplete when
         it ran out of max_output_tokens)."""
         b = self.asked
