@@ -5,7 +5,8 @@
 It reads one setup message ({"tokenizer_info": xgrammar TokenizerInfo JSON, "max_bytes": int}), answers
 b"ready", then serves jobs ({"kind", "source"}) one at a time: a header {"ok", "error", "too_large",
 "bytes", "rss"} and, when ok, the compiled grammar's `serialize_json()`. It keeps nothing between jobs
-(xgrammar's own cache is off) and exits when the parent closes its pipe.
+(xgrammar's own cache is off) and exits quietly (0) when the parent closes its pipes, at any point: a
+server that stops while a worker is still starting is not an error.
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ from multiprocessing.connection import Connection
 
 
 def main(argv: list[str]) -> int:
+    try:
+        return _serve(argv)
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the parent went away
+        return 0
+
+
+def _serve(argv: list[str]) -> int:
     read_fd, write_fd, nice = (int(a) for a in argv)
     if nice:
         os.nice(nice)
@@ -31,10 +39,7 @@ def main(argv: list[str]) -> int:
     max_bytes = int(setup["max_bytes"])
     send.send_bytes(b"ready")
     while True:
-        try:
-            job = json.loads(recv.recv_bytes())
-        except EOFError:
-            return 0
+        job = json.loads(recv.recv_bytes())  # EOFError when the parent closed its pipe
         header, payload = _compile(compiler, job, max_bytes, build_grammar, error_message)
         header["rss"] = _rss_bytes()
         send.send_bytes(json.dumps(header).encode())
