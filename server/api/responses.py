@@ -13,6 +13,7 @@ is not taken here (400 naming the field).
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
@@ -110,6 +111,25 @@ class ResponsesRequest(SamplingFields):
         return ToolFields(tools=tools, tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls)
 
 
+_CHAT_TOOL_PARAM = re.compile(r"^tools\.(\d+)\.function(?=\.|$)")
+
+
+def responses_error(exc: ApiError, body: ResponsesRequest) -> ApiError:
+    """plan_tools names fields in the chat shape (`tools.0.function.name`, a tool_choice with
+    `function`); a Responses body is flat, so name its own fields: `tools.0.name`, `tool_choice.name`."""
+    param, message = exc.param, exc.message
+    match = _CHAT_TOOL_PARAM.match(param or "")
+    if param is not None and match is not None:
+        i = int(match.group(1))
+        listed = body.tools or []
+        if i < len(listed) and not (isinstance(listed[i], dict) and isinstance(listed[i].get("function"), dict)):
+            flat = param[: match.start()] + f"tools.{i}" + param[match.end():]
+            param, message = flat, message.replace(param, flat, 1)
+    elif param == "tool_choice" and not (isinstance(body.tool_choice, dict) and "function" in body.tool_choice):
+        message = message.replace('{"type": "function", "function": {"name": ...}}', '{"type": "function", "name": ...}')
+    return ApiError(exc.status, exc.type, message, param=param, headers=exc.headers, extra=exc.extra)
+
+
 def _chat_tool(tool: Any, field: str) -> Any:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else tool
@@ -172,8 +192,11 @@ async def responses(request: Request, call: ResponsesCall) -> Response:
     messages = body.messages()
     with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
-        tools = plan_tools(body.tool_fields(), messages, template_messages(messages, dep.codec.content_format),
-                           dep.tool_template, dep.tool_parser, dep.grammars.compiler is not None)  # fmt: skip
+        try:
+            tools = plan_tools(body.tool_fields(), messages, template_messages(messages, dep.codec.content_format),
+                               dep.tool_template, dep.tool_parser, dep.grammars.compiler is not None)  # fmt: skip
+        except ApiError as exc:
+            raise responses_error(exc, body) from None
         if tools.grammar is not None:
             dep.grammars.check(tools.grammar)
         check_prompt_bytes(dep.codec, message_texts(tools.messages), body.max_output_tokens or 1, dep.max_model_len,
@@ -212,7 +235,10 @@ class ResponseShape:
         self._parser: ToolParser | None = tools.new_parser() if tools is not None else None
         self._text = ""  # the message's text streamed so far
         self._open = False  # the message item was added to the stream
-        self._offset: int | None = None  # output_index of the first call (after the message when open)
+        # output_index of each item in the order the stream opened them (the message, the calls)
+        self._call_indices: dict[int, int] = {}  # the call's place among the calls -> its output_index
+        self._next_index = 0
+        self._msg_index = 0  # the message's, set when it opens
 
     # -- the two answers (server/api/respond.py Shape) ------------------------------------------------
     def body(self, handles: list[Handle], done: list[Completed]) -> dict[str, Any]:
@@ -260,14 +286,18 @@ class ResponseShape:
 
     def _open_message(self) -> list[ServerSentEvent]:
         self._open = True
-        return [self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress")),
+        self._msg_index = self._next_index
+        self._next_index += 1
+        return [self.event("response.output_item.added", output_index=self._msg_index,
+                           item=self.message("", "in_progress")),
                 self.event("response.content_part.added", **self.where(), part=self.part(""))]  # fmt: skip
 
     def _close_message(self, calls: list[ToolCall]) -> list[ServerSentEvent]:
         text = self._text
         return [self.event("response.output_text.done", **self.where(), text=text, logprobs=[]),
                 self.event("response.content_part.done", **self.where(), part=self.part(text)),
-                self.event("response.output_item.done", output_index=0, item=self.message(text, "completed"))]  # fmt: skip
+                self.event("response.output_item.done", output_index=self._msg_index,
+                           item=self.message(text, "completed"))]  # fmt: skip
 
     def _stream_delta(self, pieces: ParsedDelta) -> list[ServerSentEvent]:
         out = []
@@ -296,10 +326,11 @@ class ResponseShape:
         return out
 
     def _call_index(self, call: int) -> int:
-        """output_index of call `call`: after the message when one was open at the first call."""
-        if self._offset is None:
-            self._offset = 1 if self._open else 0
-        return call + self._offset
+        """output_index of call `call` (its place among the calls): the next free one when first seen."""
+        if call not in self._call_indices:
+            self._call_indices[call] = self._next_index
+            self._next_index += 1
+        return self._call_indices[call]
 
     def response(self, ticket: Ticket, text: str, reason: str | None, calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
         """The Response object: in progress while `reason` is None, else completed (or incomplete when
@@ -307,10 +338,11 @@ class ResponseShape:
         b = self.asked
         status = "in_progress" if reason is None else ("incomplete" if reason == "length" else "completed")
         output = []
-        if reason is not None and (text or not calls):
-            output.append(self.message(text, "completed" if status == "completed" else "incomplete"))
         if reason is not None:
             output += [self.call_item(c, "completed", i) for i, c in enumerate(calls)]
+        if reason is not None and (text or not calls):  # in stream order: first, or after the calls it followed
+            message = self.message(text, "completed" if status == "completed" else "incomplete")
+            output.insert(sum(1 for i in self._call_indices.values() if i < self._msg_index), message)
         prompt = len(ticket.prompt_token_ids)
         usage = None if reason is None else {
             "input_tokens": prompt, "input_tokens_details": {"cached_tokens": ticket.cached_tokens},
@@ -349,7 +381,7 @@ class ResponseShape:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
     def where(self) -> dict[str, Any]:
-        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self.item_id, "output_index": self._msg_index, "content_index": 0}
 
     def event(self, kind: str, **data: Any) -> ServerSentEvent:
         payload = {"type": kind, "sequence_number": self._seq, **data}

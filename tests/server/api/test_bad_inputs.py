@@ -68,6 +68,15 @@ CASES = [
     ("/v1/responses", {"input": "x", "max_output_tokens": TEST_MAX_MODEL_LEN}, 400, "max_output_tokens",
      f"max_output_tokens ({TEST_MAX_MODEL_LEN})"),
     ("/v1/responses", {"input": "x", "text": {"format": "json"}}, 400, "text.format", "object"),
+    # the Responses shape is flat: errors name its own fields, not the chat shape plan_tools reads
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": "a b"}]}, 400, "tools.0.name",
+     "tools.0.name must be 1-64"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 3}]}, 400,
+     "tools.0.parameters", "JSON schema"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function", "function": {"name": "a b"}}]}, 400,
+     "tools.0.function.name", "tools.0.function.name must be"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "x"}},
+     400, "tool_choice", '{"type": "function", "name": ...}'),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens":
      TEST_MAX_MODEL_LEN}, 400, "max_completion_tokens", "max_completion_tokens"),
     ("/v1/completions", {"prompt": []}, 400, "prompt", "must not be empty"),
