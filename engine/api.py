@@ -143,6 +143,8 @@ class EngineStats:
     last_step_decode_tokens: int = 0
     last_step_time_s: float = 0.0  # wall time of the last step
     steps: int = 0  # cumulative
+    cpu_threads: int = 0  # CPU threads the last step ran at (engine/thread_governor.py); 0: not governed
+    cpu_thread_switches: int = 0  # cumulative: times the governor changed the chosen count
     # Speculative decoding, cumulative (vLLM's spec_decode counters): rows verified with drafts, draft
     # tokens verified, drafts accepted, and accepted by position (entry i: drafts accepted at index i)
     spec_drafts: int = 0

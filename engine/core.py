@@ -29,6 +29,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.structured import GrammarCompiler, GrammarError
+from engine.thread_governor import ThreadGovernor
 from engine.tokenization import chat_prompt_ids, encode_prompt
 
 log = logging.getLogger("tokenmill.engine")
@@ -102,6 +103,9 @@ class EngineCore:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._stats = EngineStats(kv_blocks_total=block_manager.num_blocks, block_size=block_manager.block_size)
+        # CPU: picks the steps' thread count from their measured times (engine/thread_governor.py); the
+        # real engine sets it, None: the count set at start-up stays
+        self.thread_governor: ThreadGovernor | None = None
 
     # ---- names the server reads (the real engine overrides the device ones) --------------------------
     dtype_name = "float32"
@@ -298,6 +302,10 @@ class EngineCore:
         st.prompt_tokens += sched.num_tokens - decode
         st.generation_tokens += sum(1 for s in sched.scheduled if s.sample)
         st.last_step_time_s = elapsed
+        gov = self.thread_governor
+        if gov is not None:
+            gov.observe(decode, sched.num_tokens - decode, elapsed)
+            st.cpu_threads, st.cpu_thread_switches = gov.threads, gov.switches
 
     def stats(self) -> EngineStats:
         """A fresh snapshot (the caller may keep it; nothing in it changes afterwards)."""

@@ -23,6 +23,7 @@ from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerConfig
 from engine.structured import make_compiler
+from engine.thread_governor import GovernorConfig, ThreadGovernor
 
 __all__ = ["Engine", "GenerationResult"]
 
@@ -80,6 +81,9 @@ class Engine(EngineCore):
                                            source.eos_token_ids, config.grammar_cache_bytes,
                                            config.grammar_compile_processes),  # fmt: skip
         )
+        threads = torch.get_num_threads()
+        if config.adaptive_threads and self.device.type == "cpu" and threads > 1:
+            self.thread_governor = ThreadGovernor(GovernorConfig(high=threads), torch.set_num_threads)
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "
             "cuda graphs=%s, packed weights=%s, quantization=%s, small-batch kernels: %s",

@@ -78,6 +78,10 @@ class ServerSettings(BaseSettings):
         None, ge=1, description="CPU: engine compute threads; default: OMP_NUM_THREADS, else one per core "
         "(but one above 4 cores)"
     )
+    adaptive_threads: bool = Field(
+        True, description="CPU, more than one engine thread: drop to one while steps measure faster that way "
+        "(another process holds a core), back when they no longer do"
+    )
 
     # -- HTTP ----------------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="address to bind")
@@ -292,6 +296,7 @@ class ServerSettings(BaseSettings):
             quantization=self.quantization,
             speculative=SpeculativeConfig.from_dict(self.speculative_config) if self.speculative_config else None,
             cpu_threads=self.engine_threads or default_engine_threads(),
+            adaptive_threads=self.adaptive_threads,
             show_progress=True,  # a bar on a terminal only (tqdm stays quiet in logs and pipes)
         )
 

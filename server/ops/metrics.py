@@ -494,6 +494,9 @@ class _VersionFamilies:
             "alive": g("tokenmill_worker_alive", "1 while the engine worker thread runs.", labels=_MV),
             "weight": g("tokenmill_canary_weight", "Share of new requests (0-100) sent to a canary version.",
                         labels=_MV),
+            "threads": g("tokenmill_engine_threads", "CPU threads the engine's last step ran at (the adaptive "
+                         "count: fewer while another process holds a core); 0: fixed or not a CPU engine.",
+                         labels=_MV),
         }  # fmt: skip
         self.info = g("tokenmill_model_info", "A loaded model version and the build serving it (value 1).",
                       labels=[*_MV, "dtype", "device", "server_version", "max_model_len"])  # fmt: skip
@@ -521,7 +524,7 @@ class _VersionFamilies:
                   "all_waiting": waiting_total(v.snapshot),
                   "usage_perc": st.kv_cache_usage, "used": st.kv_blocks_used, "capacity": st.kv_blocks_total,
                   "since": v.seconds_since_last_step, "alive": int(v.snapshot.worker_alive),
-                  "weight": v.canary_weight}  # fmt: skip
+                  "weight": v.canary_weight, "threads": st.cpu_threads}  # fmt: skip
         for key, value in values.items():
             self.gauges[key].add_metric(mv, value)
         i = v.info
@@ -541,7 +544,8 @@ class _VersionFamilies:
                             ("tokenmill_num_preemptions", st.preemptions),
                             ("tokenmill_prefix_cache_queries", st.prefix_cache_queries),
                             ("tokenmill_prefix_cache_hits", st.prefix_cache_hits),
-                            ("tokenmill_engine_steps", st.steps)):  # fmt: skip
+                            ("tokenmill_engine_steps", st.steps),
+                            ("tokenmill_engine_thread_switches", st.cpu_thread_switches)):  # fmt: skip
             self.counters[name].add_metric(mv, value)
 
     def all(self) -> Iterator[Metric]:
@@ -563,6 +567,7 @@ _ENGINE_COUNTERS = {
     "tokenmill_prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "tokenmill_prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "tokenmill_engine_steps": "Engine steps run.",
+    "tokenmill_engine_thread_switches": "Times the adaptive CPU thread count changed (a core taken or freed).",
 }
 
 

@@ -88,6 +88,8 @@ FAMILIES = {
     "tokenmill_prefix_cache_queries": "counter",
     "tokenmill_prefix_cache_hits": "counter",
     "tokenmill_engine_steps": "counter",
+    "tokenmill_engine_thread_switches": "counter",
+    "tokenmill_engine_threads": "gauge",
     "tokenmill_time_to_first_token_seconds": "histogram",
     "tokenmill_inter_token_latency_seconds": "histogram",
     "tokenmill_e2e_request_latency_seconds": "histogram",
@@ -296,6 +298,8 @@ def test_engine_counters_never_go_down_and_match_the_engine(srv, real_engine):
     assert first.get("tokenmill_generation_tokens_total") == stats.generation_tokens
     assert first.get("tokenmill_prompt_tokens_total") == stats.prompt_tokens
     assert first.get("tokenmill_engine_steps_total") == stats.steps
+    assert first.get("tokenmill_engine_thread_switches_total") == stats.cpu_thread_switches
+    assert first.get("tokenmill_engine_threads") == stats.cpu_threads
     assert first.get("tokenmill_num_preemptions_total") == stats.preemptions
     # The same prompt twice: the second finds its full blocks in the prefix cache.
     long_prompt = PROMPT * 12

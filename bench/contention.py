@@ -1,0 +1,181 @@
+"""Engine threads under contention: `python -m bench contention`.
+
+For each engine-thread count and libgomp wait policy, starts `python -m server serve` on the default
+model, runs one closed-loop load (bench/load.py's client), then the same load again beside a
+co-located CPU hog (one process spinning on one core: a sidecar, a client, another tenant's job), and
+prints output tok/s for both. The question it answers: which default never falls below the one-thread
+figure when a core is taken, and how much it gives up on a quiet machine. Figures: docs/BENCHMARKS.md
+("Engine threads under contention").
+
+The rows alternate (all configurations quiet, then all busy, `--rounds` times) so machine drift lands
+on every configuration alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from bench.load import LoadConfig, run_point, synthetic_requests
+from bench.workloads import DEFAULT_MODEL, resolve_model
+
+HOG = "import time\nwhile True:\n    sum(range(10000))\n"  # one core, pure Python, no syscalls
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One server configuration: engine threads, the OpenMP wait policy ('' = libgomp's default) and
+    whether the thread count adapts to measured step times (the server's default) or stays fixed."""
+
+    threads: int
+    wait_policy: str
+    fixed: bool = False
+
+    @property
+    def label(self) -> str:
+        mode = ", fixed" if self.fixed or self.threads == 1 else ", adaptive"
+        return f"{self.threads} thread{'s' if self.threads > 1 else ''}, {self.wait_policy or 'default'}{mode}"
+
+    def serve_args(self) -> list[str]:
+        return ["--engine-threads", str(self.threads), *(["--no-adaptive-threads"] if self.fixed else [])]
+
+
+def parse_variant(text: str) -> Variant:
+    """`2` (libgomp's default wait, adaptive), `2:fixed`, `2:PASSIVE:fixed`, `1:ACTIVE`."""
+    threads, *rest = text.split(":")
+    policy = next((r.upper() for r in rest if r.upper() in ("PASSIVE", "ACTIVE")), "")
+    fixed = "fixed" in rest
+    if not threads.isdigit() or int(threads) < 1 or len(rest) != bool(policy) + fixed:
+        raise argparse.ArgumentTypeError(f"variant must be THREADS[:PASSIVE|ACTIVE][:fixed], got {text!r}")
+    return Variant(int(threads), policy, fixed)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(variant: Variant, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """The server on a free port, ready (/health 200) or SystemExit with its log's tail."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    if variant.wait_policy:
+        env["OMP_WAIT_POLICY"] = variant.wait_policy
+    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *variant.serve_args(), *extra]
+    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited {proc.returncode}:\n{log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"no /health 200 within 300 s:\n{log.read_text()[-2000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def measure(variant: Variant, busy: bool, args: argparse.Namespace, requests: list) -> dict:
+    """One point: output tok/s (and TPOT p50) of this variant, quiet or beside the hog."""
+    proc, url = start_server(variant, args.server_arg,
+                              args.log_dir / f"{variant.threads}-{variant.wait_policy}-{variant.fixed}.log")
+    hog = subprocess.Popen([sys.executable, "-c", HOG]) if busy else None
+    try:
+        cfg = LoadConfig(base_url=url, concurrency=args.concurrency)
+        report = run_point(requests, cfg, None, warmup=args.warmup, progress=False)
+        threads = scrape(url, ("tokenmill_engine_threads", "tokenmill_engine_thread_switches_total"))
+    finally:
+        if hog is not None:
+            hog.kill()
+            hog.wait()
+        stop(proc)
+    tpot = report.get("tpot_s") or {}
+    return {"variant": variant.label, "busy": busy, "output_tok_s": report["output_tok_per_s"],
+            "tpot_p50_ms": 1000 * tpot["p50"] if "p50" in tpot else None, "ok": report["counts"]["ok"], "load_after": os.getloadavg()[0],
+            "threads_at_end": threads["tokenmill_engine_threads"],
+            "thread_switches": threads["tokenmill_engine_thread_switches_total"]}
+
+
+def scrape(url: str, names: tuple[str, ...]) -> dict[str, float | None]:
+    """Those unlabelled-but-for-model/version samples from /metrics (the first of each; None: absent)."""
+    found: dict[str, float | None] = dict.fromkeys(names)
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in found and found[name] is None:
+            found[name] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def run(args: argparse.Namespace) -> int:
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    requests = synthetic_requests(str(resolve_model(args.model)), args.num_requests, args.prompt_len,
+                                  args.output_len, args.seed)  # fmt: skip
+    rows: list[dict] = []
+    for _ in range(args.rounds):
+        for busy in (False, True):
+            for variant in args.variants:
+                row = measure(variant, busy, args, requests)
+                rows.append(row)
+                print(f"{row['variant']:<22} {'busy' if busy else 'quiet':<5} {row['output_tok_s']:8.1f} tok/s  "
+                      f"TPOT p50 {row['tpot_p50_ms'] or 0:6.1f} ms  ok {row['ok']}  load {row['load_after']:.2f}  "
+                      f"threads at end {row['threads_at_end']}, switches {row['thread_switches']}",
+                      flush=True)  # fmt: skip
+    print(format_summary(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def format_summary(rows: list[dict]) -> str:
+    """Mean output tok/s per variant, quiet and busy, as a Markdown table."""
+    out = ["| variant | quiet tok/s | busy tok/s |", "|---|---|---|"]
+    for label in dict.fromkeys(r["variant"] for r in rows):
+        means = []
+        for busy in (False, True):
+            vals = [r["output_tok_s"] for r in rows if r["variant"] == label and r["busy"] == busy]
+            means.append(f"{sum(vals) / len(vals):.1f}" if vals else "-")
+        out.append(f"| {label} | {means[0]} | {means[1]} |")
+    return "\n".join(out)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("contention", help="engine threads and OpenMP wait policy beside a CPU hog",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", type=parse_variant, nargs="+",
+                   default=[parse_variant(v) for v in ("1", "2:fixed", "2:PASSIVE:fixed", "2")],
+                   help="THREADS[:PASSIVE|ACTIVE][:fixed] each; without `fixed` the server's adaptive thread "
+                   "count is on (default: 1 2:fixed 2:PASSIVE:fixed 2)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the tokenizer for the synthetic prompts")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--server-arg", action="append", default=[], help="one more `serve` argument (repeatable)")
+    p.add_argument("--log-dir", type=Path, default=Path("/tmp/tokenmill-contention"))
+    p.add_argument("--json", type=Path, default=None)
+    p.set_defaults(func=run)

@@ -1,0 +1,114 @@
+"""How many CPU threads the engine's steps use, chosen from measured step times, not fixed at start-up.
+
+Why: the engine's OpenMP team (torch's intra-op threads and the C++ kernels') synchronises at a
+barrier ~300 times a decode step. With one thread per core that pays on a quiet machine (the step is
+bound by memory bandwidth, which a second core nearly doubles), but when another process takes one of
+the cores (a client, a sidecar, another tenant's job) each barrier waits for the descheduled thread's
+next time slice: measured on a 2-vCPU Xeon beside a one-core Python loop, SmolLM2-135M served 18
+output tok/s with two threads against 159 with one (docs/BENCHMARKS.md, "Engine threads under
+contention"). Which count is faster is a property of the moment, so the governor measures it.
+
+How: decode-only steps are timed per token at the current count (`high`, the configured threads, to
+start). Every `probe_every_s` the next `probe_steps` decode steps run at the other count (`low`: one
+thread, or `high` again when the governor sits at one); the faster median per-token time wins, with a
+margin against noise. A probe that confirms the current count doubles the wait before the next one (up
+to `max_probe_every_s`), a switch resets it. A probe step slower than twice the current median ends the
+probe at once, so probing two threads on a crowded machine costs one slow step, not four. Prefill steps
+are not compared: their per-token time depends on the chunk's length and position, not only on threads.
+
+Plain Python, no torch: `apply(n)` (the engine's `torch.set_num_threads`, called on the thread that runs
+the steps) does the switching, so the tests drive it with made-up timings.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("tokenmill.engine")
+
+
+@dataclass(frozen=True)
+class GovernorConfig:
+    high: int  # the configured thread count (one per core, or --engine-threads)
+    low: int = 1
+    probe_every_s: float = 2.0  # first wait before probing the other count
+    max_probe_every_s: float = 32.0  # the wait doubles up to this while probes confirm the current count
+    probe_steps: int = 4  # decode steps timed at the other count per probe
+    baseline_steps: int = 8  # recent decode steps at the current count that a probe is compared with
+    margin: float = 0.05  # the other count must be this much faster per token to switch
+    abort_ratio: float = 2.0  # a probe step this many times the current median ends the probe
+
+
+class ThreadGovernor:
+    """Owns the engine's thread count while steps run; `observe` is called after every step."""
+
+    def __init__(self, config: GovernorConfig, apply: Callable[[int], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        if not 1 <= config.low < config.high:
+            raise ValueError(f"thread governor needs 1 <= low < high, got low={config.low} high={config.high}")
+        self.config = config
+        self._apply = apply
+        self._clock = clock
+        self.threads = config.high  # the count the steps run at now (probes included)
+        self._chosen = config.high  # the count that won the last comparison
+        self._baseline: deque[float] = deque(maxlen=config.baseline_steps)  # seconds per token at _chosen
+        self._probe: list[float] = []  # seconds per token at the other count, during a probe
+        self._wait_s = config.probe_every_s
+        self._next_probe = clock() + self._wait_s
+        self.probes = 0  # probes started (for stats and tests)
+        self.switches = 0  # times the chosen count changed
+
+    @property
+    def chosen(self) -> int:
+        return self._chosen
+
+    @property
+    def probing(self) -> bool:
+        return self.threads != self._chosen
+
+    def observe(self, decode_tokens: int, prefill_tokens: int, elapsed_s: float) -> None:
+        """One finished step: its decode and prefill token counts and its wall time."""
+        if prefill_tokens or decode_tokens <= 0:
+            return  # only decode-only steps compare thread counts fairly
+        per_token = elapsed_s / decode_tokens
+        if self.probing:
+            self._probe.append(per_token)
+            slow = per_token > self.config.abort_ratio * statistics.median(self._baseline)
+            if slow or len(self._probe) >= self.config.probe_steps:
+                self._settle()
+            return
+        self._baseline.append(per_token)
+        if len(self._baseline) == self._baseline.maxlen and self._clock() >= self._next_probe:
+            self.probes += 1
+            self._probe = []
+            self._set(self._other())
+
+    def _other(self) -> int:
+        return self.config.low if self._chosen == self.config.high else self.config.high
+
+    def _settle(self) -> None:
+        """End a probe: keep the faster count (the probe's count only when it wins by the margin)."""
+        current, candidate = statistics.median(self._baseline), statistics.median(self._probe)
+        if len(self._probe) >= self.config.probe_steps and candidate < current * (1 - self.config.margin):
+            log.info("engine threads: %d -> %d (%.2f ms/token against %.2f)", self._chosen, self.threads,
+                     candidate * 1e3, current * 1e3)  # fmt: skip
+            self._chosen = self.threads
+            self.switches += 1
+            self._baseline.clear()
+            self._baseline.extend(self._probe)
+            self._wait_s = self.config.probe_every_s
+        else:
+            self._set(self._chosen)
+            self._wait_s = min(self._wait_s * 2, self.config.max_probe_every_s)
+        self._probe = []
+        self._next_probe = self._clock() + self._wait_s
+
+    def _set(self, threads: int) -> None:
+        if threads != self.threads:
+            self._apply(threads)
+            self.threads = threads

@@ -1,0 +1,120 @@
+"""engine/thread_governor.py: the steps' CPU thread count follows measured step times: down to one
+thread when a probe at one is faster per token (a core taken), back when the other count wins, never
+on prefill steps, and a probe that goes badly ends after one step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+from engine.thread_governor import GovernorConfig, ThreadGovernor
+
+from .helpers import make_engine
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def governor(**kw) -> tuple[ThreadGovernor, list[int], Clock]:
+    applied: list[int] = []
+    clock = Clock()
+    cfg = GovernorConfig(**{"high": 2, "probe_every_s": 1.0, "max_probe_every_s": 8.0, "probe_steps": 3,
+                            "baseline_steps": 4, **kw})  # fmt: skip
+    return ThreadGovernor(cfg, applied.append, clock), applied, clock
+
+
+def run(gov: ThreadGovernor, clock: Clock, ms_per_token: dict[int, float], steps: int, batch: int = 8) -> None:
+    """`steps` decode steps of `batch` tokens, each taking the per-token time of the current count."""
+    for _ in range(steps):
+        clock.t += 0.05
+        gov.observe(batch, 0, batch * ms_per_token[gov.threads] / 1e3)
+
+
+def test_a_taken_core_moves_the_steps_to_one_thread_and_a_freed_one_brings_them_back():
+    gov, applied, clock = governor()
+    run(gov, clock, {2: 3.0, 1: 4.0}, 60)  # quiet: two threads win every probe
+    assert gov.chosen == 2 and gov.probes >= 1 and gov.switches == 0 and applied[-1] == 2
+    run(gov, clock, {2: 40.0, 1: 5.0}, 60)  # a hog on one core: two threads are 8x slower
+    assert gov.chosen == 1 and gov.threads == 1 and gov.switches == 1
+    run(gov, clock, {2: 3.0, 1: 4.0}, 200)  # the hog is gone
+    assert gov.chosen == 2 and gov.threads == 2 and gov.switches == 2
+
+
+def test_a_confirming_probe_doubles_the_wait_up_to_the_cap():
+    gov, applied, clock = governor()
+    starts = []
+    for _ in range(4000):
+        before = gov.probes
+        run(gov, clock, {2: 3.0, 1: 4.0}, 1)
+        if gov.probes > before:
+            starts.append(clock.t)
+    gaps = [round(b - a, 2) for a, b in zip(starts, starts[1:], strict=False)]
+    assert gaps[:3] == sorted(gaps[:3]) and gaps[0] < gaps[2]  # 1 s, 2 s, 4 s (plus the probe's steps)
+    assert max(gaps) < 8.0 + 0.5 and gaps[-1] > 7.5  # capped at max_probe_every_s
+    assert gov.switches == 0 and gov.chosen == 2
+
+
+def test_a_bad_probe_ends_after_one_step():
+    gov, applied, clock = governor(high=2)
+    run(gov, clock, {2: 40.0, 1: 5.0}, 30)
+    assert gov.chosen == 1
+    probes, slow_steps = gov.probes, 0
+    for _ in range(400):
+        slow_steps += gov.threads == 2
+        run(gov, clock, {2: 40.0, 1: 5.0}, 1)
+    # every probe at two threads costs one slow step: the governor is back at one before the next step
+    assert gov.probes - probes >= 3 and slow_steps == gov.probes - probes
+    assert gov.threads == 1 and gov.chosen == 1
+
+
+def test_prefill_steps_and_small_margins_do_not_move_it():
+    gov, applied, clock = governor()
+    for _ in range(50):
+        clock.t += 0.05
+        gov.observe(0, 512, 5.0)  # a slow prefill step: ignored
+        gov.observe(4, 60, 5.0)  # a mixed one: ignored
+    assert gov.probes == 0 and applied == []
+    run(gov, clock, {2: 3.0, 1: 2.95}, 100)  # one thread under 5% faster: not worth a switch
+    assert gov.chosen == 2 and gov.switches == 0
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError, match="low < high"):
+        ThreadGovernor(GovernorConfig(high=1), lambda n: None)
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_engine_switches_threads_between_steps_and_output_is_unchanged(build_model, restore_threads):
+    """The real engine: a governor that probes at once switches torch's threads during generation
+    (seen in torch.get_num_threads at the switch); the greedy tokens equal a fixed-thread run's."""
+    path = build_model("tiny-llama")
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    fixed = make_engine(path, cpu_threads=2).generate([[11, 12, 13], [5, 6]], params)
+    engine = make_engine(path, cpu_threads=2, adaptive_threads=True)
+    assert engine.thread_governor is not None and engine.thread_governor.config.high == 2
+    seen: list[tuple[int, int]] = []
+
+    def apply(n: int) -> None:
+        torch.set_num_threads(n)
+        seen.append((n, torch.get_num_threads()))
+
+    cfg = GovernorConfig(high=2, probe_every_s=0.0, probe_steps=2, baseline_steps=2, margin=-10.0,
+                          abort_ratio=1e9)  # always switch
+    engine.thread_governor = ThreadGovernor(cfg, apply)
+    out = engine.generate([[11, 12, 13], [5, 6]], params)
+    assert [r.token_ids for r in out] == [r.token_ids for r in fixed]
+    assert (1, 1) in seen and (2, 2) in seen and engine.stats().cpu_thread_switches >= 2
+    assert engine.stats().cpu_threads == engine.thread_governor.threads
+    assert make_engine(path, cpu_threads=1, adaptive_threads=True).thread_governor is None  # nothing to choose
