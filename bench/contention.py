@@ -37,7 +37,7 @@ class Variant:
     whether the thread count adapts to measured step times (the server's default) or stays fixed."""
 
     threads: int
-    wait_policy: str
+    wait_policy: str  # PASSIVE, ACTIVE, SPIN=<GOMP_SPINCOUNT>, or '' (libgomp's default)
     fixed: bool = False
 
     @property
@@ -50,12 +50,13 @@ class Variant:
 
 
 def parse_variant(text: str) -> Variant:
-    """`2` (libgomp's default wait, adaptive), `2:fixed`, `2:PASSIVE:fixed`, `1:ACTIVE`."""
+    """`2` (libgomp's default wait, adaptive), `2:fixed`, `2:PASSIVE:fixed`, `1:ACTIVE`, `2:SPIN=30000000`."""
     threads, *rest = text.split(":")
-    policy = next((r.upper() for r in rest if r.upper() in ("PASSIVE", "ACTIVE")), "")
+    policy = next((r.upper() for r in rest if r.upper() in ("PASSIVE", "ACTIVE")
+                   or (r.upper().startswith("SPIN=") and r[5:].isdigit())), "")  # fmt: skip
     fixed = "fixed" in rest
     if not threads.isdigit() or int(threads) < 1 or len(rest) != bool(policy) + fixed:
-        raise argparse.ArgumentTypeError(f"variant must be THREADS[:PASSIVE|ACTIVE][:fixed], got {text!r}")
+        raise argparse.ArgumentTypeError(f"variant must be THREADS[:PASSIVE|ACTIVE|SPIN=N][:fixed], got {text!r}")
     return Variant(int(threads), policy, fixed)
 
 
@@ -69,7 +70,10 @@ def start_server(variant: Variant, extra: list[str], log: Path) -> tuple[subproc
     """The server on a free port, ready (/health 200) or SystemExit with its log's tail."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-    if variant.wait_policy:
+    env.pop("GOMP_SPINCOUNT", None)
+    if variant.wait_policy.startswith("SPIN="):
+        env["GOMP_SPINCOUNT"] = variant.wait_policy[5:]
+    elif variant.wait_policy:
         env["OMP_WAIT_POLICY"] = variant.wait_policy
     cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *variant.serve_args(), *extra]
     proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -165,7 +169,7 @@ def add_parser(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", type=parse_variant, nargs="+",
                    default=[parse_variant(v) for v in ("1", "2:fixed", "2:PASSIVE:fixed", "2")],
-                   help="THREADS[:PASSIVE|ACTIVE][:fixed] each; without `fixed` the server's adaptive thread "
+                   help="THREADS[:PASSIVE|ACTIVE|SPIN=N][:fixed] each (SPIN: GOMP_SPINCOUNT); without `fixed` the server's adaptive thread "
                    "count is on (default: 1 2:fixed 2:PASSIVE:fixed 2)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the tokenizer for the synthetic prompts")
     p.add_argument("--concurrency", type=int, default=8)
