@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from server.api import admin as routes_admin
 from server.api import feedback as routes_feedback
+from server.api import fleet as routes_fleet
 from server.api import generate as routes_generate
 from server.api import openai as routes_openai
 from server.api import ops as routes_ops
@@ -68,6 +69,7 @@ def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoad
     app.include_router(routes_responses.router)
     app.include_router(routes_tgi.router)
     app.include_router(routes_admin.router)
+    app.include_router(routes_fleet.router)
     # Added last = runs first: authentication before the body is read.
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, keys=settings.accepted_api_keys())
