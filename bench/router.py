@@ -140,13 +140,14 @@ def kv_events_available() -> bool:
 
 
 def kv_events_wiring(replicas: int) -> tuple[dict[int, list[str]], list[str]]:
-    """Per replica its --kv-events-config (vLLM's JSON: a ZMQ PUB endpoint), and those endpoints (the
-    router's --kv-event-source WORKER_URL=ENDPOINT, which Fleet adds once the URLs are known)."""
-    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(replicas)]
+    """Per replica its --kv-events-config (vLLM's JSON: a ZMQ PUB socket bound on a free port: vLLM binds
+    an endpoint with `*`), and the endpoints the router connects to (its --kv-event-source
+    WORKER_URL=ENDPOINT, which Fleet adds once the URLs are known)."""
+    ports = [free_port() for _ in range(replicas)]
     per = {i: ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                  "endpoint": e})]  # fmt: skip
-           for i, e in enumerate(endpoints)}
-    return per, endpoints
+                                                  "endpoint": f"tcp://*:{p}"})]  # fmt: skip
+           for i, p in enumerate(ports)}
+    return per, [f"tcp://127.0.0.1:{p}" for p in ports]
 
 
 def run_policy(policy: str, args: argparse.Namespace, model: str, work: Workload, log_dir: Path) -> dict[str, Any]:

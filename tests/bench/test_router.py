@@ -11,7 +11,7 @@ import pytest
 
 from bench.cli import main
 from bench.fleet import router_binary
-from bench.router import build_workload
+from bench.router import build_workload, kv_events_wiring
 
 
 def test_workload_is_seeded_and_shares_one_prefix_per_tenant():
@@ -45,3 +45,14 @@ def test_a_short_run_reports_every_policy(build_model, tmp_path):
         assert 0 < row["hit_rate"] < 1  # the shared system prompts hit; the first of each does not
         assert row["ttft_p50_s"] <= row["ttft_p99_s"] and row["requests_per_s"] > 0
     assert all(p["requests"] > 0 for p in rows["round_robin"]["per_replica"])
+
+
+def test_kv_events_wiring_binds_on_each_replica_and_connects_the_router():
+    per, endpoints = kv_events_wiring(2)
+    assert sorted(per) == [0, 1] and len(set(endpoints)) == 2
+    for i, endpoint in enumerate(endpoints):
+        flag, config = per[i]
+        cfg = json.loads(config)
+        assert flag == "--kv-events-config" and cfg["enable_kv_cache_events"] and cfg["publisher"] == "zmq"
+        # vLLM binds an endpoint with `*` and connects to any other: the replica binds, the router connects
+        assert cfg["endpoint"] == endpoint.replace("127.0.0.1", "*")
