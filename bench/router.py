@@ -152,7 +152,7 @@ def kv_events_wiring(replicas: int) -> tuple[dict[int, list[str]], list[str]]:
 
 def run_policy(policy: str, args: argparse.Namespace, model: str, work: Workload, log_dir: Path) -> dict[str, Any]:
     replica_args = ["--device", "cpu", "--engine-threads", str(args.engine_threads), "--log-level", "warning",
-                    "--max-num-seqs", str(args.max_num_seqs),
+                    "--max-num-seqs", str(args.max_num_seqs), "--block-size", str(args.block_size),
                     *(["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else [])]  # fmt: skip
     per: dict[int, list[str]] = {}
     endpoints: list[str] = []
@@ -251,7 +251,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     p.add_argument("--max-num-seqs", type=int, default=8, help="each replica's max_num_seqs")
     p.add_argument("--kv-cache-memory", default=None, help="each replica's KV budget (e.g. 256MiB); default: the server's")
-    p.add_argument("--block-size", type=int, default=16, help="KV block size the router assumes for kv_aware events")
+    p.add_argument("--block-size", type=int, default=32,
+                   help="each replica's KV block size (the CPU default), which kv_aware's router is told too")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="bench-results/router", help="router.json and the processes' logs")
     p.set_defaults(func=run)
