@@ -130,7 +130,9 @@ class Fleet:
                 "--worker-urls", *(r.url for r in self.replicas),
                 "--health-check-interval-secs", str(cfg.health_interval_s), "--health-failure-threshold", "1",
                 "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
-                "--worker-startup-check-interval", "1", "--log-level", "warning", *cfg.router_args]  # fmt: skip
+                "--worker-startup-check-interval", "1", "--log-level", "warning",
+                # its own metrics exporter: a free port, not the default 29000 another router may hold
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *cfg.router_args]  # fmt: skip
         for replica, endpoint in zip(self.replicas, cfg.kv_event_endpoints, strict=False):
             args += ["--kv-event-source", f"{replica.url}={endpoint}"]
         self.router = _spawn("router", f"http://127.0.0.1:{port}", args, cfg.log_dir, env)

@@ -159,7 +159,8 @@ def run_policy(policy: str, args: argparse.Namespace, model: str, work: Workload
     router_args: list[str] = []
     if policy == "kv_aware":
         per, endpoints = kv_events_wiring(args.replicas)
-        router_args = ["--kv-event-block-size", str(args.block_size)]
+        # the router tokenizes each request itself (the model folder's tokenizer) and hashes its blocks
+        router_args = ["--kv-event-block-size", str(args.block_size), "--kv-event-model", model]
     cfg = FleetConfig(model=model, replicas=1 if policy == "single" else args.replicas,
                       policy="round_robin" if policy == "single" else policy, replica_args=replica_args,
                       router_args=router_args, log_dir=log_dir / policy, per_replica_args=per,
