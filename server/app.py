@@ -29,7 +29,8 @@ from server.http.error_log import ErrorLogMiddleware
 from server.http.errors import InternalErrorMiddleware, install_error_handlers
 from server.ops.connection_metrics import ConnectionCollector
 from server.ops.feedback import FeedbackStore
-from server.serving.loading import VersionLoader, build_engine, initial_versions, load_version
+from server.ops.kv_events_metrics import KVEventsCollector
+from server.serving.loading import VersionLoader, build_engine, initial_versions, load_version, open_kv_events
 from server.serving.runtime import Runtime
 
 
@@ -40,23 +41,31 @@ def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoad
     real engine, from the version's path with these settings). The app owns every engine from then on."""
     if engine is None:
         settings = with_default_model(settings)
-    load = loader or functools.partial(load_version, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        initial = await initial_versions(settings, engine, load, build_engine)
-        feedback = await asyncio.to_thread(FeedbackStore.open, settings.feedback_db) if settings.feedback_db else None
-        runtime = Runtime(settings, initial, load, feedback)
-        del initial  # the workers own the engines: nothing else may keep one alive once its version unloads
-        app.state.runtime = runtime
-        guard = getattr(app.state, "connection_guard", None)  # set by GuardedServer
-        if guard is not None:
-            runtime.metrics.registry.register(ConnectionCollector(guard))
-        runtime.start()
+        kv_events = open_kv_events(settings)  # before any engine: each one publishes into it
+        load = loader or functools.partial(load_version, settings, kv_events=kv_events)
+        build = functools.partial(build_engine, kv_events=kv_events)
         try:
-            yield
+            initial = await initial_versions(settings, engine, load, build)
+            feedback = await asyncio.to_thread(FeedbackStore.open, settings.feedback_db) if settings.feedback_db else None
+            runtime = Runtime(settings, initial, load, feedback)
+            del initial  # the workers own the engines: nothing else may keep one alive once its version unloads
+            app.state.runtime = runtime
+            guard = getattr(app.state, "connection_guard", None)  # set by GuardedServer
+            if guard is not None:
+                runtime.metrics.registry.register(ConnectionCollector(guard))
+            if kv_events is not None:
+                runtime.metrics.registry.register(KVEventsCollector(kv_events.stats))
+            runtime.start()
+            try:
+                yield
+            finally:
+                await runtime.close()
         finally:
-            await runtime.close()
+            if kv_events is not None:
+                await asyncio.to_thread(kv_events.close)
 
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
