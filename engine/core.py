@@ -246,6 +246,10 @@ class EngineCore:
             return
         events = self.block_manager.take_events()
         if self._kv_resync:
+            if not self._kv_sink.has_room():  # still full: this step's events are lost too (and counted)
+                if events:
+                    self._kv_sink.publish(events)
+                return
             events = self.block_manager.snapshot_events()
         if events:
             self._kv_resync = not self._kv_sink.publish(events)

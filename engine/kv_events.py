@@ -78,6 +78,11 @@ class KVEventSink(Protocol):
         its whole cache, engine/core.py), True: it will be delivered (as far as the transport does)."""
         ...
 
+    def has_room(self) -> bool:
+        """Whether a batch published now would be taken (cheap; the engine checks it before building
+        a whole-cache batch, so a stuck consumer never makes every step pay for one)."""
+        ...
+
     def stats(self) -> KVEventsStats:
         """A snapshot of the counters (safe to call from any thread)."""
         ...

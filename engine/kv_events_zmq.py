@@ -123,6 +123,9 @@ class ZmqEventPublisher:
             self._dropped_events += len(events)
         return False
 
+    def has_room(self) -> bool:
+        return self._running and not self._queue.full()
+
     def stats(self) -> KVEventsStats:
         return KVEventsStats(batches_published=self._sent_batches, events_published=self._sent_events,
                              batches_dropped=self._dropped_batches, events_dropped=self._dropped_events,

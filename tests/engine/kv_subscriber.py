@@ -1,6 +1,7 @@
 """A KV-events consumer for tests: a ZMQ SUB socket that decodes every batch with msgspec Structs
 declared the way vLLM declares them (vllm/distributed/kv_events.py: array_like, tag=True,
-omit_defaults), and rebuilds the publisher's set of cached block hashes from the events."""
+omit_defaults; the fields of the releases between `lora_name`, vllm#27577, and `extra_keys`, vllm#33304),
+and rebuilds the publisher's set of cached block hashes from the events."""
 
 from __future__ import annotations
 
@@ -32,14 +33,11 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int]
     medium: str | None
-    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):

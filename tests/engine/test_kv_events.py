@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
 import pytest
+import zmq
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine import kv_events as ours
 from engine.kv_events_config import KVEventsConfig
-from engine.kv_events_zmq import ZmqEventPublisher
+from engine.kv_events_zmq import ZmqEventPublisher, encode_batch
 
+from . import kv_subscriber as vllm
 from .kv_subscriber import DECODER, AllBlocksCleared, BlockRemoved, BlockStored, Subscriber, replay
 
 BLOCK = 4
@@ -53,6 +57,16 @@ def prompts_with_shared_prefixes() -> list[list[int]]:
     """Three system prompts (21, 13 and 9 tokens: whole blocks and a partial one), four users each."""
     systems = [[10 + (i * 7) % 500 for i in range(21)], [600 + i for i in range(13)], [300 + 3 * i for i in range(9)]]
     return [sys + [700 + 11 * u + j for j in range(3 + u)] for sys in systems for u in range(4)]
+
+
+def test_the_encoding_is_byte_for_byte_vllm_s():
+    """Our msgpack equals msgspec's encoding of vLLM's own Structs for the same batch."""
+    events = [ours.BlockStored([1, 2**64 - 1], 7, list(range(8)), 4), ours.BlockStored([3], None, [9] * 4, 4),
+              ours.BlockRemoved([1, 3]), ours.AllBlocksCleared()]  # fmt: skip
+    theirs = [vllm.BlockStored([1, 2**64 - 1], 7, list(range(8)), 4, None, "GPU", None),
+              vllm.BlockStored([3], None, [9] * 4, 4, None, "GPU", None), vllm.BlockRemoved([1, 3], "GPU"),
+              vllm.AllBlocksCleared()]  # fmt: skip
+    assert encode_batch(1712345678.25, events) == msgspec.msgpack.encode(vllm.KVEventBatch(1712345678.25, theirs, 0))
 
 
 def test_events_rebuild_the_prefix_cache_exactly(tiny, publisher, sub):
@@ -174,3 +188,22 @@ def test_a_full_queue_drops_counts_and_the_engine_resyncs(tiny):
             sub.close()
     finally:
         pub.close()
+
+
+def test_a_publisher_without_a_wildcard_connects_to_a_bound_consumer(tiny):
+    """vLLM's rule: `tcp://host:port` is connected to (the consumer binds). What it sends before the
+    connection is up is lost (ZMQ), which a consumer recovers from the replay socket; after it, the
+    stream is the same."""
+    sub = Subscriber("tcp://127.0.0.1:*", bind=True)
+    endpoint = sub.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    pub = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint))
+    try:
+        assert pub.endpoint == endpoint
+        sub.sync(pub)
+        engine = make_engine(tiny, pub)
+        engine.generate(prompts_with_shared_prefixes()[:3], greedy(2))
+        sub.drain(pub)
+        assert sub.state == engine.block_manager.cached_hashes() != set()
+    finally:
+        pub.close()
+        sub.close()
