@@ -1,7 +1,8 @@
 """KV-cache events configuration, as vLLM spells it (`--kv-events-config '<json>'`).
 
-Same fields, defaults and meaning as vLLM's `vllm/config/kv_events.py` `KVEventsConfig`; a JSON object
-with any other key, or a value of the wrong type, is refused with the key's name.
+Same fields, defaults and meaning as vLLM's `vllm/config/kv_events.py` `KVEventsConfig`, plus
+`encoding` (the event layout, for consumers of older vLLM releases); a JSON object with any other key,
+or a value of the wrong type, is refused with the key's name.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 PUBLISHERS = ("null", "zmq")
+ENCODINGS = ("map", "array")  # engine/kv_events_zmq.py
 
 
 @dataclass(frozen=True)
@@ -25,12 +27,18 @@ class KVEventsConfig:
     hwm: int = 100_000  # ZMQ high-water mark of the PUB socket (messages per subscriber before ZMQ drops)
     max_queue_size: int = 100_000  # batches waiting for the sender thread; a step's batch past this is dropped
     topic: str = ""  # first frame of every published message (subscribers filter on its prefix)
+    # tokenmill's own key: how events are laid out. "map": vLLM's current layout, each event a map tagged
+    # by "type" (what vllm-router 0.1.17 decodes); "array": the positional layout of vLLM releases whose
+    # events were msgspec array_like (older consumers, llm-d's positional decoder)
+    encoding: str = "map"
 
     def __post_init__(self) -> None:
         if self.publisher is None:
             object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
         if not isinstance(self.enable_kv_cache_events, bool):
             raise ValueError(f"enable_kv_cache_events must be a bool, got {self.enable_kv_cache_events!r}")
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {ENCODINGS}, got {self.encoding!r}")
         if self.publisher not in PUBLISHERS:
             raise ValueError(f"publisher must be one of {PUBLISHERS}, got {self.publisher!r}")
         for name in ("endpoint", "topic"):

@@ -1,10 +1,16 @@
 """KV-cache events on the wire, as vLLM's `ZmqEventPublisher` sends them (imports zmq and msgpack only).
 
 Messages: a ZMQ PUB multipart `[topic, seq, payload]`, `seq` an 8-byte big-endian counter from 0 (one
-per batch = one engine step), `payload` msgpack of vLLM's `EventBatch` in msgspec's `array_like` form
-(positional arrays, `tag=True` puts the class name first):
+per batch = one engine step), `payload` msgpack of vLLM's `EventBatch`, positional (msgspec
+`array_like`), its events tagged msgspec Structs:
 
     EventBatch       [ts: float, events: [...], data_parallel_rank: int]
+    encoding "map" (vLLM's current layout; vllm-router 0.1.17 decodes it):
+    BlockStored      {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+                      "block_size", "lora_id", "medium", "lora_name"}
+    BlockRemoved     {"type": "BlockRemoved", "block_hashes", "medium"}
+    AllBlocksCleared {"type": "AllBlocksCleared"}
+    encoding "array" (vLLM releases whose events were array_like too; positional decoders):
     BlockStored      ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
                       lora_id, medium, lora_name]
     BlockRemoved     ["BlockRemoved", block_hashes, medium]
@@ -40,21 +46,27 @@ _POLL_S = 0.05  # the sender thread's longest wait for a batch (it also answers 
 _CLOSE_GRACE_S = 1.0  # close(): time left to send what is queued
 
 
-def encode_event(event: KVCacheEvent) -> list:
-    """One event as vLLM's msgspec array_like + tag encoding lays it out."""
+def encode_event(event: KVCacheEvent, encoding: str = "map") -> dict | list:
+    """One event as msgspec lays out vLLM's Struct: a map tagged by "type" (fields in declaration order,
+    defaults omitted), or with `encoding="array"` a positional array whose first item is the tag."""
     if isinstance(event, BlockStored):
-        return ["BlockStored", event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
-                event.lora_id, event.medium, event.lora_name]  # fmt: skip
-    if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", event.block_hashes, event.medium]
-    if isinstance(event, AllBlocksCleared):
-        return ["AllBlocksCleared"]
-    raise TypeError(f"not a KV-cache event: {event!r}")
+        fields = {"block_hashes": event.block_hashes, "parent_block_hash": event.parent_block_hash,
+                  "token_ids": event.token_ids, "block_size": event.block_size, "lora_id": event.lora_id,
+                  "medium": event.medium, "lora_name": event.lora_name}  # fmt: skip
+    elif isinstance(event, BlockRemoved):
+        fields = {"block_hashes": event.block_hashes, "medium": event.medium}
+    elif isinstance(event, AllBlocksCleared):
+        fields = {}
+    else:
+        raise TypeError(f"not a KV-cache event: {event!r}")
+    tag = type(event).__name__
+    return [tag, *fields.values()] if encoding == "array" else {"type": tag, **fields}
 
 
-def encode_batch(ts: float, events: Sequence[KVCacheEvent], data_parallel_rank: int = 0) -> bytes:
+def encode_batch(ts: float, events: Sequence[KVCacheEvent], data_parallel_rank: int = 0,
+                 encoding: str = "map") -> bytes:  # fmt: skip
     """vLLM's EventBatch(ts, events, data_parallel_rank) as msgpack bytes."""
-    return msgpack.packb([ts, [encode_event(e) for e in events], data_parallel_rank], use_bin_type=True)
+    return msgpack.packb([ts, [encode_event(e, encoding) for e in events], data_parallel_rank], use_bin_type=True)
 
 
 def binds(endpoint: str) -> bool:
@@ -165,7 +177,7 @@ class ZmqEventPublisher:
             if item is None:
                 return
             ts, events = item
-            payload = encode_batch(ts, events, self._rank)
+            payload = encode_batch(ts, events, self._rank, self.config.encoding)
             try:
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
             except zmq.Again:  # a connected PUB with no peer yet; the batch stays replayable

@@ -1,7 +1,6 @@
 """A KV-events consumer for tests: a ZMQ SUB socket that decodes every batch with msgspec Structs
-declared the way vLLM declares them (vllm/distributed/kv_events.py: array_like, tag=True,
-omit_defaults; the fields of the releases between `lora_name`, vllm#27577, and `extra_keys`, vllm#33304),
-and rebuilds the publisher's set of cached block hashes from the events."""
+declared the way vLLM declares them, and rebuilds the publisher's set of cached block hashes from the
+events."""
 
 from __future__ import annotations
 
@@ -14,14 +13,16 @@ import zmq
 from engine.kv_events_zmq import END_SEQ
 
 
-# -- vLLM's event classes, as a consumer declares them (field order is the wire's positional order) -------
+# -- vLLM's event classes, as a consumer declares them (vllm/distributed/kv_events.py). The batch is
+# array_like; the events are tagged Structs encoded as maps ({"type": ..., fields}), the layout
+# vllm-router 0.1.17 decodes. Fields of the releases between `lora_name` (vllm#27577) and `extra_keys`.
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -49,6 +50,34 @@ class KVEventBatch(EventBatch):
 
 
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+
+# -- the same classes with array_like events (vLLM's earlier layout; `"encoding": "array"`) --------------
+class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class ArrayBlockStored(ArrayEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class ArrayBlockRemoved(ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class ArrayAllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class ArrayKVEventBatch(EventBatch):
+    events: list[ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared]
 
 
 class CacheView:

@@ -59,14 +59,44 @@ def prompts_with_shared_prefixes() -> list[list[int]]:
     return [sys + [700 + 11 * u + j for j in range(3 + u)] for sys in systems for u in range(4)]
 
 
+EVENTS = [ours.BlockStored([1, 2**64 - 1], 7, list(range(8)), 4), ours.BlockStored([3], None, [9] * 4, 4),
+          ours.BlockRemoved([1, 3]), ours.AllBlocksCleared()]  # fmt: skip
+
+
 def test_the_encoding_is_byte_for_byte_vllm_s():
-    """Our msgpack equals msgspec's encoding of vLLM's own Structs for the same batch."""
-    events = [ours.BlockStored([1, 2**64 - 1], 7, list(range(8)), 4), ours.BlockStored([3], None, [9] * 4, 4),
-              ours.BlockRemoved([1, 3]), ours.AllBlocksCleared()]  # fmt: skip
-    theirs = [vllm.BlockStored([1, 2**64 - 1], 7, list(range(8)), 4, None, "GPU", None),
-              vllm.BlockStored([3], None, [9] * 4, 4, None, "GPU", None), vllm.BlockRemoved([1, 3], "GPU"),
-              vllm.AllBlocksCleared()]  # fmt: skip
-    assert encode_batch(1712345678.25, events) == msgspec.msgpack.encode(vllm.KVEventBatch(1712345678.25, theirs, 0))
+    """Our msgpack equals msgspec's encoding of vLLM's own Structs for the same batch, in both layouts."""
+    maps = [vllm.BlockStored([1, 2**64 - 1], 7, list(range(8)), 4, None, "GPU", None),
+            vllm.BlockStored([3], None, [9] * 4, 4, None, "GPU", None), vllm.BlockRemoved([1, 3], "GPU"),
+            vllm.AllBlocksCleared()]  # fmt: skip
+    ts = 1712345678.25
+    assert encode_batch(ts, EVENTS) == msgspec.msgpack.encode(vllm.KVEventBatch(ts, maps, 0))
+    arrays = [vllm.ArrayBlockStored([1, 2**64 - 1], 7, list(range(8)), 4, None, "GPU", None),
+              vllm.ArrayBlockStored([3], None, [9] * 4, 4, None, "GPU", None),
+              vllm.ArrayBlockRemoved([1, 3], "GPU"), vllm.ArrayAllBlocksCleared()]  # fmt: skip
+    assert encode_batch(ts, EVENTS, encoding="array") == msgspec.msgpack.encode(vllm.ArrayKVEventBatch(ts, arrays, 0))
+    assert msgspec.msgpack.decode(encode_batch(ts, EVENTS[3:]))[1] == [{"type": "AllBlocksCleared"}]
+
+
+def test_the_array_encoding_is_published_when_asked():
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:*", encoding="array")
+    pub = ZmqEventPublisher(config)
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(pub.endpoint)
+        decoder = msgspec.msgpack.Decoder(type=vllm.ArrayKVEventBatch)
+        got: list = []
+        for _ in range(200):  # until the subscription is live and one batch of EVENTS arrived
+            pub.publish(EVENTS)
+            if sock.poll(50):
+                got = decoder.decode(sock.recv_multipart()[2]).events
+                break
+        assert [type(e).__name__ for e in got] == ["ArrayBlockStored"] * 2 + ["ArrayBlockRemoved", "ArrayAllBlocksCleared"]
+        assert got[0].block_hashes == [1, 2**64 - 1] and got[0].token_ids == list(range(8))
+    finally:
+        ctx.destroy(linger=0)
+        pub.close()
 
 
 def test_events_rebuild_the_prefix_cache_exactly(tiny, publisher, sub):
