@@ -9,10 +9,11 @@ from collections.abc import Sequence
 
 import httpx
 import pytest
+import zmq
 from pydantic import ValidationError
 
 from engine.kv_events import BlockRemoved, KVCacheEvent, KVEventsStats
-from server.cli import build_parsers
+from server.cli import build_parsers, main
 from server.config.flags import parse_settings
 from server.config.vllm_flags import flag_problems
 
@@ -39,9 +40,24 @@ def test_flag_parses_vllm_json_and_names_bad_fields(monkeypatch):
                       ('{"publisher": "kafka"}', "kv_events_config.publisher"),
                       ('{"buffer_steps": 0}', "kv_events_config.buffer_steps"),
                       ('{"enable_kv_cache_events": "yes"}', "kv_events_config.enable_kv_cache_events"),
+                      ('{"encoding": "cbor"}', "kv_events_config.encoding"),
                       ("[1]", "must be a JSON object")):  # fmt: skip
         with pytest.raises(ValidationError, match=word):
             parse_settings(["--kv-events-config", bad])
+
+
+def test_serve_refuses_an_endpoint_it_cannot_bind_before_loading(capsys):
+    ctx = zmq.Context()
+    try:
+        taken = ctx.socket(zmq.PUB)
+        taken.bind("tcp://127.0.0.1:*")
+        port = taken.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+        config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"})
+        assert main(["serve", "/no/such/model", "--kv-events-config", config]) == 2
+        err = capsys.readouterr().err
+        assert f"tcp://*:{port}" in err and "cannot open" in err
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_served_engine_publishes_its_prefix_cache(tiny_model_path):
