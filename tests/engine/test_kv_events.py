@@ -12,10 +12,13 @@ import zmq
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine import kv_events as ours
+from engine.block_manager import BlockManager
 from engine.kv_events_config import KVEventsConfig
 from engine.kv_events_zmq import ZmqEventPublisher, encode_batch
+from engine.request import Request
 
 from . import kv_subscriber as vllm
+from .factories import make_request
 from .kv_subscriber import DECODER, AllBlocksCleared, BlockRemoved, BlockStored, Subscriber, replay
 
 BLOCK = 4
@@ -237,3 +240,38 @@ def test_a_publisher_without_a_wildcard_connects_to_a_bound_consumer(tiny):
     finally:
         pub.close()
         sub.close()
+
+
+# -- the block manager alone (no model): what it records --------------------------------------------------
+def _registered(bm: BlockManager, tokens: list[int]) -> Request:
+    req = make_request("r" + str(tokens[0]), len(tokens), tokens=tokens)
+    bm.acquire_cached_prefix(req, bm.find_cached_prefix(req))
+    assert bm.allocate(req, req.num_tokens - req.num_computed_tokens)
+    req.num_computed_tokens = req.num_tokens
+    bm.register_computed_blocks(req)
+    return req
+
+
+def test_a_snapshot_replays_to_the_cache_with_parents_first():
+    bm = BlockManager(16, BLOCK, record_events=True, event_hash_salt=12345)
+    a = _registered(bm, list(range(1, 13)))  # 3 blocks
+    b = _registered(bm, list(range(1, 9)) + [50, 51, 52, 53, 60])  # shares 2, adds 1 (+ a partial)
+    stored = [e for e in bm.take_events() if isinstance(e, ours.BlockStored)]
+    assert [len(e.block_hashes) for e in stored] == [3, 1]  # b's run starts after its cached prefix
+    assert stored[1].parent_block_hash == stored[0].block_hashes[1]
+    view = vllm.CacheView()
+    snapshot = bm.snapshot_events()
+    view.apply(DECODER.decode(encode_batch(0.0, snapshot)))  # strict: every parent before its child
+    assert view.state == bm.cached_hashes() and len(view.state) == 4
+    assert bm.take_events() == []  # a snapshot records nothing
+    assert not bm.reset_prefix_cache()  # blocks are held: nothing changes
+    bm.free(a)
+    bm.free(b)
+    assert bm.reset_prefix_cache() and bm.cached_hashes() == set()
+    assert bm.take_events() == [ours.AllBlocksCleared()]
+
+
+def test_nothing_is_recorded_without_record_events():
+    bm = BlockManager(16, BLOCK)
+    _registered(bm, list(range(1, 13)))
+    assert bm.take_events() == [] and len(bm.cached_hashes()) == 3
