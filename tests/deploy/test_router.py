@@ -6,7 +6,9 @@ the registry (the `router` extra), on loopback, as processes (bench/fleet.py):
   the other replica's finish, and every new request is answered by the survivor;
 - a replica sent SIGTERM drains: the router takes it out of rotation (its health checks read
   tokenmill's readiness, 503 while draining) while the replica still finishes its streams, every request
-  sent meanwhile is answered by the other, and the replica exits 0.
+  sent meanwhile is answered by the other, and the replica exits 0;
+- kv_aware with the replicas' KV-cache events (--kv-events-config): requests sharing a prefix go to the
+  replica that computed it, which the router learned only from that replica's events.
 
 Skipped, with the reason, when vllm-router is not installed or cannot run here; under CI that fails.
 """
@@ -189,3 +191,42 @@ def test_a_draining_replica_leaves_the_rotation_before_it_exits(router_ok, tiny_
             assert s.done and s.error is None, s.error
         assert leaving.proc.wait(timeout=60) == 0
         assert served(staying.url) == before + answered + 4
+
+
+def prefix_hits(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prefix_cache_hits_total"))  # fmt: skip
+
+
+def test_kv_aware_sends_a_shared_prefix_to_the_replica_that_holds_it(router_ok, tiny_model, tmp_path):
+    """The replicas publish KV-cache events (--kv-events-config), the router subscribes (kv_aware). Two
+    long prefixes are computed on one replica each, sent there directly (the router never saw them):
+    the requests through the router that share a prefix all go to the replica that holds it, and find
+    it there (its prefix-hit counter grows by the prefix for each)."""
+    from bench.router import kv_events_wiring
+
+    per, endpoints = kv_events_wiring(2)
+    cfg = FleetConfig(model=tiny_model, policy="kv_aware", replica_args=(*REPLICA_ARGS, "--block-size", "16"),
+                      per_replica_args=per, kv_event_endpoints=endpoints, log_dir=tmp_path,
+                      router_args=("--kv-event-block-size", "16", "--kv-event-model", tiny_model))  # fmt: skip
+    prefixes = [" ".join(f"{name}{i} costs {i * 7 % 13} coins;" for i in range(60)) for name in ("apple", "pear")]
+    with Fleet(cfg) as f:
+        sizes = []
+        for prefix, replica in zip(prefixes, reversed(f.replicas), strict=True):  # pear on replica 0
+            r = httpx.post(f"{replica.url}/v1/completions", timeout=60,
+                           json={"model": MODEL, "prompt": prefix + " total?", "max_tokens": 2})  # fmt: skip
+            sizes.append(r.json()["usage"]["prompt_tokens"])
+        assert min(sizes) > 200
+        hits = [prefix_hits(r.url) for r in f.replicas]
+        count = [served(r.url) for r in f.replicas]
+        time.sleep(1.0)  # the events reach the router (ZMQ, one batch per engine step)
+        for i in range(3):
+            for prefix in prefixes:
+                r = httpx.post(f"{f.url}/v1/completions", timeout=60,
+                               json={"model": MODEL, "prompt": prefix + f" question {i}?", "max_tokens": 2})  # fmt: skip
+                assert r.status_code == 200, r.text
+        assert [served(r.url) - c for r, c in zip(f.replicas, count, strict=True)] == [3, 3]
+        for replica, before, size in zip(reversed(f.replicas), reversed(hits), sizes, strict=True):
+            # each of its 3 requests found the prefix's full blocks but the last one or two
+            assert prefix_hits(replica.url) - before >= 3 * (size // 16 - 2) * 16
