@@ -158,3 +158,29 @@ def test_the_router_policy_comes_from_the_environment(compose):
     stack = resolve(compose, ("-f", "docker-compose.yml"), env={**ENV, "TOKENMILL_ROUTER_POLICY": "round_robin"})
     cmd = stack["services"]["router"]["command"]
     assert cmd[cmd.index("--policy") + 1] == "round_robin"
+
+
+KV = ("-f", "docker-compose.yml", "-f", "docker-compose.kv-events.yml")
+
+
+def test_the_kv_events_override_runs_the_router_on_kv_aware(compose):
+    stack = resolve(compose, KV)
+    env = {name: stack["services"][name]["environment"] for name in ("tokenmill", "tokenmill-2")}
+    for e in env.values():
+        cfg = ServerSettings(kv_events_config=e["TOKENMILL_KV_EVENTS_CONFIG"], block_size=int(e["TOKENMILL_BLOCK_SIZE"]))
+        assert cfg.kv_events().enable_kv_cache_events and cfg.kv_events().endpoint == "tcp://*:5557"
+        assert e["TOKENMILL_MODEL"] == ENV["TOKENMILL_MODEL"]  # the base file's settings still pass through
+    router = stack["services"]["router"]
+    cmd = router["command"]
+    assert cmd[cmd.index("--policy") + 1] == "kv_aware"
+    sources = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--kv-event-source"]
+    assert sources == ["http://tokenmill:8000=tcp://tokenmill:5557", "http://tokenmill-2:8000=tcp://tokenmill-2:5557"]
+    assert cmd[cmd.index("--kv-event-block-size") + 1] == env["tokenmill"]["TOKENMILL_BLOCK_SIZE"]
+    # the router reads the tokenizer from the replicas' model folder, mounted at the same path
+    assert cmd[cmd.index("--kv-event-model") + 1] == ENV["TOKENMILL_MODEL"]
+    assert any(v.endswith(":/models:ro") for v in router["volumes"])
+
+
+def test_the_kv_events_override_needs_a_model_folder(compose):
+    proc = config(compose, "--profile", "replicas", env={}, files=KV)
+    assert proc.returncode != 0 and "kv_aware needs TOKENMILL_MODEL" in proc.stderr

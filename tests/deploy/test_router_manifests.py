@@ -124,3 +124,12 @@ def test_inferencepool_selects_the_tokenmill_pods_and_names_the_picker():
     rules = objs["Role/tokenmill-epp"]["rules"]
     assert {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
             "verbs": ["get", "list", "watch"]} in rules  # fmt: skip
+
+
+def test_compose_kv_events_router_arguments_parse():
+    compose = yaml.safe_load((REPO / "docker-compose.kv-events.yml").read_text())["services"]["router"]
+    cmd = [a if not a.startswith("${TOKENMILL_MODEL") else "/models/m" for a in compose["command"]]
+    args = parse_router(cmd)
+    assert args.policy == "kv_aware" and args.kv_event_block_size == 16 and args.kv_event_model == "/models/m"
+    assert args.kv_event_source == ["http://tokenmill:8000=tcp://tokenmill:5557",
+                                    "http://tokenmill-2:8000=tcp://tokenmill-2:5557"]  # fmt: skip
