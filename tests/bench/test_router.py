@@ -1,5 +1,5 @@
 """bench router: the workload's shape on its own, and one short end-to-end run (two tiny-llama replicas
-behind the real vllm-router, round_robin and cache_aware, plus the single-replica reference). No timing
+behind the real vllm-router, round_robin, cache_aware and kv_aware, plus the single-replica reference). No timing
 assertions: the report's accounting (every request answered, hits <= lookups, each replica's requests
 adding up) is what is checked."""
 
@@ -32,14 +32,14 @@ def test_a_short_run_reports_every_policy(build_model, tmp_path):
         pytest.skip(message)
     model = build_model("tiny-llama")
     out = tmp_path / "out"
-    rc = main(["router", "--model", str(model), "--policies", "single,round_robin,cache_aware", "--tenants", "2",
+    rc = main(["router", "--model", str(model), "--policies", "single,round_robin,cache_aware,kv_aware", "--tenants", "2",
                "--system-tokens", "120", "--users", "4", "--questions", "2", "--max-tokens", "3",
                "--concurrency", "2", "--out-dir", str(out)])  # fmt: skip
     assert rc == 0
     report = json.loads((out / "router.json").read_text())
     assert report["workload"]["requests"] == 8 and 80 <= report["workload"]["system_prompt_tokens"] <= 160
     rows = {r["policy"]: r for r in report["results"]}
-    assert list(rows) == ["single", "round_robin", "cache_aware"]
+    assert list(rows) == ["single", "round_robin", "cache_aware", "kv_aware"]
     for policy, row in rows.items():
         assert row["ok"] == row["requests"] == 8, row["errors"]
         assert row["replicas"] == (1 if policy == "single" else 2)
