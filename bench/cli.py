@@ -3,7 +3,7 @@
 Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
 and sets `func(args) -> int`. Today: `offline`, `floor`, `quality`, `gemv`, `fused`, `load` (HTTP load test), `sweep`, `contention`,
 `priority`, `long-prompt`, `startup`, `swap` (model version swap under load, response cache latency),
-`structured` (what structured outputs cost in throughput and TTFT).
+`structured` (what structured outputs cost in throughput and TTFT), `router` (replicas behind vllm-router, per policy).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from bench import (
     offline,
     priority,
     quality,
+    router,
     spec,
     startup,
     structured,
@@ -48,6 +49,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     structured.add_parser(subparsers)
     spec.add_parser(subparsers)
     contention.add_parser(subparsers)
+    router.add_parser(subparsers)
     return parser
 
 

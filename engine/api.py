@@ -232,3 +232,8 @@ class EngineProtocol(Protocol):
     def device_memory(self) -> dict[str, int] | None:
         """Device memory in bytes (`used_bytes`, `total_bytes`, ...) on CUDA; None on the CPU."""
         ...
+
+    def retire_kv_events(self) -> None:
+        """The engine's last call (its version unloads, its worker ends): publish the removal of every
+        block it still caches (engine/kv_events.py); a no-op without KV events."""
+        ...

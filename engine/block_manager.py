@@ -5,6 +5,11 @@ cache). A *full* block whose K/V are computed is registered under a chained hash
 hash(parent_hash, its token ids); a later request whose prompt starts with the same tokens reuses it.
 Free blocks that still hold a registered prefix stay findable until they are evicted; eviction
 takes the least recently freed block first.
+
+With `record_events`, every change to the set of findable blocks is recorded as a KV-cache event
+(engine/kv_events.py): registered -> BlockStored, evicted -> BlockRemoved, reset -> AllBlocksCleared;
+the engine takes them once per step (`take_events`). Replaying them in order rebuilds exactly
+`cached_hashes()`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
 from engine.request import Request
 
 
@@ -22,6 +28,7 @@ class Block:
     ref_count: int = 0
     block_hash: int | None = None  # set once the block is full, computed and registered
     token_ids: tuple[int, ...] = field(default_factory=tuple)  # compared on a hash hit
+    parent_hash: int | None = None  # hash of the block before it in its sequence (KV events name it)
 
 
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -29,7 +36,16 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        record_events: bool = False,
+        event_hash_salt: int = 0,
+    ) -> None:
+        """`record_events`: keep KV events for take_events(); `event_hash_salt`: mixed into the hashes
+        they carry (engine/kv_events.py external_hash)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.block_size = block_size
@@ -41,6 +57,9 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.prefix_queries = 0  # prompt tokens looked up (cumulative)
         self.prefix_hits = 0  # prompt tokens found (cumulative)
+        # KV events since the last take_events(), in order; None: not recorded (no cost)
+        self._events: list[KVCacheEvent] | None = [] if record_events else None
+        self._salt = event_hash_salt
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -100,14 +119,20 @@ class BlockManager:
         n_done = request.num_hashed_blocks
         n_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         parent = request.last_block_hash
+        run: list[Block] = []  # consecutive blocks registered here: one BlockStored event
         for i in range(n_done, n_full):
             tokens = tuple(request.tokens(i * self.block_size, (i + 1) * self.block_size))
             h = chain_hash(parent, tokens)
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is None and h not in self._cached:
-                block.block_hash, block.token_ids = h, tokens
+                block.block_hash, block.token_ids, block.parent_hash = h, tokens, parent
                 self._cached[h] = block.block_id
+                run.append(block)
+            else:  # already cached (here or in another block): the run of new blocks ends
+                self._record_stored(run)
+                run = []
             parent = h
+        self._record_stored(run)
         request.num_hashed_blocks = max(n_done, n_full)
         request.last_block_hash = parent
 
@@ -157,9 +182,84 @@ class BlockManager:
         if block.block_hash is not None:  # evict its cached prefix
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+                self._record_removed(block.block_hash)
+            block.block_hash, block.token_ids, block.parent_hash = None, (), None
         block.ref_count = 1
         return block_id
+
+    # ---- reset and KV events ----------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache). Only while no block is held by a
+        request (their hashes could not be dropped consistently): False and no change otherwise."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash, block.token_ids, block.parent_hash = None, (), None
+        self._cached.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def cached_hashes(self) -> set[int]:
+        """The external hashes (engine/kv_events.py) of every block findable by hash now."""
+        return {self._external(h) for h in self._cached}
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, oldest first ([] when not recording)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def snapshot_events(self) -> list[KVCacheEvent]:
+        """AllBlocksCleared, then one BlockStored per cached block, each after its cached parent: replayed
+        on any state they give exactly `cached_hashes()` (the engine's re-announce after a lost batch)."""
+        events: list[KVCacheEvent] = [AllBlocksCleared()]
+        depths = self._depths()
+        for h in sorted(self._cached, key=depths.__getitem__):
+            block = self.blocks[self._cached[h]]
+            parent = None if block.parent_hash is None else self._external(block.parent_hash)
+            events.append(BlockStored([self._external(h)], parent, list(block.token_ids), self.block_size))
+        return events
+
+    def _depths(self) -> dict[int, int]:
+        """Cached hash -> how many cached blocks precede it in its chain (iterative: chains are long)."""
+        depth: dict[int, int] = {}
+        for start in self._cached:
+            chain = [start]  # walk up until a block whose depth is known or whose parent is not cached
+            while chain[-1] not in depth and len(chain) <= len(self._cached):
+                parent = self.blocks[self._cached[chain[-1]]].parent_hash
+                if parent is None or parent not in self._cached:
+                    depth[chain[-1]] = 0
+                    break
+                chain.append(parent)
+            known = depth.get(chain[-1], 0)
+            for i, h in enumerate(reversed(chain)):
+                depth.setdefault(h, known + i)
+        return depth
+
+    def _record_stored(self, run: list[Block]) -> None:
+        if self._events is None or not run:
+            return
+        parent = run[0].parent_hash
+        self._events.append(BlockStored(
+            block_hashes=[self._external(b.block_hash) for b in run if b.block_hash is not None],
+            parent_block_hash=None if parent is None else self._external(parent),
+            token_ids=[t for b in run for t in b.token_ids],
+            block_size=self.block_size,
+        ))  # fmt: skip
+
+    def _record_removed(self, block_hash: int) -> None:
+        if self._events is None:
+            return
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlockRemoved):  # one event for the blocks a step evicts back to back
+            last.block_hashes.append(self._external(block_hash))
+        else:
+            self._events.append(BlockRemoved([self._external(block_hash)]))
+
+    def _external(self, block_hash: int) -> int:
+        return external_hash(block_hash, self._salt)
 
     # ---- invariants ----------------------------------------------------------------------
     def check_integrity(self, requests: Iterable[Request] = ()) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from engine.api import Deadlines, EngineStats, FinishReason, InvalidParam, RequestOutput, TokenLogprob
 from engine.block_manager import BlockManager
+from engine.kv_events import AllBlocksCleared, BlockRemoved, KVEventSink
 from engine.output_processor import (
     RequestTextState,
     add_prompt_logprobs,
@@ -90,7 +91,10 @@ class EngineCore:
         eos_token_ids: frozenset[int],
         clock: Callable[[], float] = time.monotonic,
         grammar_compiler: GrammarCompiler | None = None,
+        kv_event_sink: KVEventSink | None = None,
     ) -> None:
+        """`kv_event_sink`: where each step's prefix-cache changes go (the block manager must record
+        them: BlockManager(record_events=True)); None: no events."""
         self.model_name = model_name
         self.tokenizer = tokenizer
         # Compiles GrammarSpecs for this tokenizer; the server uses it off this thread. None: no backend.
@@ -106,6 +110,11 @@ class EngineCore:
         # CPU: picks the steps' thread count from their measured times (engine/thread_governor.py); the
         # real engine sets it, None: the count set at start-up stays
         self.thread_governor: ThreadGovernor | None = None
+        self._kv_sink = kv_event_sink
+        # a batch was dropped: the next publish re-announces the whole cache (snapshot_events)
+        self._kv_resync = False
+        if kv_event_sink is not None:  # a new, empty cache: consumers forget what this worker said before
+            self._kv_resync = not kv_event_sink.publish([AllBlocksCleared()])
 
     # ---- names the server reads (the real engine overrides the device ones) --------------------------
     dtype_name = "float32"
@@ -213,8 +222,13 @@ class EngineCore:
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run, update. Returns this step's outputs: one per request that started, sampled,
-        timed out or failed in it."""
+        """Schedule, run, update; then publish the step's KV-cache events. Returns this step's outputs:
+        one per request that started, sampled, timed out or failed in it."""
+        outputs = self._step()
+        self._publish_kv_events()
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         outputs = [timeout_output(req, kind) for req, kind in sched.expired]
@@ -227,6 +241,39 @@ class EngineCore:
         outputs += self._update(sched, result)
         self._record_step(sched, time.perf_counter() - t0)
         return outputs
+
+    # ---- KV-cache events -----------------------------------------------------------------------
+    def _publish_kv_events(self) -> None:
+        """Hand the block manager's events to the sink (one batch per step; never waits). After a
+        dropped batch the consumers' view is unknown, so the next batch is the whole cache instead."""
+        if self._kv_sink is None:
+            return
+        events = self.block_manager.take_events()
+        if self._kv_resync:
+            if not self._kv_sink.has_room():  # still full: this step's events are lost too (and counted)
+                if events:
+                    self._kv_sink.publish(events)
+                return
+            events = self.block_manager.snapshot_events()
+        if events:
+            self._kv_resync = not self._kv_sink.publish(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (AllBlocksCleared is published). False while requests hold blocks."""
+        done = self.block_manager.reset_prefix_cache()
+        self._publish_kv_events()
+        return done
+
+    def retire_kv_events(self) -> None:
+        """The engine is going away (its version unloads): publish the removal of every block it still
+        caches, so consumers keep no stale hashes; nothing more is published afterwards."""
+        if self._kv_sink is None:
+            return
+        self._publish_kv_events()
+        hashes = sorted(self.block_manager.cached_hashes())
+        if hashes:
+            self._kv_sink.publish([BlockRemoved(hashes)])
+        self._kv_sink = None
 
     def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         self.scheduler.advance(sched)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import time
 
 import torch
@@ -17,6 +18,7 @@ from engine.core import EngineCore, GenerationResult
 from engine.cpu_weights import prepare_weights
 from engine.cuda_graphs import DecodeGraphRunner, graph_buckets, graphs_enabled
 from engine.kv_cache import allocate_kv_cache
+from engine.kv_events import KVEventSink
 from engine.loader import load_model
 from engine.model_open import open_model_source, with_tokenizer
 from engine.model_runner import ModelRunner
@@ -31,7 +33,8 @@ log = logging.getLogger("tokenmill.engine")
 
 
 class Engine(EngineCore):
-    def __init__(self, config: EngineConfig, clock=time.monotonic) -> None:
+    def __init__(self, config: EngineConfig, clock=time.monotonic, kv_event_sink: KVEventSink | None = None) -> None:
+        """`kv_event_sink`: where the prefix cache's changes are published (engine/kv_events.py); None: off."""
         source = open_model_source(config.model)  # a HF folder or a GGUF file; every check before loading
         if config.tokenizer is not None:
             source = with_tokenizer(source, config.tokenizer)
@@ -70,7 +73,9 @@ class Engine(EngineCore):
             model_name=source.name,
             tokenizer=source.tokenizer,
             runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs),
-            block_manager=BlockManager(num_blocks, self.block_size, config.enable_prefix_caching),
+            block_manager=BlockManager(num_blocks, self.block_size, config.enable_prefix_caching,
+                                       record_events=kv_event_sink is not None,
+                                       event_hash_salt=secrets.randbits(64)),
             scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.aging_s,
                                              config.outranked_chunk_tokens, config.speculative),
             max_model_len=self.max_model_len,
@@ -80,6 +85,7 @@ class Engine(EngineCore):
             grammar_compiler=make_compiler(config.grammar_backend, source.tokenizer, int(self.hf_config.vocab_size),
                                            source.eos_token_ids, config.grammar_cache_bytes,
                                            config.grammar_compile_processes),  # fmt: skip
+            kv_event_sink=kv_event_sink,
         )
         threads = torch.get_num_threads()
         if config.adaptive_threads and self.device.type == "cpu" and threads > 1:

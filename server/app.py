@@ -13,8 +13,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from engine.kv_events import KVEventSink
 from server.api import admin as routes_admin
 from server.api import feedback as routes_feedback
+from server.api import fleet as routes_fleet
 from server.api import generate as routes_generate
 from server.api import openai as routes_openai
 from server.api import ops as routes_ops
@@ -29,34 +31,46 @@ from server.http.error_log import ErrorLogMiddleware
 from server.http.errors import InternalErrorMiddleware, install_error_handlers
 from server.ops.connection_metrics import ConnectionCollector
 from server.ops.feedback import FeedbackStore
-from server.serving.loading import VersionLoader, build_engine, initial_versions, load_version
+from server.ops.kv_events_metrics import KVEventsCollector
+from server.serving.loading import VersionLoader, build_engine, initial_versions, load_version, open_kv_events
 from server.serving.runtime import Runtime
 
 
-def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoader | None = None) -> FastAPI:
+def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoader | None = None,
+               kv_events: KVEventSink | None = None) -> FastAPI:  # fmt: skip
     """The server app. `engine`: an already-built engine (tests inject one) for the single model; None
     loads `settings.models` / `models_dir`, else `settings.model` (else the default model, else the demo
     model), during startup. `loader` builds the engine of a version the admin API loads (default: the
-    real engine, from the version's path with these settings). The app owns every engine from then on."""
+    real engine, from the version's path with these settings). The app owns every engine from then on.
+    `kv_events`: the KV-events publisher `engine` was built with (the CLI opens it first); None: the
+    lifespan opens one when the settings ask for it. The app closes it."""
     if engine is None:
         settings = with_default_model(settings)
-    load = loader or functools.partial(load_version, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        initial = await initial_versions(settings, engine, load, build_engine)
-        feedback = await asyncio.to_thread(FeedbackStore.open, settings.feedback_db) if settings.feedback_db else None
-        runtime = Runtime(settings, initial, load, feedback)
-        del initial  # the workers own the engines: nothing else may keep one alive once its version unloads
-        app.state.runtime = runtime
-        guard = getattr(app.state, "connection_guard", None)  # set by GuardedServer
-        if guard is not None:
-            runtime.metrics.registry.register(ConnectionCollector(guard))
-        runtime.start()
+        events = kv_events if kv_events is not None else open_kv_events(settings)  # before any engine loads
+        load = loader or functools.partial(load_version, settings, kv_events=events)
+        build = functools.partial(build_engine, kv_events=events)
         try:
-            yield
+            initial = await initial_versions(settings, engine, load, build)
+            feedback = await asyncio.to_thread(FeedbackStore.open, settings.feedback_db) if settings.feedback_db else None
+            runtime = Runtime(settings, initial, load, feedback)
+            del initial  # the workers own the engines: nothing else may keep one alive once its version unloads
+            app.state.runtime = runtime
+            guard = getattr(app.state, "connection_guard", None)  # set by GuardedServer
+            if guard is not None:
+                runtime.metrics.registry.register(ConnectionCollector(guard))
+            if events is not None:
+                runtime.metrics.registry.register(KVEventsCollector(events.stats))
+            runtime.start()
+            try:
+                yield
+            finally:
+                await runtime.close()
         finally:
-            await runtime.close()
+            if events is not None:
+                await asyncio.to_thread(events.close)
 
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -68,6 +82,7 @@ def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoad
     app.include_router(routes_responses.router)
     app.include_router(routes_tgi.router)
     app.include_router(routes_admin.router)
+    app.include_router(routes_fleet.router)
     # Added last = runs first: authentication before the body is read.
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     app.add_middleware(ApiKeyMiddleware, keys=settings.accepted_api_keys())

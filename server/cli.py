@@ -117,17 +117,25 @@ def serve(args: argparse.Namespace) -> int:
     from server.app import create_app
     from server.config.default_model import with_default_model
     from server.serving.fresh_thread import call_in_fresh_thread
-    from server.serving.loading import build_engine
+    from server.serving.loading import build_engine, open_kv_events
 
     settings = with_default_model(settings)
+    try:
+        kv_events = open_kv_events(settings)  # bound before any engine loads: each one publishes into it
+    except ValueError as exc:
+        print(f"tokenmill serve: {exc}", file=sys.stderr)
+        return 2
     engine = None
     if settings.model or not (settings.models or settings.models_dir):  # one model: load it before binding
         try:
-            engine = call_in_fresh_thread(build_engine, settings)  # not on this thread: server/serving/fresh_thread.py
+            # not on this thread: server/serving/fresh_thread.py
+            engine = call_in_fresh_thread(build_engine, settings, kv_events)
         except (ValueError, OSError) as exc:  # GGUFError is a ValueError: "FILE: problem"
             print(f"tokenmill serve: cannot load the model: {exc}", file=sys.stderr)
+            if kv_events is not None:
+                kv_events.close()
             return 2
-    app = create_app(settings, engine=engine)
+    app = create_app(settings, engine=engine, kv_events=kv_events)
     config = guarded_config(app, guard, settings.keep_alive_timeout_s, host=settings.host, port=settings.port,
                             log_level=settings.log_level)  # fmt: skip
     server = DrainingServer(config, app, guard, settings.drain_timeout_s)

@@ -20,6 +20,7 @@ from pydantic_settings import (
 )
 
 from engine.config import EngineConfig, default_engine_threads
+from engine.kv_events_config import KVEventsConfig
 from engine.spec_config import SpeculativeConfig
 from server.config.lanes import Lane, LaneBounds, LaneDeadlines
 from server.config.units import parse_size, parse_token_count
@@ -74,6 +75,10 @@ class ServerSettings(BaseSettings):
     speculative_config: dict[str, Any] | None = Field(
         None, description="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (docs/ENGINE.md); none: off")
+    kv_events_config: dict[str, Any] | None = Field(
+        None, description="KV-cache events for cache-aware routers, as vLLM's JSON: {\"enable_kv_cache_events\": "
+        "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"} "
+        "(docs/DEPLOY.md); none: off")
     engine_threads: int | None = Field(
         None, ge=1, description="CPU: engine compute threads; default: OMP_NUM_THREADS, else one per core "
         "(but one above 4 cores)"
@@ -199,6 +204,21 @@ class ServerSettings(BaseSettings):
         if value is not None:
             SpeculativeConfig.from_dict(value)  # ValueError naming the key
         return value
+
+    @field_validator("kv_events_config", mode="before")
+    @classmethod
+    def _parse_kv_events(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if value.strip().lower() in ("", "none", "null"):
+                return None
+            return vars(KVEventsConfig.from_json(value))  # ValueError naming the key
+        if value is not None:
+            return vars(KVEventsConfig.from_dict(value))
+        return value
+
+    def kv_events(self) -> KVEventsConfig:
+        """The KV-events config (events off when the setting is none)."""
+        return KVEventsConfig.from_dict(self.kv_events_config) if self.kv_events_config else KVEventsConfig()
 
     @field_validator("dtype", mode="before")
     @classmethod

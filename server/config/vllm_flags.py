@@ -2,7 +2,7 @@
 under the same names (`--served-model-name`, `--max-model-len`, `--gpu-memory-utilization`,
 `--max-num-seqs`, `--enable-prefix-caching`, `--chat-template`, `--api-key`, `--tokenizer`, `--dtype`,
 `--block-size`, `--max-num-batched-tokens`, `--seed`, `--enforce-eager`, `--host`, `--port`,
-`--speculative-config`), and the
+`--speculative-config`, `--kv-events-config`), and the
 model may be given as `tokenmill serve MODEL`. Any other flag ends the command before anything loads
 with one line naming every such flag (vLLM's known ones apart from unknown ones), exit code 2:
 argparse alone would stop at the first, and read a vLLM flag's value as the model path.

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.api import EngineProtocol
+from engine.kv_events import KVEventSink
 from server.config.settings import ServerSettings
 from server.config.versions import ModelSpec, fingerprint, startup_specs
 from server.serving.fresh_thread import in_fresh_thread
@@ -25,19 +26,29 @@ def demo_model_path() -> str:
     return str(ensure_model("tiny-llama"))
 
 
-def build_engine(settings: ServerSettings) -> EngineProtocol:
-    """Load the model named by the settings (blocking: call it in a thread). Imports torch."""
+def open_kv_events(settings: ServerSettings) -> KVEventSink | None:
+    """The process's KV-cache events publisher (one socket for every model version's engine), bound
+    now; None when events are off. Raises ValueError naming the endpoint it cannot open."""
+    from engine.kv_events_zmq import open_publisher
+
+    return open_publisher(settings.kv_events())
+
+
+def build_engine(settings: ServerSettings, kv_events: KVEventSink | None = None) -> EngineProtocol:
+    """Load the model named by the settings (blocking: call it in a thread). Imports torch.
+    `kv_events`: where its prefix-cache changes are published (None: nowhere)."""
     from engine import Engine
 
-    return Engine(settings.engine_config(settings.model or demo_model_path()))
+    return Engine(settings.engine_config(settings.model or demo_model_path()), kv_event_sink=kv_events)
 
 
-def load_version(settings: ServerSettings, spec: ModelSpec, kv_cache_memory: int | None) -> EngineProtocol:
+def load_version(settings: ServerSettings, spec: ModelSpec, kv_cache_memory: int | None,
+                 kv_events: KVEventSink | None = None) -> EngineProtocol:  # fmt: skip
     """Load one model version with the server's settings (and its own KV budget when given). Blocking."""
     update: dict[str, Any] = {"model": spec.path}
     if kv_cache_memory is not None:
         update["kv_cache_memory"] = kv_cache_memory
-    return build_engine(settings.model_copy(update=update))
+    return build_engine(settings.model_copy(update=update), kv_events)
 
 
 async def initial_versions(

@@ -189,6 +189,14 @@ class Worker:
             self._fail_all(ServerError("worker_died", f"the engine worker died: {type(exc).__name__}", 503))
         finally:
             self._flush()
+            self._retire()
+
+    def _retire(self) -> None:
+        """The engine serves nothing more: consumers of its KV events must drop its blocks."""
+        try:
+            self._engine.retire_kv_events()
+        except Exception:  # noqa: BLE001 - the thread is ending either way
+            log.exception("engine.retire_kv_events failed")
 
     def _iterate(self) -> None:
         self.stats = before = self._engine.stats()  # fresh for /health during a long step

@@ -1,13 +1,12 @@
 """docker-compose.yml and its GPU override docker-compose.gpu.yml, checked by docker-compose itself (no
 Docker engine needed) and read back: the CPU image by default and the GPU image with a GPU per service
 through the override, the image built once, config from the environment, models and cache volumes,
-healthchecks, Prometheus and Grafana wiring, and the `replicas` profile behind nginx. Bringing the
+healthchecks, Prometheus and Grafana wiring, and the `replicas` profile behind vllm-router. Bringing the
 stack up: deploy/docker/smoke.sh (make docker-smoke)."""
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 
 import pytest
@@ -59,7 +58,7 @@ def test_compose_files_are_valid_with_and_without_the_replicas_profile(compose):
         services = yaml.safe_load(proc.stdout)["services"]
         # A plain `up` starts one tokenmill with Prometheus and Grafana; the profile adds the rest.
         assert {name for name, svc in services.items() if not svc.get("profiles")} == {"tokenmill", "prometheus", "grafana"}
-        assert {name for name, svc in services.items() if svc.get("profiles") == ["replicas"]} == {"tokenmill-2", "nginx"}
+        assert {name for name, svc in services.items() if svc.get("profiles") == ["replicas"]} == {"tokenmill-2", "router"}
 
 
 def test_a_cpu_host_needs_no_switch_and_no_model(compose, resolved_cpu):
@@ -133,18 +132,55 @@ def test_prometheus_and_grafana_are_wired(resolved):
     assert resolved["services"]["grafana"]["depends_on"] == {"prometheus": {"condition": "service_started"}}
 
 
-def test_replicas_profile_runs_two_tokenmills_behind_nginx(resolved):
-    nginx = resolved["services"]["nginx"]
-    assert nginx["profiles"] == ["replicas"] and resolved["services"]["tokenmill-2"]["profiles"] == ["replicas"]
-    assert nginx["depends_on"] == {name: {"condition": "service_healthy"} for name in ("tokenmill", "tokenmill-2")}
-    conf = (DEPLOY / "nginx" / "nginx.conf").read_text()
-    directives = [line.split("#")[0].strip() for line in conf.splitlines()]
-    upstream = re.search(r"upstream tokenmill \{(.*?)\}", conf, re.S).group(1)
-    assert "least_conn;" in upstream
-    assert re.findall(r"server (\S+):8000", upstream) == ["tokenmill", "tokenmill-2"]
-    for line in ("proxy_buffering off;", "proxy_cache off;", "proxy_http_version 1.1;",
-                 "proxy_request_buffering on;", "proxy_next_upstream_tries 2;"):
-        assert line in directives, line
-    # Retry on another replica only for answers given before the request started: never on error/timeout.
-    (retry,) = [d for d in directives if d.startswith("proxy_next_upstream ")]
-    assert retry == "proxy_next_upstream http_429 http_503 non_idempotent;"
+def test_replicas_profile_runs_two_tokenmills_behind_vllm_router(resolved):
+    router = resolved["services"]["router"]
+    assert router["profiles"] == ["replicas"] and resolved["services"]["tokenmill-2"]["profiles"] == ["replicas"]
+    assert router["depends_on"] == {name: {"condition": "service_healthy"} for name in ("tokenmill", "tokenmill-2")}
+    # its own image, from deploy/router/Dockerfile (the registry's wheel), never tokenmill's
+    assert router["build"]["dockerfile"] == "deploy/router/Dockerfile" and router["image"] == "tokenmill-router:0.1.17"
+    cmd = router["command"]
+
+    def flag(name: str) -> str:
+        return cmd[cmd.index(name) + 1]
+
+    assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--worker-urls") + 3] == ["http://tokenmill:8000",
+                                                                                  "http://tokenmill-2:8000"]
+    assert flag("--policy") == "cache_aware"  # TOKENMILL_ROUTER_POLICY unset
+    # readiness, checked often enough that a draining replica (drain_timeout_s 30) leaves before it stops
+    assert flag("--health-check-endpoint") == "/health" and int(flag("--health-check-interval-secs")) <= 5
+    assert flag("--health-failure-threshold") == "1"
+    assert int(flag("--max-payload-size")) == ServerSettings().max_body_bytes
+    assert router["ports"] == ["127.0.0.1:8080:8080/tcp"]
+    assert not (DEPLOY / "nginx").exists()
+
+
+def test_the_router_policy_comes_from_the_environment(compose):
+    stack = resolve(compose, ("-f", "docker-compose.yml"), env={**ENV, "TOKENMILL_ROUTER_POLICY": "round_robin"})
+    cmd = stack["services"]["router"]["command"]
+    assert cmd[cmd.index("--policy") + 1] == "round_robin"
+
+
+KV = ("-f", "docker-compose.yml", "-f", "docker-compose.kv-events.yml")
+
+
+def test_the_kv_events_override_runs_the_router_on_kv_aware(compose):
+    stack = resolve(compose, KV)
+    env = {name: stack["services"][name]["environment"] for name in ("tokenmill", "tokenmill-2")}
+    for e in env.values():
+        cfg = ServerSettings(kv_events_config=e["TOKENMILL_KV_EVENTS_CONFIG"], block_size=int(e["TOKENMILL_BLOCK_SIZE"]))
+        assert cfg.kv_events().enable_kv_cache_events and cfg.kv_events().endpoint == "tcp://*:5557"
+        assert e["TOKENMILL_MODEL"] == ENV["TOKENMILL_MODEL"]  # the base file's settings still pass through
+    router = stack["services"]["router"]
+    cmd = router["command"]
+    assert cmd[cmd.index("--policy") + 1] == "kv_aware"
+    sources = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--kv-event-source"]
+    assert sources == ["http://tokenmill:8000=tcp://tokenmill:5557", "http://tokenmill-2:8000=tcp://tokenmill-2:5557"]
+    assert cmd[cmd.index("--kv-event-block-size") + 1] == env["tokenmill"]["TOKENMILL_BLOCK_SIZE"]
+    # the router reads the tokenizer from the replicas' model folder, mounted at the same path
+    assert cmd[cmd.index("--kv-event-model") + 1] == ENV["TOKENMILL_MODEL"]
+    assert any(v.endswith(":/models:ro") for v in router["volumes"])
+
+
+def test_the_kv_events_override_needs_a_model_folder(compose):
+    proc = config(compose, "--profile", "replicas", env={}, files=KV)
+    assert proc.returncode != 0 and "kv_aware needs TOKENMILL_MODEL" in proc.stderr

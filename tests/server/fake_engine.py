@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from engine.api import RequestOutput
 from engine.block_manager import BlockManager
 from engine.core import EngineCore, ModelRunnerOutput
+from engine.kv_events import KVEventSink
 from engine.scheduler import SchedulerConfig, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -85,12 +86,14 @@ class FakeEngine(EngineCore):
     """EngineCore over FakeRunner and FakeTokenizer, checked to be called from one thread only."""
 
     def __init__(self, max_model_len: int = 512, max_num_seqs: int = 8, block_size: int = 4,
-                 num_blocks: int = 1024, step_delay_s: float = 0.0, aging_s: float = 0.0) -> None:  # fmt: skip
+                 num_blocks: int = 1024, step_delay_s: float = 0.0, aging_s: float = 0.0,
+                 kv_event_sink: KVEventSink | None = None) -> None:  # fmt: skip
         super().__init__(
             model_name="fake-model",
             tokenizer=FakeTokenizer(),
             runner=FakeRunner(),
-            block_manager=BlockManager(num_blocks, block_size),
+            block_manager=BlockManager(num_blocks, block_size, record_events=kv_event_sink is not None),
+            kv_event_sink=kv_event_sink,
             scheduler_config=SchedulerConfig(max_num_seqs, 2048, aging_s),
             max_model_len=max_model_len,
             vocab_size=VOCAB,
