@@ -222,8 +222,11 @@ class EngineCore:
             result = self.runner.execute(sched)
         except Exception as exc:  # a failed step fails only its own requests
             return outputs + self._fail_step(sched, exc)
+        emitted = self._stats.generation_tokens
         outputs += self._update(sched, result)
-        self._record_step(sched, time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self._record_step(sched, elapsed)
+        self.scheduler.record_step_time(sched, elapsed, self._stats.generation_tokens - emitted)
         return outputs
 
     def _update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:

@@ -11,7 +11,7 @@ import pytest
 from engine import SamplingParams
 from engine.structured import GrammarSpec
 
-from .helpers import Case, make_case, make_engine, mismatches
+from .helpers import Case, make_case, make_engine, mismatches, spec_engine
 from .test_speculative import SPEC, OracleProposer, _run
 
 REGEX = r"[a-z]{2,5}-[0-9]{1,3}( [a-z]{1,4})*"
@@ -42,7 +42,7 @@ def _features(kind: str, eos: int) -> dict:
 
 
 def _oracle_run(path, vocab, case, params, ref):
-    engine = make_engine(path, speculative=SPEC)
+    engine = spec_engine(path, speculative=SPEC)
     engine.scheduler.proposer = OracleProposer({f"r{i}": r for i, r in enumerate(ref)}, vocab)
     got = _run(engine, case, params, check=True)
     return engine, got
@@ -70,7 +70,7 @@ def test_logprobs_of_emitted_tokens_match_non_speculative(setup):
     base = make_engine(path)
     want = base.generate(case.prompts, params)
     ref = [w.token_ids for w in want]
-    engine = make_engine(path, speculative=SPEC)
+    engine = spec_engine(path, speculative=SPEC)
     engine.scheduler.proposer = OracleProposer({}, vocab)
     got = _collect(engine, case, params, ref, vocab)
     for w, (tokens, lps) in zip(want, got, strict=True):
@@ -105,7 +105,7 @@ def test_grammar_matcher_is_back_in_place_after_rejected_drafts(setup):
     params = [SamplingParams(max_tokens=24, temperature=0.0, structured=GrammarSpec("regex", REGEX))] * len(case.prompts)
     base = make_engine(path)
     want = base.generate(case.prompts, params)
-    engine = make_engine(path, speculative=SPEC)
+    engine = spec_engine(path, speculative=SPEC)
 
     class Wrong:
         def propose(self, req, k):
