@@ -73,7 +73,8 @@ class ServerSettings(BaseSettings):
     quantization: Literal["int8"] | None = Field(None, description="int8: INT8 weight-only linears (CPU; half the weight bytes)")
     speculative_config: dict[str, Any] | None = Field(
         None, description="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (docs/ENGINE.md); none: off")
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; methods ngram, suffix, draft_model (with \"model\": PATH) "
+        "(docs/ENGINE.md); none: off")
     engine_threads: int | None = Field(
         None, ge=1, description="CPU: engine compute threads; default: OMP_NUM_THREADS, else one per core "
         "(but one above 4 cores)"
