@@ -47,11 +47,14 @@ def test_the_target_as_its_own_draft_is_accepted(tiny):
 
 
 def test_greedy_parity_with_another_draft_model(tiny, build_model):
+    """A few KV blocks (preemptions) and a small step budget (chunked prefill) besides."""
     path, case, ref = tiny
-    engine = spec_engine(path, speculative=_draft(build_model("tiny-llama-b")), num_kv_blocks=40, block_size=8)
+    engine = spec_engine(path, speculative=_draft(build_model("tiny-llama-b")), num_kv_blocks=48, block_size=8,
+                         max_num_batched_tokens=64)  # fmt: skip
     assert mismatches(_run(engine, case, check=True), ref) == []
     st = engine.stats()
     assert st.spec_draft_tokens > 0 and st.spec_accepted_tokens < st.spec_draft_tokens
+    assert st.preemptions > 0
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused(tiny, build_model):

@@ -85,7 +85,7 @@ def test_greedy_parity_with_the_suffix_proposer(tiny):
     """Each prompt twice, the second round after the first finished: the second round's drafts come
     from the first round's outputs, its output is unchanged, and most of it was accepted drafts."""
     path, vocab, case, ref = tiny
-    engine = spec_engine(path, speculative=SUFFIX, block_size=8)
+    engine = spec_engine(path, speculative=SUFFIX, block_size=8, max_num_batched_tokens=48)  # chunked prefill
     assert _run(engine, case, check=True) == ref
     first = engine.stats()
     second = _run(engine, case, check=True)
@@ -95,6 +95,7 @@ def test_greedy_parity_with_the_suffix_proposer(tiny):
     generated = st.generation_tokens - first.generation_tokens
     assert accepted > generated // 2, (accepted, generated)
     assert st.steps - first.steps < first.steps
+    assert st.prefix_cache_hits > first.prefix_cache_hits  # the second round's prompts were cached
 
 
 def test_suffix_proposes_from_an_earlier_requests_output(tiny):
