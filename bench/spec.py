@@ -95,8 +95,10 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int, 
 
 def run(args: argparse.Namespace) -> int:
     model = args.model or _default_model()
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
-            "prompt_lookup_min": args.lookup_min, "disable_by_batch_size": args.disable_by_batch_size}  # fmt: skip
+    spec = {"method": args.method, "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
+            "prompt_lookup_min": args.lookup_min, "disable_by_batch_size": args.disable_by_batch_size or None}  # fmt: skip
+    if args.method == "draft_model":
+        spec["model"] = args.draft_model
     base = dict(model=model, dtype=args.dtype, show_progress=False, max_num_seqs=max(args.concurrency))
     on = EngineConfig(**base, speculative=SpeculativeConfig.from_dict(spec))
     engines = {"off": Engine(EngineConfig(**base)), "on": Engine(on)}
@@ -165,6 +167,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: 4)")
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--lookup-min", type=int, default=2)
-    p.add_argument("--disable-by-batch-size", type=int, default=8)
+    p.add_argument("--disable-by-batch-size", type=int, default=8, help="0: no fixed cap (the measured gate alone)")
+    p.add_argument("--method", choices=("ngram", "suffix", "draft_model"), default="ngram")
+    p.add_argument("--draft-model", default=None, help="draft_model: the draft model's path")
     p.add_argument("--json", type=Path, default=None)
     p.set_defaults(func=run)

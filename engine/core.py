@@ -53,6 +53,8 @@ class ModelRunnerOutput:
     # request_id -> the tokens a row with draft tokens emits: its accepted drafts, then the target's
     # correction or bonus token (engine/spec_verify.py); such a row is not in `sampled`
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # request_id -> the logprobs of those tokens, one each (requests with params.logprobs)
+    spec_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):
@@ -238,8 +240,11 @@ class EngineCore:
             result = self.runner.execute(sched)
         except Exception as exc:  # a failed step fails only its own requests
             return outputs + self._fail_step(sched, exc)
+        emitted = self._stats.generation_tokens
         outputs += self._update(sched, result)
-        self._record_step(sched, time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self._record_step(sched, elapsed)
+        self.scheduler.record_step_time(sched, elapsed, self._stats.generation_tokens - emitted)
         return outputs
 
     # ---- KV-cache events -----------------------------------------------------------------------
@@ -284,7 +289,8 @@ class EngineCore:
             req = s.request
             add_prompt_logprobs(req, result.prompt_logprobs.get(req.request_id))
             if req.request_id in result.spec_tokens:
-                outputs.append(self._verified_output(s, result.spec_tokens[req.request_id], id(req) in started))
+                outputs.append(self._verified_output(s, result.spec_tokens[req.request_id],
+                                                     result.spec_logprobs.get(req.request_id), id(req) in started))
                 continue
             token = result.sampled.get(req.request_id)
             dead_end = _grammar_dead_end(req) if token is None and req.request_id in failed else None
@@ -311,11 +317,14 @@ class EngineCore:
             outputs.append(out)
         return outputs
 
-    def _verified_output(self, s: ScheduledRequest, tokens: list[int], started: bool) -> RequestOutput:
+    def _verified_output(self, s: ScheduledRequest, tokens: list[int], logprobs: list[TokenLogprob] | None,
+                         started: bool) -> RequestOutput:  # fmt: skip
         """Append a verified row's tokens (up to a finish), roll its rejected drafts' KV back, count."""
         req, outs = s.request, []
-        for t in tokens:
-            outs.append(token_output(req, t, None, self.max_model_len, started=started))
+        for i, t in enumerate(tokens):
+            if req.grammar is not None:  # verified under its masks (engine/spec_positions.py): it takes t
+                req.grammar.accept(t)
+            outs.append(token_output(req, t, logprobs[i] if logprobs else None, self.max_model_len, started=started))
             if outs[-1].finished:
                 break
         accepted = len(tokens) - 1

@@ -90,6 +90,11 @@ class Engine(EngineCore):
         threads = torch.get_num_threads()
         if config.adaptive_threads and self.device.type == "cpu" and threads > 1:
             self.thread_governor = ThreadGovernor(GovernorConfig(high=threads), torch.set_num_threads)
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            from engine.draft_model import load_draft_proposer
+
+            self.scheduler.proposer = load_draft_proposer(config.speculative, int(self.hf_config.vocab_size),
+                                                          self.device, self.dtype, self.max_model_len)  # fmt: skip
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "
             "cuda graphs=%s, packed weights=%s, quantization=%s, small-batch kernels: %s",

@@ -57,10 +57,10 @@ class ModelRunner:
         sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True) if t is not None}
         failed = [r.request_id for r, t in zip(reqs, tokens, strict=True) if t is None]
         logprobs = {r.request_id: lp for r, lp in zip(reqs, lps, strict=True) if lp is not None}
-        verified = verify_rows(self.sampler, logits, spec)
+        verified, spec_lps = verify_rows(self.sampler, logits, spec)
         failed += [rid for rid, toks in verified.items() if toks is None]
         spec_tokens = {rid: toks for rid, toks in verified.items() if toks is not None}
-        return ModelRunnerOutput(sampled, logprobs, failed, prompt_lps, spec_tokens)
+        return ModelRunnerOutput(sampled, logprobs, failed, prompt_lps, spec_tokens, spec_lps)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """The model over one packed step (host tensors in): a decode graph's replay when one fits."""

@@ -55,7 +55,8 @@ class Request:
     prompt_logprobs: list[Any] = field(default_factory=list)
     # -- the sampler's ------------------------------------------------------------------------------------
     generator: Any = None  # torch.Generator drawn from for sampled tokens; None until first used
-    # GrammarMatcher of params.structured, advanced past every sampled token; None until first used.
+    # GrammarMatcher of params.structured, advanced past every sampled token (past a verified row's tokens
+    # by the engine core, as it appends them); None until first used.
     # Kept across preemptions, like the output tokens it has seen (nothing is rolled back).
     grammar: Any = None
     # params.logit_bias as a dense [vocab] float32 row on the logits' device, built once on first use;

@@ -62,6 +62,13 @@ class Sampler:
                 tokens[i] = None  # fails this request alone, as a non-finite row does
         return tokens, lps
 
+    def adjusted(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The scores each row is drawn from before temperature: grammar masks, penalties, logit_bias and
+        the min_tokens ban applied, as `sample` applies them. float32 [N, vocab]; may write into float32
+        `logits` (pass a copy). Speculative verification uses it (engine/spec_verify.py)."""
+        constrained = [i for i, r in enumerate(reqs) if r.params.structured is not None]
+        return self._apply_penalties(self._masked(logits, reqs, constrained), reqs).float()
+
     def _masked(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> torch.Tensor:
         """logits as float32 with rows' forbidden tokens at -inf. In place on float32 logits unless a
         request wants logprobs (they are the model's: `raw` must stay as it was)."""

@@ -19,15 +19,10 @@ from dataclasses import dataclass, field
 from engine.api import Deadline, FinishReason, PreemptionCause
 from engine.block_manager import BlockManager
 from engine.ordering import PriorityPolicy
+from engine.proposers import LearningProposer, make_proposer
 from engine.request import Request, RequestStatus
-from engine.speculative import (
-    NgramProposer,
-    Proposer,
-    SpeculativeConfig,
-    draft_length,
-    may_speculate,
-    update_acceptance,
-)
+from engine.spec_cost import SpecGate
+from engine.speculative import Proposer, SpeculativeConfig, draft_length, may_speculate, update_acceptance
 from engine.waiting_queue import WaitingQueue
 
 
@@ -85,7 +80,10 @@ class Scheduler:
         self.preemptions_by: Counter[tuple[int, PreemptionCause]] = Counter()  # (victim priority, cause)
         self._deadlines = _DeadlineHeap()
         spec = config.speculative
-        self.proposer: Proposer | None = NgramProposer(spec) if spec is not None else None  # drafts tokens
+        self.proposer: Proposer | None = make_proposer(spec)  # drafts tokens (a draft model's: set by the engine)
+        # Whether a step's decodes carry drafts, from measured step times (engine/spec_cost.py); None:
+        # whenever speculation is on (tests that count drafts)
+        self.spec_gate: SpecGate | None = SpecGate() if spec is not None else None
 
     # ---- admission ----------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -107,6 +105,8 @@ class Scheduler:
         request.finish_reason = reason
         self.requests.pop(request.request_id, None)
         self._deadlines.compact(len(self.requests))
+        if isinstance(self.proposer, LearningProposer):  # suffix decoding caches what it generated
+            self.proposer.finished(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -143,6 +143,14 @@ class Scheduler:
             s.request.num_computed_tokens = s.start + s.num_tokens - len(s.draft_token_ids)
             self.blocks.register_computed_blocks(s.request)
 
+    def record_step_time(self, out: SchedulerOutput, elapsed_s: float, emitted_tokens: int) -> None:
+        """Feed a finished step's time to the speculation gate, when every row of it was a decode."""
+        if self.spec_gate is None or not out.scheduled:
+            return
+        if all(s.sample and s.num_tokens == 1 + len(s.draft_token_ids) for s in out.scheduled):
+            speculated = any(s.draft_token_ids for s in out.scheduled)
+            self.spec_gate.record(len(out.scheduled), speculated, elapsed_s, emitted_tokens)
+
     def settle_drafts(self, s: ScheduledRequest, accepted: int) -> None:
         """After a verified row's tokens were appended: its first `accepted` drafts' K/V are valid, the
         rest are rolled back (the block table shrinks to the computed tokens), full blocks are registered
@@ -167,7 +175,10 @@ class _StepPlanner:
         self.best: int | None = None  # the most important effective priority scheduled so far this step
         # Whether decodes may carry drafts in this step: not in a large batch (disable_by_batch_size)
         spec = sched.config.speculative
-        self.speculate = spec is not None and len(sched.running) <= spec.disable_by_batch_size
+        cap = spec.disable_by_batch_size if spec is not None else None
+        self.speculate = spec is not None and (cap is None or len(sched.running) <= cap)
+        if self.speculate and sched.spec_gate is not None:  # and measured to pay at this batch size
+            self.speculate = sched.spec_gate.should_speculate(len(sched.running))
 
     def plan(self) -> None:
         running = sorted(self.s.running, key=self._key)

@@ -5,11 +5,12 @@ the distribution of the token after d_j (d_0 being the known token). The row emi
 drafts the target agrees with, then one more token from the target: the correction at the first
 rejection, or the bonus after the last draft.
 
-Greedy rows: the target token at each position is the sampler's own greedy choice (Sampler.sample on
-the row's logits, logit_bias included), so the output is token for token that of decoding one token a
+Every position is sampled as its request would be with the drafts before it appended (penalties,
+min_tokens, grammar masks; engine/spec_positions.py). Greedy rows: the target token at each position
+is the sampler's own greedy choice (Sampler.sample on the row's logits, every adjustment included), so the output is token for token that of decoding one token a
 step. Sampled rows: rejection sampling with a point-mass draft (the n-gram proposer is deterministic):
 accept d_j with probability p_j(d_j), else draw from p_j with d_j removed and renormalised; p_j is the
-distribution the sampler draws from (logit_bias, temperature, top-k, top-p, min-p), so each emitted
+distribution the sampler draws from (masks, penalties, logit_bias, temperature, top-k, top-p, min-p), so each emitted
 token has exactly the non-speculative distribution. Uniforms come from the request's own generator, so
 a seeded request reproduces itself (its draws differ from a non-speculative run's: same distribution,
 not the same stream).
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.api import TokenLogprob
 from engine.request import Request
 from engine.sampler import Sampler, _filter, _inverse_cdf
+from engine.spec_positions import check_grammar, emitted_logprobs, position_views
 
 
 def accepted_prefix(drafts: list[int], targets: list[int | None]) -> list[int] | None:
@@ -61,14 +64,12 @@ def verify_sampled(sampler: Sampler, logits: torch.Tensor, req: Request, drafts:
     return _then(out, probs[len(drafts)], g)
 
 
-def target_probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, reqs: list[Request], sampler: Sampler | None = None) -> torch.Tensor:
     """The (unnormalised after filtering) distribution the sampler draws each row's token from (row i:
-    reqs[i]'s): logit_bias added, then temperature, softmax, top-k/top-p/min-p. [rows, vocab] float32."""
-    x = logits.float().clone()
-    for i, r in enumerate(reqs):
-        if r.params.logit_bias:
-            ids = torch.tensor([t for t, _ in r.params.logit_bias], device=x.device)
-            x[i, ids] += torch.tensor([b for _, b in r.params.logit_bias], device=x.device)
+    reqs[i]'s, a position view for a draft position): grammar mask, penalties, logit_bias and the
+    min_tokens ban (Sampler.adjusted), then temperature, softmax, top-k/top-p/min-p. [rows, vocab]
+    float32."""
+    x = (sampler or Sampler()).adjusted(logits.float().clone(), reqs)
     temp = torch.tensor([r.params.temperature for r in reqs], device=x.device)
     return _filter(torch.softmax(x / temp[:, None], dim=-1), reqs)
 
@@ -81,30 +82,42 @@ def _then(out: list[int], p: torch.Tensor, g: torch.Generator) -> list[int] | No
     return out + [int(_inverse_cdf(p[None, :], u)[0])]
 
 
-def verify_rows(sampler: Sampler, logits: torch.Tensor, rows: list) -> dict[str, list[int] | None]:
+def verify_rows(sampler: Sampler, logits: torch.Tensor,
+                rows: list) -> tuple[dict[str, list[int] | None], dict[str, list[TokenLogprob]]]:  # fmt: skip
     """rows: (ScheduledRequest with drafts, index of its first row in logits). request_id -> the tokens
-    it emits (accepted drafts, then the correction/bonus token), None where its logits were not finite.
-    The greedy rows' targets come from one Sampler.sample call over all their positions."""
+    it emits (accepted drafts, then the correction/bonus token), None where its logits were not finite
+    (or its grammar refused a token); and request_id -> their logprobs, for requests that asked. Each
+    position is sampled as its request would be with the drafts before it appended
+    (engine/spec_positions.py); emitted tokens end at one that ends the grammar. The greedy rows'
+    targets come from one Sampler.sample call over all their positions."""
+    vocab = logits.shape[1]
+    plan = [(s, j, position_views(s.request, s.draft_token_ids, vocab)) for s, j in rows]
     out: dict[str, list[int] | None] = {}
-    greedy = [(s, j) for s, j in rows if s.request.params.greedy]
+    greedy = [p for p in plan if p[0].request.params.greedy]
     if greedy:
-        idx = [j + i for s, j in greedy for i in range(len(s.draft_token_ids) + 1)]
-        reqs = [s.request for s, _ in greedy for _ in range(len(s.draft_token_ids) + 1)]
-        targets, _ = sampler.sample(logits[torch.tensor(idx, device=logits.device)], reqs)
+        idx = [j + i for _, j, views in greedy for i in range(len(views))]
+        targets, _ = sampler.sample(logits[torch.tensor(idx, device=logits.device)], [v for *_, vs in greedy for v in vs])
         at = 0
-        for s, _ in greedy:
-            n = len(s.draft_token_ids) + 1
-            out[s.request.request_id] = accepted_prefix(s.draft_token_ids, targets[at : at + n])
-            at += n
-    sampled = [(s, j) for s, j in rows if not s.request.params.greedy]
+        for s, _, views in greedy:
+            out[s.request.request_id] = accepted_prefix(s.draft_token_ids, targets[at : at + len(views)])
+            at += len(views)
+    sampled = [p for p in plan if not p[0].request.params.greedy]
     if sampled:  # every sampled row's distributions in one pass
-        idx = [j + i for s, j in sampled for i in range(len(s.draft_token_ids) + 1)]
-        reqs = [s.request for s, _ in sampled for _ in range(len(s.draft_token_ids) + 1)]
-        probs = target_probs(logits[torch.tensor(idx, device=logits.device)], reqs).cpu()
+        idx = [j + i for _, j, views in sampled for i in range(len(views))]
+        reqs = [v for *_, vs in sampled for v in vs]
+        probs = target_probs(logits[torch.tensor(idx, device=logits.device)], reqs, sampler).cpu()
         at = 0
-        for s, _ in sampled:
-            n = len(s.draft_token_ids) + 1
+        for s, _, views in sampled:
             out[s.request.request_id] = verify_sampled(sampler, logits, s.request, s.draft_token_ids,
-                                                       probs[at : at + n])  # fmt: skip
-            at += n
-    return out
+                                                       probs[at : at + len(views)])  # fmt: skip
+            at += len(views)
+    logprobs: dict[str, list[TokenLogprob]] = {}
+    for s, j, _ in plan:
+        req = s.request
+        tokens = out[req.request_id]
+        if tokens is None:
+            continue
+        tokens = out[req.request_id] = check_grammar(req, tokens)
+        if tokens and req.params.logprobs is not None:
+            logprobs[req.request_id] = emitted_logprobs(logits[j : j + len(tokens)], tokens, req.params.logprobs)
+    return out, logprobs

@@ -54,16 +54,9 @@ def ngram_propose(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int
 
 
 def may_speculate(req: Request) -> bool:
-    """Whether req's next token may come with drafts: its sampling is the same function of the logits
-    at every draft position. Not for grammars (the matcher would have to fork per draft), penalties and
-    a pending min_tokens (they depend on the tokens before each position), or logprobs (one per
-    emitted token is not reported yet); and not when the request opted out."""
-    p = req.params
-    if not p.speculative or p.structured is not None or p.logprobs is not None:
-        return False
-    if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-        return False
-    return req.num_output_tokens >= p.min_tokens
+    """Whether req's next token may come with drafts: unless the request opted out. Every sampling
+    feature applies at each draft position with the drafts before it (engine/spec_positions.py)."""
+    return req.params.speculative
 
 
 def draft_length(req: Request, k: int) -> int:

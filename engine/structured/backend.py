@@ -40,6 +40,10 @@ class GrammarMatcher(Protocol):
         """The grammar has ended (it accepted a stop token): nothing more may be generated."""
         ...
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepts (speculative decoding walks the drafts, then comes back)."""
+        ...
+
 
 class CompiledGrammar(Protocol):
     """A compiled spec: immutable, shared by every request with that spec, safe across threads."""

@@ -70,6 +70,9 @@ class XGrammarMatcher:
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
 
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)  # xgrammar >= 0.1.2x: unlimited rollback
+
 
 class XGrammar:
     """A compiled grammar of one XGrammarCompiler."""

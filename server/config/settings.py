@@ -74,7 +74,8 @@ class ServerSettings(BaseSettings):
     quantization: Literal["int8"] | None = Field(None, description="int8: INT8 weight-only linears (CPU; half the weight bytes)")
     speculative_config: dict[str, Any] | None = Field(
         None, description="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (docs/ENGINE.md); none: off")
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; methods ngram, suffix, draft_model (with \"model\": PATH) "
+        "(docs/ENGINE.md); none: off")
     kv_events_config: dict[str, Any] | None = Field(
         None, description="KV-cache events for cache-aware routers, as vLLM's JSON: {\"enable_kv_cache_events\": "
         "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"} "

@@ -108,3 +108,11 @@ def require_cpu_kernels() -> None:
     if os.environ.get("CI") or shutil.which("g++") or shutil.which("c++"):
         raise RuntimeError(f"the CPU kernels must build here: {reason}")
     pytest.skip(f"no C++ compiler: {reason}", allow_module_level=True)
+
+
+def spec_engine(path, **overrides) -> Engine:
+    """make_engine (with `speculative=` among the overrides) without the measured speculation gate:
+    every eligible step speculates, so tests can count drafts (the gate has its own tests)."""
+    engine = make_engine(path, **overrides)
+    engine.scheduler.spec_gate = None
+    return engine

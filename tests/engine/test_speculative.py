@@ -20,7 +20,7 @@ from engine.request import Request
 from engine.spec_verify import accepted_prefix, verify_sampled
 from engine.speculative import SpeculativeConfig, draft_length, ngram_propose, update_acceptance
 
-from .helpers import Case, make_case, make_engine, mismatches
+from .helpers import Case, make_case, make_engine, mismatches, spec_engine
 
 SPEC = {"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 64}
 
@@ -154,7 +154,7 @@ def _run(engine, case: Case, params=None, check=False) -> list[list[int]]:
 
 
 def _oracle_engine(path, vocab, ref, **kw):
-    engine = make_engine(path, speculative=SPEC, **kw)
+    engine = spec_engine(path, speculative=SPEC, **kw)
     engine.scheduler.proposer = OracleProposer({f"r{i}": r for i, r in enumerate(ref)}, vocab)
     return engine
 
@@ -212,7 +212,7 @@ def test_rollback_frees_the_rejected_tail(tiny):
     """A request whose drafts are all wrong across a block boundary holds exactly the blocks of its
     computed tokens after each step, and nothing rejected is registered in the prefix cache."""
     path, vocab, case, ref = tiny
-    engine = make_engine(path, speculative=SPEC, block_size=4)
+    engine = spec_engine(path, speculative=SPEC, block_size=4)
 
     class Wrong:
         def propose(self, req, k):
@@ -247,7 +247,7 @@ def test_ngram_proposer_parity_and_acceptance(tiny):
     c = Case(prompts, [40] * 6)
     params = [SamplingParams(max_tokens=40, temperature=0.0, logit_bias=bias) for _ in range(6)]
     want = _run(make_engine(path), c, params)
-    engine = make_engine(path, speculative=SPEC)
+    engine = spec_engine(path, speculative=SPEC)
     assert _run(engine, c, params, check=True) == want
     st = engine.stats()
     assert st.spec_drafts > 0 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens
@@ -266,7 +266,7 @@ def test_opt_out_and_large_batches_do_not_speculate(tiny):
     params = [SamplingParams(max_tokens=m, temperature=0.0, speculative=False) for m in case.max_tokens]
     assert _run(engine, case, params) == ref
     assert engine.stats().spec_drafts == 0
-    engine = make_engine(path, speculative={**SPEC, "disable_by_batch_size": 2})
+    engine = spec_engine(path, speculative={**SPEC, "disable_by_batch_size": 2})
     oracle = OracleProposer({f"r{i}": r for i, r in enumerate(ref)}, vocab)
     running_at_proposal = []
 
@@ -299,7 +299,7 @@ def test_seeded_sampling_with_speculation_reproduces_itself(tiny):
     runs = []
     for seed in (100, 100, 200):
         params = [SamplingParams(max_tokens=30, temperature=1.0, seed=seed + i, logit_bias=ALPHABET) for i in range(6)]
-        engine = make_engine(path, speculative=SPEC)
+        engine = spec_engine(path, speculative=SPEC)
         runs.append(_run(engine, c, params, check=True))
         st = engine.stats()
         assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens
@@ -317,7 +317,7 @@ def test_sampled_distribution_matches_non_speculative(tiny):
     params = [SamplingParams(max_tokens=m, temperature=0.9, top_p=0.9, logit_bias=ALPHABET)] * n
     kw = dict(max_num_seqs=500, block_size=8)
     off = _run(make_engine(path, **kw), c, params)
-    engine = make_engine(path, **kw, speculative={**SPEC, "disable_by_batch_size": 500})
+    engine = spec_engine(path, **kw, speculative={**SPEC, "disable_by_batch_size": 500})
     on = _run(engine, c, params)
     st = engine.stats()
     assert st.spec_accepted_tokens > n // 2 and st.spec_accepted_tokens < st.spec_draft_tokens
