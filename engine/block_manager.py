@@ -2,7 +2,8 @@
 
 A block holds `block_size` consecutive tokens of one or more requests (shared through the prefix
 cache). A *full* block whose K/V are computed is registered under a chained hash
-hash(parent_hash, its token ids); a later request whose prompt starts with the same tokens reuses it.
+hash(parent_hash, its token ids) (the first block's parent salts it by LoRA adapter: `root_hash`);
+a later request on the same adapter whose prompt starts with the same tokens reuses it.
 Free blocks that still hold a registered prefix stay findable until they are evicted; eviction
 takes the least recently freed block first.
 """
@@ -26,6 +27,12 @@ class Block:
 
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
+
+
+def root_hash(request: Request) -> int | None:
+    """The parent of a request's first block: None on the base model, a salt per LoRA adapter, so a
+    block computed under one adapter (its K/V differ) never serves another or the base model."""
+    return None if request.lora_id == 0 else hash(("lora", request.lora_id))
 
 
 class BlockManager:
@@ -65,7 +72,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent: int | None = None
+        parent = root_hash(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
             tokens = tuple(request.tokens(i * self.block_size, (i + 1) * self.block_size))
@@ -99,7 +106,7 @@ class BlockManager:
             return
         n_done = request.num_hashed_blocks
         n_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        parent = request.last_block_hash
+        parent = request.last_block_hash if n_done else root_hash(request)
         for i in range(n_done, n_full):
             tokens = tuple(request.tokens(i * self.block_size, (i + 1) * self.block_size))
             h = chain_hash(parent, tokens)

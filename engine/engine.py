@@ -18,6 +18,7 @@ from engine.cpu_weights import prepare_weights
 from engine.cuda_graphs import DecodeGraphRunner, graph_buckets, graphs_enabled
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model
+from engine.lora.setup import make_registry
 from engine.model_open import open_model_source, with_tokenizer
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
@@ -65,10 +66,11 @@ class Engine(EngineCore):
         kv = allocate_kv_cache(spec, num_blocks, self.device, backend)
         self.kv_cache_bytes = num_blocks * spec.bytes_per_block
         graphs = self._capture_graphs(model, backend, kv, buckets) if use_graphs else None
+        loras = make_registry(config.lora, self.hf_config, self.device, self.dtype) if config.lora else None
         super().__init__(
             model_name=source.name,
             tokenizer=source.tokenizer,
-            runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs),
+            runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs, loras),
             block_manager=BlockManager(num_blocks, self.block_size, config.enable_prefix_caching),
             scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.aging_s,
                                              config.outranked_chunk_tokens, config.speculative),
@@ -79,7 +81,10 @@ class Engine(EngineCore):
             grammar_compiler=make_compiler(config.grammar_backend, source.tokenizer, int(self.hf_config.vocab_size),
                                            source.eos_token_ids, config.grammar_cache_bytes,
                                            config.grammar_compile_processes),  # fmt: skip
+            loras=loras,
         )
+        for name, path in config.lora.modules if config.lora else ():  # start-up adapters (--lora-modules)
+            self.load_lora(name, path)
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "
             "cuda graphs=%s, packed weights=%s, quantization=%s, small-batch kernels: %s",
