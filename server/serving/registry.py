@@ -158,7 +158,8 @@ class ModelRegistry:
         `model` names, when it names one)."""
         slot, pinned = self.resolve(model)
         adapter = model if model is not None and self.adapter_slot(model) is slot else None
-        return slot, slot.pick(pinned).acquire(adapter)
+        dep = slot.pick(pinned)
+        return slot, dep.acquire() if adapter is None else dep.acquire(adapter)
 
     def deployments(self) -> list[tuple[ModelSlot, Deployment]]:
         return [(slot, dep) for slot in self.slots.values() for dep in slot.versions.values()]
