@@ -246,3 +246,35 @@ def test_scale_folding_matches_peft_formula():
     assert _scale({"lora_alpha": 16}, 0, "q_proj", 4) == 4.0
     assert _scale({"lora_alpha": 16, "use_rslora": True}, 0, "q_proj", 4) == 8.0
     assert _scale({"lora_alpha": 16, "alpha_pattern": {"down_proj": 2}}, 1, "down_proj", 2) == 1.0
+
+
+def test_delta_rides_on_the_int8_kernels(family):
+    """The delta is added on top of whatever base product runs: INT8 with the C++ kernels (int16
+    activations; gate/up interleaved for the fused activation) gives the greedy tokens of INT8 dequantized
+    + PyTorch in a batch mixing the base model and three adapters (float32), up to the first near-tie
+    (top-2 within 0.01 nats, where the kernels' activation rounding may pick the other token)."""
+    from engine.models import cpu_linear
+
+    reason = cpu_linear.kernels_unavailable("int8")
+    if reason is not None:
+        pytest.skip(f"INT8 linear kernels unavailable here: {reason}")
+    path, adapters, prompts, refs = family
+    names = [None, *adapters]
+    jobs = [(p, n) for p in prompts for n in names]
+
+    def outputs(gemv):
+        engine = lora_engine(path, adapters, quantization="int8", cpu_gemv=gemv)
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2, lora_name=n) for _, n in jobs]
+        return engine.generate([list(p) for p, _ in jobs], params)
+
+    on, off = outputs("on"), outputs("off")
+    compared = 0
+    for a, b in zip(on, off, strict=True):
+        for i, (t_on, t_off, lp) in enumerate(zip(a.token_ids, b.token_ids, b.logprobs, strict=False)):
+            if len(lp.top) > 1 and lp.top[0][1] - lp.top[1][1] < 0.01:
+                break  # a near-tie: either token is right
+            assert t_on == t_off, (i, a.token_ids, b.token_ids)
+            compared += 1
+    assert compared >= len(jobs) * MAX_TOKENS // 2
+    by_name = {n: [o.token_ids for o, (_, m) in zip(off, jobs, strict=True) if m == n] for n in names}
+    assert all(by_name[n] != by_name[None] for n in adapters)  # the adapters change the output
