@@ -18,6 +18,7 @@ from engine.cpu_weights import prepare_weights
 from engine.cuda_graphs import DecodeGraphRunner, graph_buckets, graphs_enabled
 from engine.kv_cache import allocate_kv_cache
 from engine.loader import load_model
+from engine.lora.errors import LoraError
 from engine.lora.setup import make_registry
 from engine.model_open import open_model_source, with_tokenizer
 from engine.model_runner import ModelRunner
@@ -84,7 +85,10 @@ class Engine(EngineCore):
             loras=loras,
         )
         for name, path in config.lora.modules if config.lora else ():  # start-up adapters (--lora-modules)
-            self.load_lora(name, path)
+            try:
+                self.load_lora(name, path)
+            except LoraError as exc:  # say which adapter
+                raise type(exc)(exc.field, f"lora module {name!r}: {exc.message}") from None
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "
             "cuda graphs=%s, packed weights=%s, quantization=%s, small-batch kernels: %s",

@@ -278,3 +278,9 @@ def test_delta_rides_on_the_int8_kernels(family):
     assert compared >= len(jobs) * MAX_TOKENS // 2
     by_name = {n: [o.token_ids for o, (_, m) in zip(off, jobs, strict=True) if m == n] for n in names}
     assert all(by_name[n] != by_name[None] for n in adapters)  # the adapters change the output
+
+
+def test_a_refused_startup_adapter_stops_the_engine_naming_it(llama, tmp_path):
+    path, _, good = llama
+    with pytest.raises(LoraFilesMissing, match="lora module 'bad'"):
+        lora_engine(path, {"good": good, "bad": tmp_path / "missing"})
