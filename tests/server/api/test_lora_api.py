@@ -37,7 +37,8 @@ def refs(tiny_model_path, adapters):
 def lora_srv(tiny_model_path, adapters):
     from engine.lora.config import LoraConfig
 
-    settings = make_settings(enable_lora=True, admin_api_keys="adm", max_loras=2, served_model_name="tiny")
+    settings = make_settings(enable_lora=True, admin_api_keys="adm", max_loras=2, served_model_name="tiny",
+                             response_cache_bytes=1 << 20)
     engine = build_real_engine(tiny_model_path, lora=LoraConfig(max_loras=2, modules=(("all", str(adapters["all"])),)))
     with run_server(settings, engine) as s:
         yield s
@@ -71,6 +72,15 @@ def test_startup_adapter_is_listed_and_served(lora_srv, refs):
     metrics = httpx.get(f"{lora_srv.url}/metrics").text
     assert 'tokenmill_lora_requests_total{lora="all",model="tiny"' in metrics
     assert 'vllm:lora_requests_info{max_lora="2"' in metrics
+
+
+def test_response_cache_is_keyed_by_adapter(lora_srv, refs):
+    body = {"seed": 5}  # same body on the base model and the adapter (distinct from other tests' bodies)
+    first = gen(lora_srv, None, **body).json()
+    assert first["usage"].get("cached") is not True
+    assert gen(lora_srv, None, **body).json()["usage"].get("cached") is True  # the cache is on
+    on_adapter = gen(lora_srv, "all", **body).json()
+    assert on_adapter["usage"].get("cached") is not True and on_adapter["token_ids"] == refs["all"]
 
 
 def test_unknown_adapter_is_404_naming_model(lora_srv):
