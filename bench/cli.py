@@ -3,7 +3,8 @@
 Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
 and sets `func(args) -> int`. Today: `offline`, `floor`, `quality`, `gemv`, `fused`, `load` (HTTP load test), `sweep`, `contention`,
 `priority`, `long-prompt`, `startup`, `swap` (model version swap under load, response cache latency),
-`structured` (what structured outputs cost in throughput and TTFT), `router` (replicas behind vllm-router, per policy).
+`structured` (what structured outputs cost in throughput and TTFT), `router` (replicas behind vllm-router, per policy),
+`lora` (what LoRA adapters cost).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from bench import (
     gemv,
     load,
     long_prompt,
+    lora,
     offline,
     priority,
     quality,
@@ -50,6 +52,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     spec.add_parser(subparsers)
     contention.add_parser(subparsers)
     router.add_parser(subparsers)
+    lora.add_parser(subparsers)
     return parser
 
 

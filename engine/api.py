@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.errors import InvalidParam
+from engine.lora.errors import LoraError
+from engine.lora.registry import LoraInfo
 from engine.sampling_params import SamplingParams
 from engine.structured import (
     GrammarCompiler,
@@ -36,6 +38,8 @@ __all__ = [
     "GrammarTimeout",
     "GrammarTooLarge",
     "InvalidParam",
+    "LoraError",
+    "LoraInfo",
     "PreemptionCause",
     "RequestOutput",
     "SamplingParams",
@@ -151,6 +155,13 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = field(default_factory=list)
+    # LoRA (vLLM's lora_requests_info): adapter name -> requests running / waiting on it, the limit of
+    # adapters in one step (0: LoRA off), and device copies made (cumulative count and seconds)
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
+    max_loras: int = 0
+    lora_loads: int = 0
+    lora_load_s: float = 0.0
 
     def record_drafts(self, drafted: int, accepted: int) -> None:
         """Count one verified row: `drafted` draft tokens, of which the first `accepted` were taken."""
@@ -218,6 +229,21 @@ class EngineProtocol(Protocol):
 
     def abort(self, request_id: str) -> bool:
         """End a request now and free its KV blocks; False when it is unknown or already finished."""
+        ...
+
+    def load_lora(self, name: str, path: str) -> LoraInfo:
+        """Read, validate and register the PEFT adapter at `path` as `name` (requests then select it
+        with params.lora_name). Raises LoraError (its `status` and `field` say what to answer);
+        nothing is registered on error."""
+        ...
+
+    def unload_lora(self, name: str) -> LoraInfo:
+        """Forget adapter `name` now (new requests naming it fail); requests in flight on it finish, and
+        its weights go after them. Raises LoraError (unknown name, or LoRA off)."""
+        ...
+
+    def list_loras(self) -> list[LoraInfo]:
+        """The adapters registered, in load order (empty when LoRA is off)."""
         ...
 
     def step(self) -> list[RequestOutput]:

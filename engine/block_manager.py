@@ -2,7 +2,8 @@
 
 A block holds `block_size` consecutive tokens of one or more requests (shared through the prefix
 cache). A *full* block whose K/V are computed is registered under a chained hash
-hash(parent_hash, its token ids); a later request whose prompt starts with the same tokens reuses it.
+hash(parent_hash, its token ids) (the first block's parent salts it by LoRA adapter: `root_hash`);
+a later request on the same adapter whose prompt starts with the same tokens reuses it.
 Free blocks that still hold a registered prefix stay findable until they are evicted; eviction
 takes the least recently freed block first.
 
@@ -29,10 +30,23 @@ class Block:
     block_hash: int | None = None  # set once the block is full, computed and registered
     token_ids: tuple[int, ...] = field(default_factory=tuple)  # compared on a hash hit
     parent_hash: int | None = None  # hash of the block before it in its sequence (KV events name it)
+    # the adapter its K/V were computed under (0: the base model); KV events carry it, and a first
+    # block's parent_hash is then its adapter's salt (root_hash), which KV events publish as no parent
+    lora_id: int = 0
 
 
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
+
+
+def root_hash(request: Request) -> int | None:
+    """The parent of a request's first block: None on the base model, a salt per LoRA adapter, so a
+    block computed under one adapter (its K/V differ) never serves another or the base model."""
+    return None if request.lora_id == 0 else lora_root(request.lora_id)
+
+
+def lora_root(lora_id: int) -> int:
+    return hash(("lora", lora_id))
 
 
 class BlockManager:
@@ -84,7 +98,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent: int | None = None
+        parent = root_hash(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
             tokens = tuple(request.tokens(i * self.block_size, (i + 1) * self.block_size))
@@ -118,7 +132,7 @@ class BlockManager:
             return
         n_done = request.num_hashed_blocks
         n_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        parent = request.last_block_hash
+        parent = request.last_block_hash if n_done else root_hash(request)
         run: list[Block] = []  # consecutive blocks registered here: one BlockStored event
         for i in range(n_done, n_full):
             tokens = tuple(request.tokens(i * self.block_size, (i + 1) * self.block_size))
@@ -126,6 +140,7 @@ class BlockManager:
             block = self.blocks[request.block_ids[i]]
             if block.block_hash is None and h not in self._cached:
                 block.block_hash, block.token_ids, block.parent_hash = h, tokens, parent
+                block.lora_id = request.lora_id
                 self._cached[h] = block.block_id
                 run.append(block)
             else:  # already cached (here or in another block): the run of new blocks ends
@@ -183,7 +198,7 @@ class BlockManager:
             if self._cached.get(block.block_hash) == block_id:
                 del self._cached[block.block_hash]
                 self._record_removed(block.block_hash)
-            block.block_hash, block.token_ids, block.parent_hash = None, (), None
+            block.block_hash, block.token_ids, block.parent_hash, block.lora_id = None, (), None, 0
         block.ref_count = 1
         return block_id
 
@@ -194,7 +209,7 @@ class BlockManager:
         if self.num_used_blocks:
             return False
         for block in self.blocks:
-            block.block_hash, block.token_ids, block.parent_hash = None, (), None
+            block.block_hash, block.token_ids, block.parent_hash, block.lora_id = None, (), None, 0
         self._cached.clear()
         if self._events is not None:
             self._events.append(AllBlocksCleared())
@@ -218,8 +233,8 @@ class BlockManager:
         depths = self._depths()
         for h in sorted(self._cached, key=depths.__getitem__):
             block = self.blocks[self._cached[h]]
-            parent = None if block.parent_hash is None else self._external(block.parent_hash)
-            events.append(BlockStored([self._external(h)], parent, list(block.token_ids), self.block_size))
+            events.append(BlockStored([self._external(h)], self._event_parent(block), list(block.token_ids),
+                                      self.block_size, lora_id=block.lora_id or None))  # fmt: skip
         return events
 
     def _depths(self) -> dict[int, int]:
@@ -241,13 +256,21 @@ class BlockManager:
     def _record_stored(self, run: list[Block]) -> None:
         if self._events is None or not run:
             return
-        parent = run[0].parent_hash
         self._events.append(BlockStored(
             block_hashes=[self._external(b.block_hash) for b in run if b.block_hash is not None],
-            parent_block_hash=None if parent is None else self._external(parent),
+            parent_block_hash=self._event_parent(run[0]),
             token_ids=[t for b in run for t in b.token_ids],
             block_size=self.block_size,
+            lora_id=run[0].lora_id or None,
         ))  # fmt: skip
+
+    def _event_parent(self, block: Block) -> int | None:
+        """The parent a KV event names: none for a sequence's first block (the base model's parent is
+        None, an adapter's is its salt, which no event ever stored)."""
+        parent = block.parent_hash
+        if parent is None or (block.lora_id and parent == lora_root(block.lora_id)):
+            return None
+        return self._external(parent)
 
     def _record_removed(self, block_hash: int) -> None:
         if self._events is None:

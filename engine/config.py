@@ -6,6 +6,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from engine.lora.config import LoraConfig
 from engine.spec_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -57,12 +58,16 @@ class EngineConfig:
     adaptive_threads: bool = False
     # Speculative decoding (vLLM's --speculative-config; a dict of its keys is accepted); None: off
     speculative: SpeculativeConfig | None = None
+    # LoRA adapters (engine/lora/; vLLM's --enable-lora and friends); None: off
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
             object.__setattr__(self, "speculative", SpeculativeConfig.from_dict(self.speculative))
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig, a dict or None, got {self.speculative!r}")
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise ValueError(f"lora must be a LoraConfig or None, got {self.lora!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty path")
         if self.dtype not in DTYPES:

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 from engine.api import Deadlines, EngineStats, FinishReason, InvalidParam, RequestOutput, TokenLogprob
 from engine.block_manager import BlockManager
 from engine.kv_events import AllBlocksCleared, BlockRemoved, KVEventSink
+from engine.lora.errors import LoraError
+from engine.lora.registry import LoraInfo, LoraRegistry
 from engine.output_processor import (
     RequestTextState,
     add_prompt_logprobs,
@@ -26,7 +28,7 @@ from engine.output_processor import (
     timeout_output,
     token_output,
 )
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.structured import GrammarCompiler, GrammarError
@@ -94,6 +96,7 @@ class EngineCore:
         clock: Callable[[], float] = time.monotonic,
         grammar_compiler: GrammarCompiler | None = None,
         kv_event_sink: KVEventSink | None = None,
+        loras: LoraRegistry | None = None,
     ) -> None:
         """`kv_event_sink`: where each step's prefix-cache changes go (the block manager must record
         them: BlockManager(record_events=True)); None: no events."""
@@ -102,6 +105,9 @@ class EngineCore:
         # Compiles GrammarSpecs for this tokenizer; the server uses it off this thread. None: no backend.
         self.grammar_compiler = grammar_compiler
         self.runner = runner
+        self.loras = loras  # LoRA adapters by name; None: LoRA off (requests naming one are refused)
+        if loras is not None and scheduler_config.max_loras is None:
+            scheduler_config = replace(scheduler_config, max_loras=loras.config.max_loras)
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.scheduler = Scheduler(scheduler_config, block_manager, clock)
@@ -156,6 +162,7 @@ class EngineCore:
         if bad:
             raise InvalidParam("logit_bias", f"logit_bias: {bad[0]} is not a token id in [0, {self.vocab_size})")
         params = self._with_grammar(params)
+        lora_id = self._lora_id(params.lora_name)
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -164,10 +171,43 @@ class EngineCore:
             arrival_time=self.scheduler.clock() if arrival_time is None else arrival_time,
             eos_token_ids=self.eos_token_ids,
             deadlines=deadlines or Deadlines(),
+            lora_id=lora_id,
         )
         req.text = RequestTextState(self.tokenizer, params.stop)
         self.scheduler.add(req)
         return len(ids)
+
+    def _lora_id(self, name: str | None) -> int:
+        if name is None:
+            return 0
+        if self.loras is None:
+            raise InvalidParam("model", f"model {name!r}: LoRA adapters are not enabled on this engine")
+        return self.loras.resolve(name)
+
+    # ---- LoRA adapters (engine/lora/) ---------------------------------------------------------------
+    def load_lora(self, name: str, path: str) -> LoraInfo:
+        """Register the PEFT adapter at `path` as `name`; see EngineProtocol.load_lora."""
+        if name == self.model_name:
+            raise LoraError("lora_name", f"{name!r} is the base model's name")
+        return self._lora_registry().add(name, path)
+
+    def unload_lora(self, name: str) -> LoraInfo:
+        """Forget adapter `name`; requests in flight on it finish (see EngineProtocol.unload_lora)."""
+        info = self._lora_registry().remove(name)
+        self._collect_loras()
+        return info
+
+    def list_loras(self) -> list[LoraInfo]:
+        return [] if self.loras is None else self.loras.infos()
+
+    def _lora_registry(self) -> LoraRegistry:
+        if self.loras is None:
+            raise LoraError("lora_name", "LoRA adapters are not enabled on this engine (--enable-lora)")
+        return self.loras
+
+    def _collect_loras(self) -> None:
+        if self.loras is not None:
+            self.loras.collect(r.lora_id for r in self.scheduler.requests.values())
 
     def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         if (prompt is None) == (prompt_token_ids is None):
@@ -217,6 +257,7 @@ class EngineCore:
         if req is None:
             return False
         self.scheduler.finish(req, FinishReason.ABORT)
+        self._collect_loras()
         return True
 
     def has_unfinished(self) -> bool:
@@ -242,6 +283,7 @@ class EngineCore:
             return outputs + self._fail_step(sched, exc)
         emitted = self._stats.generation_tokens
         outputs += self._update(sched, result)
+        self._collect_loras()
         elapsed = time.perf_counter() - t0
         self._record_step(sched, elapsed)
         self.scheduler.record_step_time(sched, elapsed, self._stats.generation_tokens - emitted)
@@ -378,7 +420,23 @@ class EngineCore:
             "preemptions": sched.num_preemptions,
             "preemptions_by": dict(sched.preemptions_by),
             "spec_accepted_per_pos": list(st.spec_accepted_per_pos),
+            **self._lora_stats(),
         })  # fmt: skip
+
+    def _lora_stats(self) -> dict[str, Any]:
+        if self.loras is None:
+            return {}
+        names = {i.lora_id: i.name for i in self.loras.infos()}
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for req in self.scheduler.requests.values():
+            name = names.get(req.lora_id)  # None: the base model, or an unloaded adapter finishing
+            if name is not None:
+                side = running if req.status is RequestStatus.RUNNING else waiting
+                side[name] = side.get(name, 0) + 1
+        st = self.loras.stats
+        return {"lora_running": running, "lora_waiting": waiting, "max_loras": self.loras.config.max_loras,
+                "lora_loads": st.loads, "lora_load_s": st.load_s}
 
     def check_integrity(self) -> None:
         """Block-manager invariants against the live requests (tests; debug)."""

@@ -20,6 +20,8 @@ from engine.cuda_graphs import DecodeGraphRunner, graph_buckets, graphs_enabled
 from engine.kv_cache import allocate_kv_cache
 from engine.kv_events import KVEventSink
 from engine.loader import load_model
+from engine.lora.errors import LoraError
+from engine.lora.setup import make_registry
 from engine.model_open import open_model_source, with_tokenizer
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
@@ -69,10 +71,11 @@ class Engine(EngineCore):
         kv = allocate_kv_cache(spec, num_blocks, self.device, backend)
         self.kv_cache_bytes = num_blocks * spec.bytes_per_block
         graphs = self._capture_graphs(model, backend, kv, buckets) if use_graphs else None
+        loras = make_registry(config.lora, self.hf_config, self.device, self.dtype) if config.lora else None
         super().__init__(
             model_name=source.name,
             tokenizer=source.tokenizer,
-            runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs),
+            runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs, loras),
             block_manager=BlockManager(num_blocks, self.block_size, config.enable_prefix_caching,
                                        record_events=kv_event_sink is not None,
                                        event_hash_salt=secrets.randbits(64)),
@@ -86,6 +89,7 @@ class Engine(EngineCore):
                                            source.eos_token_ids, config.grammar_cache_bytes,
                                            config.grammar_compile_processes),  # fmt: skip
             kv_event_sink=kv_event_sink,
+            loras=loras,
         )
         threads = torch.get_num_threads()
         if config.adaptive_threads and self.device.type == "cpu" and threads > 1:
@@ -95,6 +99,11 @@ class Engine(EngineCore):
 
             self.scheduler.proposer = load_draft_proposer(config.speculative, int(self.hf_config.vocab_size),
                                                           self.device, self.dtype, self.max_model_len)  # fmt: skip
+        for name, path in config.lora.modules if config.lora else ():  # start-up adapters (--lora-modules)
+            try:
+                self.load_lora(name, path)
+            except LoraError as exc:  # say which adapter
+                raise type(exc)(exc.field, f"lora module {name!r}: {exc.message}") from None
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "
             "cuda graphs=%s, packed weights=%s, quantization=%s, small-batch kernels: %s",

@@ -36,7 +36,7 @@ class BlockStored:
     parent_block_hash: int | None  # external hash of the block before the first one; None: the sequence's start
     token_ids: list[int]  # the blocks' tokens, concatenated: len == block_size * len(block_hashes)
     block_size: int
-    lora_id: int | None = None  # vLLM's (deprecated) adapter id; tokenmill serves no adapters
+    lora_id: int | None = None  # the adapter the blocks were computed under (its load id); None: the base model
     medium: str | None = MEDIUM_GPU
     lora_name: str | None = None
 

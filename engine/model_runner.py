@@ -7,6 +7,8 @@ import torch
 from engine.attention import AttentionBackend, BatchLayout
 from engine.core import ModelRunnerOutput
 from engine.cuda_graphs import DecodeGraphRunner
+from engine.lora.batch import LoraBatch, build_batch
+from engine.lora.registry import LoraRegistry
 from engine.models.layers import ForwardContext
 from engine.models.llama import LlamaForCausalLM
 from engine.prompt_logprobs import compute_prompt_logprobs
@@ -19,6 +21,7 @@ class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, kv_caches, backend: AttentionBackend, block_size: int,
         device: torch.device, sampler: Sampler, graphs: DecodeGraphRunner | None = None,
+        loras: LoraRegistry | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -27,6 +30,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.graphs = graphs  # CUDA graphs for decode-only steps; None: every step runs eagerly
+        self.loras = loras  # adapters' device copies by lora_id; None: LoRA off
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -34,7 +38,7 @@ class ModelRunner:
         # prefill chunks.
         items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1 and not s.draft_token_ids)
         input_ids, positions, layout = self._pack(items)
-        hidden = self._forward(input_ids, positions, layout)  # [T, hidden]
+        hidden = self._forward(input_ids, positions, layout, self._lora_batch(items))  # [T, hidden]
         prompt_lps = compute_prompt_logprobs(self.model, hidden, items)  # {} unless a request asked
         ends: list[int] = []  # rows of `hidden` whose logits are needed
         plain: list[int] = []  # of those, the rows sampled as usual (index into ends)
@@ -62,13 +66,23 @@ class ModelRunner:
         spec_tokens = {rid: toks for rid, toks in verified.items() if toks is not None}
         return ModelRunnerOutput(sampled, logprobs, failed, prompt_lps, spec_tokens, spec_lps)
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
-        """The model over one packed step (host tensors in): a decode graph's replay when one fits."""
-        bucket = self.graphs.bucket_for(layout) if self.graphs is not None else None
+    def _lora_batch(self, items: list[ScheduledRequest]) -> LoraBatch | None:
+        """The step's rows by adapter (in packing order); None when every row is on the base model."""
+        if self.loras is None or not any(s.request.lora_id for s in items):
+            return None
+        runs = [(s.num_tokens, s.request.lora_id,
+                 self.loras.resident(s.request.lora_id) if s.request.lora_id else None) for s in items]  # fmt: skip
+        return build_batch(runs, self.device)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
+                 lora: LoraBatch | None = None) -> torch.Tensor:  # fmt: skip
+        """The model over one packed step (host tensors in): a decode graph's replay when one fits
+        (graphs are captured without adapters: a step with adapter rows runs eagerly)."""
+        bucket = self.graphs.bucket_for(layout) if self.graphs is not None and lora is None else None
         if bucket is not None:
             return self.graphs.run(bucket, input_ids, positions, layout)
         meta = self.backend.build_metadata(layout, self.device)
-        ctx = ForwardContext(self.backend, meta, self.kv_caches)
+        ctx = ForwardContext(self.backend, meta, self.kv_caches, lora=lora)
         return self.model(self._send(input_ids), self._send(positions), ctx)
 
     def _send(self, host: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,9 @@ class Request:
     arrival_time: float  # clock seconds the caller received it; orders requests and anchors deadlines
     eos_token_ids: frozenset[int]
     deadlines: Deadlines = field(default_factory=Deadlines)
+    # The LoRA adapter it runs on (engine/lora/registry.py LoraInfo.lora_id, unique per load); 0: the base
+    # model. Salts its prefix-cache hashes, so no block is shared across adapters (engine/block_manager.py).
+    lora_id: int = 0
     # -- the scheduler's --------------------------------------------------------------------------------
     status: RequestStatus = RequestStatus.WAITING
     waiting_since: float = 0.0  # clock seconds it (re)entered the waiting queue: arrival, or preemption

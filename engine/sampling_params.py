@@ -52,6 +52,9 @@ class SamplingParams:
     # False: this request never speculates (when the engine does; engine/speculative.py). Output is the
     # same either way for greedy requests, and the same in distribution for sampled ones.
     speculative: bool = True
+    # The LoRA adapter this request runs on, by the name it was loaded under (engine/lora/); None: the
+    # base model. The server sets it from a request's `model` naming an adapter.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         # Accept lists / a single string from callers, store tuples so the object stays hashable.
@@ -81,6 +84,8 @@ class SamplingParams:
             raise InvalidParam("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParam("ignore_eos", "ignore_eos must be a boolean")
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            raise InvalidParam("model", f"an adapter name must be a non-empty string, got {self.lora_name!r}")
         if not isinstance(self.speculative, bool):
             raise InvalidParam("speculative", "speculative must be a boolean")
         for s in self.stop:

@@ -64,6 +64,9 @@ class SchedulerConfig:
     # is not held up by a long low-priority prefill (the step's time grows with its tokens).
     outranked_chunk_tokens: int | None = 256
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # Most distinct LoRA adapters among running requests (their device copies, engine/lora/registry.py);
+    # a waiting request on another adapter waits for one to finish. None: LoRA off.
+    max_loras: int | None = None
 
 
 class Scheduler:
@@ -238,6 +241,8 @@ class _StepPlanner:
             return False
         if len(self.s.running) >= self.s.config.max_num_seqs and not self._preempt_for(req, PreemptionCause.SLOTS):
             return False
+        if not self._adapter_fits(req):
+            return False
         # A request that wants prompt log-probabilities runs its whole prompt: cached blocks have no logits.
         cached = [] if req.needs_prompt_logprobs else self.s.blocks.find_cached_prefix(req)
         n = self._chunk(req, req.num_tokens - len(cached) * self.s.blocks.block_size)
@@ -258,6 +263,14 @@ class _StepPlanner:
             self.out.started.append(req)
         self._schedule(req, n)
         return True
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether req's adapter is running already or a step may hold one more (max_loras)."""
+        limit = self.s.config.max_loras
+        if limit is None or req.lora_id == 0:
+            return True
+        running = {r.lora_id for r in self.s.running if r.lora_id}
+        return req.lora_id in running or len(running) < limit
 
     def _fits(self, req: Request, cached: list[int], n: int) -> bool:
         """Whether req can take its cached prefix blocks plus blocks for n new tokens."""

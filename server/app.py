@@ -18,6 +18,7 @@ from server.api import admin as routes_admin
 from server.api import feedback as routes_feedback
 from server.api import fleet as routes_fleet
 from server.api import generate as routes_generate
+from server.api import lora as routes_lora
 from server.api import openai as routes_openai
 from server.api import ops as routes_ops
 from server.api import responses as routes_responses
@@ -25,7 +26,7 @@ from server.api import tgi as routes_tgi
 from server.api import tokenize as routes_tokens
 from server.config.default_model import with_default_model
 from server.config.settings import ServerSettings
-from server.http.auth import AdminKeyMiddleware, ApiKeyMiddleware
+from server.http.auth import LORA_PATHS, AdminKeyMiddleware, ApiKeyMiddleware
 from server.http.body_limit import BodyLimitMiddleware
 from server.http.error_log import ErrorLogMiddleware
 from server.http.errors import InternalErrorMiddleware, install_error_handlers
@@ -83,9 +84,11 @@ def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoad
     app.include_router(routes_tgi.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_fleet.router)
+    app.include_router(routes_lora.router)
     # Added last = runs first: authentication before the body is read.
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
-    app.add_middleware(ApiKeyMiddleware, keys=settings.accepted_api_keys())
+    app.add_middleware(ApiKeyMiddleware, keys=settings.accepted_api_keys(),
+                       admin_paths=LORA_PATHS if settings.accepted_admin_keys() else ())  # fmt: skip
     app.add_middleware(AdminKeyMiddleware, keys=settings.accepted_admin_keys())
     app.add_middleware(InternalErrorMiddleware)  # any other exception: a 500 that closes the connection
     app.add_middleware(ErrorLogMiddleware)  # outermost: sees every error answer, the middlewares' too

@@ -66,6 +66,8 @@ class FusedDecode:
         """(x, residual) after the last layer, as the Python loop leaves them; None when this step is
         not one the C++ loop takes. x: [B, hidden] embeddings; ctx.cos/sin set."""
         meta = ctx.meta
+        if ctx.lora is not None:  # adapter deltas go inside the linears: the Python layers add them
+            return None
         if ctx.backend.name != "cpu" or getattr(meta, "prefills", True) or meta.num_decodes != x.shape[0]:
             return None
         plan = self._plans.get(x.shape[0], False)

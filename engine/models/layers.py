@@ -4,12 +4,16 @@ results match token for token."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.lora.batch import LayerLora, LoraBatch
 
 
 @dataclass
@@ -22,6 +26,8 @@ class ForwardContext:
     # Rotary tables gathered once per step for the packed positions: [T, 1, head_dim] each.
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    # The step's rows by LoRA adapter (engine/lora/batch.py); None: every row runs on the base model.
+    lora: LoraBatch | None = None
 
 
 class RMSNorm(nn.Module):
@@ -112,8 +118,14 @@ class GatedMLP(nn.Module):
         # set by LlamaForCausalLM.replace_linears.
         self.fused_act = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_act:
-            return self.down_proj(self.gate_up_proj.silu_mul(x))
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        """lora: this layer's adapter deltas, added to the gate/up product before the activation and
+        to the down product (the fused activation is skipped: it never shows the product)."""
+        if lora is None:
+            if self.fused_act:
+                return self.down_proj(self.gate_up_proj.silu_mul(x))
+            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        gate, up = lora.add("gate_up", x, self.gate_up_proj(x)).split(self.intermediate, dim=-1)
+        h = F.silu(gate) * up
+        return lora.add("down", h, self.down_proj(h))

@@ -37,7 +37,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, (q_size, kv_size, _) = x.shape[0], self.split
+        lora = ctx.lora.layer(self.layer_idx) if ctx.lora is not None else None
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        if lora is not None:
+            qkv = lora.add("qkv", x, qkv)
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.qk_norm:
             q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, self.head_dim))  # [T, H, D]
@@ -48,8 +51,8 @@ class LlamaAttention(nn.Module):
             qk = rotate_(qkv[:, : q_size + kv_size].view(t, -1, self.head_dim), ctx.cos, ctx.sin, self.fused_rotary)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(t, -1))
+        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale).reshape(t, -1)  # [T, H D]
+        return self.o_proj(o) if lora is None else lora.add("o", o, self.o_proj(o))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -69,7 +72,8 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.input_layernorm.add_norm(x, residual)
         h = self.self_attn(positions, h, ctx)
         h, residual = self.post_attention_layernorm.add_norm(h, residual)
-        return self.mlp(h), residual
+        lora = ctx.lora.layer(self.self_attn.layer_idx) if ctx.lora is not None else None
+        return self.mlp(h, lora), residual
 
 
 class LlamaModel(nn.Module):

@@ -56,9 +56,8 @@ async def start_choices(rt: Runtime, request: Request, lease: Lease,
     index order; each prompt's later samples go to the engine once its first sample's prompt ran. Takes
     over `lease` (the first choice's); every other choice gets its own lease. Raises ApiError (400, 429,
     503, 499 when the client left) with every choice closed."""
-    dep = lease.deployment
     flat = [req for group in groups for req in group]
-    leases = [lease] + [dep.acquire() for _ in flat[1:]]
+    leases = [lease] + [lease.sibling() for _ in flat[1:]]
     firsts: list[int] = []  # position of each prompt's first sample
     held: set[int] = set()  # the later samples' positions
     for group in groups:

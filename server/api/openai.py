@@ -56,7 +56,8 @@ async def model_card(request: Request, model_id: str) -> dict[str, Any]:
     """One model's card (the SDK's models.retrieve); a name, an alias or name@version. 404 otherwise."""
     rt: Runtime = request.app.state.runtime
     slot, _ = rt.models.resolve(model_id)
-    return next(card for card in rt.models.cards(rt.created) if card["id"] == slot.name)
+    name = model_id if rt.models.adapter_slot(model_id) is slot else slot.name
+    return next(card for card in rt.models.cards(rt.created) if card["id"] == name)
 
 
 @router.post("/completions")
@@ -84,7 +85,7 @@ async def completions(request: Request, call: CompletionCall) -> Response:
             extra["prompt_logprobs"] = body.logprobs or 0
         params = await _constrained(rt, lease, body, [ids for ids, _ in prompts],
                                     body.sampling_params(max_tokens, body.logprobs, **extra), asked)  # fmt: skip
-        shape = CompletionShape(lease, slot.name, f"cmpl-{uuid.uuid4().hex}", body.choices_per_prompt,
+        shape = CompletionShape(lease, lease.served_name(slot.name), f"cmpl-{uuid.uuid4().hex}", body.choices_per_prompt,
                                 params.logprobs is not None, body.include_usage, prompts if body.echo else None)  # fmt: skip
         handles = await _start(rt, request, body, [ids for ids, _ in prompts], params, shape.id, lease)
     return await respond(rt, request, handles, shape, bool(body.stream))
@@ -121,7 +122,7 @@ async def chat_completions(request: Request, call: ChatCall) -> Response:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = await _constrained(rt, lease, body, [ids], body.sampling_params(max_tokens, logprobs,
                                     logit_bias=body.bias()), grammar, field)  # fmt: skip
-        shape = ChatShape(lease, slot.name, f"chatcmpl-{uuid.uuid4().hex}", body.choices_per_prompt,
+        shape = ChatShape(lease, lease.served_name(slot.name), f"chatcmpl-{uuid.uuid4().hex}", body.choices_per_prompt,
                           params.logprobs is not None, body.include_usage, tools.new_parser)  # fmt: skip
         handles = await _start(rt, request, body, [ids], params, shape.id, lease, field)
     return await respond(rt, request, handles, shape, bool(body.stream))

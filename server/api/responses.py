@@ -211,7 +211,7 @@ async def responses(request: Request, call: ResponsesCall) -> Response:
         params = body.sampling_params(max_tokens, None)
         if tools.grammar is not None:
             params = with_grammar(params, await dep.grammars.compile(tools.grammar))
-        shape = ResponseShape(body, slot.name, dep.version, tools)
+        shape = ResponseShape(body, lease.served_name(slot.name), dep.version, tools)
         req = GenerationRequest(shape.id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
                                 body.cache, cache_scope(rt, request, body.user), max_tokens_field="max_output_tokens",
                                 record=RecordKey(request_owner(rt, request, body.user), shape.id))  # fmt: skip

@@ -25,6 +25,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
+        elif name == "lora_modules":  # vLLM's spelling: --lora-modules a=/path b=/path (or JSON objects)
+            parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, nargs="+", metavar="NAME=PATH",
+                                help=help_text)
         else:
             parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, choices=choices,
                                 metavar=None if choices else name.upper(), help=help_text)

@@ -21,8 +21,10 @@ from pydantic_settings import (
 
 from engine.config import EngineConfig, default_engine_threads
 from engine.kv_events_config import KVEventsConfig
+from engine.lora.config import LoraConfig
 from engine.spec_config import SpeculativeConfig
 from server.config.lanes import Lane, LaneBounds, LaneDeadlines
+from server.config.lora import parse_lora_modules
 from server.config.units import parse_size, parse_token_count
 from server.config.versions import ModelEntry, check_version, parse_entries
 from server.config.vllm_flags import VLLM_DTYPES
@@ -80,6 +82,15 @@ class ServerSettings(BaseSettings):
         None, description="KV-cache events for cache-aware routers, as vLLM's JSON: {\"enable_kv_cache_events\": "
         "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"} "
         "(docs/DEPLOY.md); none: off")
+    # -- LoRA adapters (vLLM's flags; docs/SERVER.md "LoRA adapters") ------------------------------------
+    enable_lora: bool = Field(False, description="serve LoRA adapters on the model (requests pick one with "
+                              "`model: <adapter>`); implied by lora_modules")
+    lora_modules: Annotated[list[tuple[str, str]], NoDecode] = Field(
+        default_factory=list, description="adapters loaded at start-up: name=path ... or vLLM's JSON "
+        "{\"name\": ..., \"path\": ...} (YAML: a list of either)")
+    max_loras: int = Field(4, ge=1, description="distinct adapters in one engine step (resident copies, LRU)")
+    max_lora_rank: int = Field(16, ge=1, description="highest adapter rank accepted")
+    max_cpu_loras: int | None = Field(None, ge=1, description="adapters loaded at once (default: max(64, max_loras))")
     engine_threads: int | None = Field(
         None, ge=1, description="CPU: engine compute threads; default: OMP_NUM_THREADS, else one per core "
         "(but one above 4 cores)"
@@ -220,6 +231,10 @@ class ServerSettings(BaseSettings):
     def kv_events(self) -> KVEventsConfig:
         """The KV-events config (events off when the setting is none)."""
         return KVEventsConfig.from_dict(self.kv_events_config) if self.kv_events_config else KVEventsConfig()
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, value: Any) -> Any:
+        return parse_lora_modules(value)
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -276,6 +291,8 @@ class ServerSettings(BaseSettings):
             raise ValueError("give model or models, not both")
         if self.models and (self.served_model_name or self.model_version):
             raise ValueError("served_model_name and model_version go with model; a models entry names its own")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         return self
 
     @classmethod
@@ -318,8 +335,17 @@ class ServerSettings(BaseSettings):
             speculative=SpeculativeConfig.from_dict(self.speculative_config) if self.speculative_config else None,
             cpu_threads=self.engine_threads or default_engine_threads(),
             adaptive_threads=self.adaptive_threads,
+            lora=self.lora_config(),
             show_progress=True,  # a bar on a terminal only (tqdm stays quiet in logs and pipes)
         )
+
+    def lora_config(self) -> LoraConfig | None:
+        """The engine's LoRA settings; None when adapters are off."""
+        if not (self.enable_lora or self.lora_modules):
+            return None
+        return LoraConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras or max(64, self.max_loras),
+                          modules=tuple(self.lora_modules))  # fmt: skip
 
     def chat_template_text(self) -> str | None:
         """The --chat-template file's text (None: the tokenizer's own template). Raises OSError."""

@@ -1,7 +1,8 @@
 """Optional API keys: with any configured, every path but /health*, /metrics and /admin/* needs
 `Authorization: Bearer KEY`. The admin API (/admin/*) has keys of its own (`admin_api_keys`): without
-any it is off (404); API keys do not open it, nor admin keys the rest. Keys are compared in constant
-time, all of them every time."""
+any it is off (404); API keys do not open it, nor admin keys the rest. The runtime LoRA endpoints
+(`LORA_PATHS`, vLLM's) are admin routes when admin keys are set, and ordinary API routes otherwise.
+Keys are compared in constant time, all of them every time."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from server.http.errors import ApiError, error_response
 
 OPEN_PATHS = ("/health", "/health/live", "/metrics")
 ADMIN_PREFIX = "/admin/"
+LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def key_matches(token: str, keys: tuple[str, ...]) -> bool:
@@ -30,13 +32,15 @@ def key_matches(token: str, keys: tuple[str, ...]) -> bool:
 class ApiKeyMiddleware:
     """Pure ASGI middleware: 401 before the body is read when the key is missing or wrong."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], admin_paths: tuple[str, ...] = ()) -> None:
         self.app = app
         self.keys = keys
+        self.admin_paths = admin_paths  # guarded by AdminKeyMiddleware instead (LORA_PATHS with admin keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not self.keys or path in OPEN_PATHS or path.startswith(ADMIN_PREFIX):
+        if (scope["type"] != "http" or not self.keys or path in OPEN_PATHS or path.startswith(ADMIN_PREFIX)
+                or path in self.admin_paths):  # fmt: skip
             await self.app(scope, receive, send)
             return
         scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
@@ -57,7 +61,8 @@ class AdminKeyMiddleware:
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope.get("path", "").startswith(ADMIN_PREFIX):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if not path.startswith(ADMIN_PREFIX) and not (self.keys and path in LORA_PATHS):
             await self.app(scope, receive, send)
             return
         if not self.keys:

@@ -233,6 +233,11 @@ class ServerMetrics:
             "tokenmill_model_version_events", "Rollout events: loaded, load_failed, probe_failed, promoted, "
             "rolled_back, unloaded.", [*mv, "event"], registry=r,
         )  # fmt: skip
+        # -- LoRA adapters: requests and tokens per adapter (the base model's requests are not counted) --
+        self.lora_requests = Counter("tokenmill_lora_requests", "Requests on a LoRA adapter that ended, by "
+                                     "adapter (`lora`) and status.", [*mv, "lora", "status"], registry=r)  # fmt: skip
+        self.lora_tokens = Counter("tokenmill_lora_generation_tokens", "Tokens generated on a LoRA adapter.",
+                                   [*mv, "lora"], registry=r)  # fmt: skip
         # -- structured outputs (server/prompt/structured.py) --
         self.grammar_compile = _histogram(
             r, "tokenmill_grammar_compile_seconds", "Grammar compiles (cache misses) from submit to answer, by "
@@ -319,13 +324,17 @@ class VersionMetrics:
         self._vllm.tpot.observe(seconds)
 
     def observe_finished(self, lane: Lane, status: str, reason: str, lengths: tuple[int, int],
-                         timing: dict[str, float | None], params: tuple[int, int] | None = None) -> None:  # fmt: skip
+                         timing: dict[str, float | None], params: tuple[int, int] | None = None,
+                         lora: str | None = None) -> None:  # fmt: skip
         """An admitted request ended, any outcome. `lengths`: (prompt, generated) tokens; `timing`: seconds
         since arrival of start (`queue_s`), first token (`ttft_s`) and end (`e2e_s`), None if it never came;
         `params`: (max_tokens, n) when this ticket stands for its client request (its first choice), else
         None. Feeds the `tokenmill_*` series and their vLLM twins from the same values."""
         m, mv, label, v = self._m, self.labels, lane.label, self._vllm
         m.requests.labels(*mv, label, status, reason).inc()
+        if lora is not None:  # `lora`: the adapter it ran on
+            m.lora_requests.labels(*mv, lora, status).inc()
+            m.lora_tokens.labels(*mv, lora).inc(lengths[1])
         if status == "ok":
             m.finished.labels(*mv, reason).inc()
         v.success[vllm_finished_reason(status, reason)].inc()
@@ -579,7 +588,8 @@ def waiting_total(snapshot: Snapshot) -> int:
 def router_families(versions: list[VersionSnapshot], now: float) -> Iterator[Metric]:
     """The Gateway API Inference Extension's model-server protocol under vLLM's names, one series per
     `model_name` (the versions of one model summed: a router balances replicas, not versions).
-    `vllm:lora_requests_info` has no adapters (tokenmill serves none); its value is the time, as vLLM's."""
+    `vllm:lora_requests_info` names the LoRA adapters with requests running and waiting (comma-separated,
+    vLLM's labels; the versions' summed), and its value is the time, as vLLM's."""
     g = GaugeMetricFamily
     waiting = g("vllm:num_requests_waiting", "Requests admitted and not running (lanes + preempted).",
                 labels=["model_name"])  # fmt: skip
@@ -587,7 +597,7 @@ def router_families(versions: list[VersionSnapshot], now: float) -> Iterator[Met
     usage = g("vllm:kv_cache_usage_perc", "Share of KV blocks held by requests (0-1).", labels=["model_name"])
     config = g("vllm:cache_config_info", "KV cache configuration (value 1).",
                labels=["model_name", "block_size", "num_gpu_blocks"])  # fmt: skip
-    lora = g("vllm:lora_requests_info", "LoRA adapters running and waiting (none); value: the time.",
+    lora = g("vllm:lora_requests_info", "LoRA adapters with requests running and waiting; value: the time.",
              labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"])  # fmt: skip
     by_name: dict[str, list[VersionSnapshot]] = {}
     for v in versions:
@@ -600,7 +610,9 @@ def router_families(versions: list[VersionSnapshot], now: float) -> Iterator[Met
         usage.add_metric([name], sum(st.kv_blocks_used for st in stats) / total if total else 0.0)
         head = next((v for v in group if v.role == "promoted"), group[0]).snapshot.stats
         config.add_metric([name, str(head.block_size), str(head.kv_blocks_total)], 1)
-        lora.add_metric([name, "0", "", ""], now)
+        running_loras = sorted({a for st in stats for a in st.lora_running})
+        waiting_loras = sorted({a for st in stats for a in st.lora_waiting})
+        lora.add_metric([name, str(head.max_loras), ",".join(running_loras), ",".join(waiting_loras)], now)
     yield from (waiting, running, usage, config, lora)
 
 

@@ -44,7 +44,8 @@ class RequestAccounting:
             return
         status, reason = request_status(ticket)
         lengths = (len(ticket.prompt_token_ids), ticket.completion_tokens)
-        dep.metrics.observe_finished(ticket.lane, status, reason, lengths, ticket.timing(), _params(ticket))
+        dep.metrics.observe_finished(ticket.lane, status, reason, lengths, ticket.timing(), _params(ticket),
+                                     ticket.params.lora_name)  # fmt: skip
         self._account(dep, ticket, status, reason, cached=False)
 
     def cache_hit(self, dep: Deployment, ticket: Ticket) -> None:
@@ -52,7 +53,8 @@ class RequestAccounting:
         like any other; the engine counters do not move."""
         reason = ticket.finish_reason or "stop"
         lengths = (len(ticket.prompt_token_ids), ticket.completion_tokens)
-        dep.metrics.observe_finished(ticket.lane, "ok", reason, lengths, ticket.timing(), _params(ticket))
+        dep.metrics.observe_finished(ticket.lane, "ok", reason, lengths, ticket.timing(), _params(ticket),
+                                     ticket.params.lora_name)  # fmt: skip
         self._account(dep, ticket, "ok", reason, cached=True)
 
     def _account(self, dep: Deployment, ticket: Ticket, status: str, reason: str, cached: bool) -> None:
@@ -62,7 +64,7 @@ class RequestAccounting:
             "lane": ticket.lane.label, "status": status, "reason": reason, "finish_reason": ticket.finish_reason,
             "prompt_tokens": len(ticket.prompt_token_ids), "completion_tokens": ticket.completion_tokens,
             "cached_tokens": ticket.cached_tokens, **timing, "kv_blocks_peak": ticket.kv_blocks_peak,
-            "response_cached": cached,
+            "response_cached": cached, "lora": ticket.params.lora_name,
         }  # fmt: skip
         if ticket.error is not None:
             line["error"] = ticket.error.message

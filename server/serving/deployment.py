@@ -21,10 +21,11 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.api import EngineProtocol, SamplingParams, TokenLogprob
+from engine.api import EngineProtocol, LoraInfo, SamplingParams, TokenLogprob
 from server.config.lanes import Lane
 from server.config.settings import ServerSettings
 from server.config.versions import ModelSpec
+from server.http.errors import ApiError
 from server.ops.memory import memory_probe
 from server.ops.metrics import ModelInfo, Snapshot, VersionMetrics, VersionSnapshot
 from server.prompt.codec import PromptCodec
@@ -88,6 +89,10 @@ class Deployment:
         self.max_model_len: int = usable_context(engine)  # the KV cache's size when that is smaller
         self.max_num_seqs: int = engine_seats(engine, settings.max_num_seqs)  # seats: a request's share of them
         self.engine_desc = {"dtype": engine.dtype_name, "device": engine.device_name}
+        # LoRA adapters its engine holds, by name: read before the worker owns the engine, then kept in
+        # step by the load/unload endpoints (server/api/lora.py), which change the engine on its thread
+        self.adapters: dict[str, LoraInfo] = {info.name: info for info in engine.list_loras()}
+        self.lora_enabled = settings.lora_config() is not None
         self.kv_cache_bytes: int | None = getattr(engine, "kv_cache_bytes", None)  # the real engine's KV budget
         # copied before the worker owns the engine; the server's --chat-template replaces the model's
         self.codec = PromptCodec(engine.tokenizer, settings.chat_template_text())
@@ -141,8 +146,15 @@ class Deployment:
         """Routes holding it plus requests in its engine: 0 means drained."""
         return self.leases + self.worker.in_flight()
 
-    def acquire(self) -> Lease:
-        return Lease(self)
+    def acquire(self, lora: str | None = None) -> Lease:
+        """A lease on this version, on adapter `lora` when given. Raises ApiError 404 when the version
+        does not hold that adapter (it was unloaded, or a canary lacks it)."""
+        if lora is None:
+            return Lease(self)
+        info = self.adapters.get(lora)
+        if info is None:
+            raise ApiError(404, "model_not_found", f"adapter {lora!r} is not loaded on {self.spec.ref}", param="model")
+        return Lease(self, info)
 
     # -- life ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -255,10 +267,19 @@ class Lease:
     """A route's hold on the version it picked, from the pick until its response is done. Release it
     exactly once (further calls do nothing)."""
 
-    def __init__(self, deployment: Deployment) -> None:
+    def __init__(self, deployment: Deployment, lora: LoraInfo | None = None) -> None:
         self.deployment = deployment
+        self.lora = lora  # the adapter the request named (its `model`); None: the base model
         self._held = True
         deployment.leases += 1
+
+    def sibling(self) -> Lease:
+        """Another lease on the same version and adapter (a request's other choices)."""
+        return Lease(self.deployment, self.lora)
+
+    def served_name(self, model: str) -> str:
+        """The name a response reports: the adapter's when the request ran on one (vLLM's), else `model`."""
+        return model if self.lora is None else self.lora.name
 
     def release(self) -> None:
         if self._held:

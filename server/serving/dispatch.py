@@ -8,6 +8,7 @@ be cached.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -61,6 +62,13 @@ def _principal(request: Request, by_key: bool, user: str | None) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32] if parts else ""
 
 
+def on_adapter(lease: Lease, req: GenerationRequest) -> GenerationRequest:
+    """The request with the adapter its lease names (params.lora_name), for every route at once."""
+    if lease.lora is None or req.params.lora_name == lease.lora.name:
+        return req
+    return dataclasses.replace(req, params=dataclasses.replace(req.params, lora_name=lease.lora.name))
+
+
 def start_unit(rt: Runtime, choices: Sequence[tuple[Lease, GenerationRequest]], held: Collection[int] = (),
                param: str = "n") -> list[Handle]:  # fmt: skip
     """Handles for the choices of one request (each with its lease on one version), in order: a replay for
@@ -70,9 +78,12 @@ def start_unit(rt: Runtime, choices: Sequence[tuple[Lease, GenerationRequest]], 
     handles: list[Handle | None] = [None] * len(choices)
     pending: list[tuple[int, CacheKey | None]] = []  # (position, cache key) of the choices to admit
     try:
+        choices = [(lease, on_adapter(lease, req)) for lease, req in choices]
         for k, (lease, req) in enumerate(choices):
             dep = lease.deployment
-            key = rt.cache.key(dep.name, dep.version, req.scope, req.prompt_token_ids, req.params, req.cache)
+            # an adapter's answers are its own: keyed by its name and load (a reload may change the weights)
+            version = dep.version if lease.lora is None else f"{dep.version}+lora{lease.lora.lora_id}"
+            key = rt.cache.key(dep.name, version, req.scope, req.prompt_token_ids, req.params, req.cache)
             hit = rt.cache.get(key) if key is not None else None
             if hit is not None:
                 dep.metrics.cache_hits.inc()

@@ -1,7 +1,8 @@
 """Which loaded version serves a request: one `ModelSlot` per model name holds its loaded versions, the
 promoted one, the previous one (kept for rollback while loaded) and a canary with its weight.
 
-Routing happens before admission: a request's `model` field names a slot (or pins `name@version`), the
+Routing happens before admission: a request's `model` field names a slot (or pins `name@version`), or a
+LoRA adapter a version of a slot holds (the request then runs on it: the lease carries it), the
 slot picks a version, and the route holds a lease on it (server/serving/deployment.py). The canary split is
 deterministic: of every 100 consecutive requests, exactly `weight` go to the canary (a credit counter,
 not a coin), so the share is exact on any window and reproducible in tests. Plain bookkeeping on the
@@ -134,12 +135,31 @@ class ModelRegistry:
             for slot in self.slots.values():
                 if candidate == slot.name or candidate in slot.aliases:
                     return slot, pinned
+        adapter_slot = self.adapter_slot(model)
+        if adapter_slot is not None:
+            return adapter_slot, None
         raise ApiError(404, "model_not_found", f"model {model!r} is not served here; see /v1/models", param="model")
 
+    def is_model_name(self, name: str) -> bool:
+        """Whether `name` is a slot's name or alias (a model name wins over an adapter's)."""
+        return any(name == slot.name or name in slot.aliases for slot in self.slots.values())
+
+    def adapter_slot(self, name: str) -> ModelSlot | None:
+        """The slot one of whose versions holds a LoRA adapter called `name`; None when none does."""
+        if self.is_model_name(name):
+            return None
+        for slot in self.slots.values():
+            if any(name in dep.adapters for dep in slot.versions.values()):
+                return slot
+        return None
+
     def acquire(self, model: str | None) -> tuple[ModelSlot, Lease]:
-        """Route a new request: its slot and a lease on the version that serves it."""
+        """Route a new request: its slot and a lease on the version that serves it (on the adapter
+        `model` names, when it names one)."""
         slot, pinned = self.resolve(model)
-        return slot, slot.pick(pinned).acquire()
+        adapter = model if model is not None and self.adapter_slot(model) is slot else None
+        dep = slot.pick(pinned)
+        return slot, dep.acquire() if adapter is None else dep.acquire(adapter)
 
     def deployments(self) -> list[tuple[ModelSlot, Deployment]]:
         return [(slot, dep) for slot in self.slots.values() for dep in slot.versions.values()]
@@ -165,4 +185,11 @@ class ModelRegistry:
             out.append({"id": slot.name, "object": "model", "created": created, "owned_by": "tokenmill",
                         "root": slot.name, "max_model_len": dep.max_model_len, "version": dep.version,
                         "state": dep.state.value, "versions": versions})  # fmt: skip
+            out += [adapter_card(slot, dep, info, created) for info in dep.adapters.values()]
         return out
+
+
+def adapter_card(slot: ModelSlot, dep: Deployment, info: Any, created: int) -> dict[str, Any]:
+    """/v1/models card of a LoRA adapter (vLLM's shape: `parent` is the base model, `root` the path)."""
+    return {"id": info.name, "object": "model", "created": created, "owned_by": "tokenmill", "root": info.path,
+            "parent": slot.name, "max_model_len": dep.max_model_len, "lora_rank": info.rank}

@@ -17,6 +17,7 @@ the engine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -57,6 +58,15 @@ class _Abort:
 @dataclass(frozen=True)
 class _AbortAll:
     error: ServerError
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run fn(engine) on the worker thread between steps (adapter loads); its result or error goes to
+    `future`."""
+
+    fn: Callable[[EngineProtocol], object]
+    future: concurrent.futures.Future
 
 
 _STOP = object()
@@ -163,6 +173,15 @@ class Worker:
     def abort_all(self, error: ServerError) -> None:
         self._inbox.put(_AbortAll(error))
 
+    def call(self, fn: Callable[[EngineProtocol], object]) -> concurrent.futures.Future:
+        """fn(engine) on the worker thread, between two steps (the engine has one owner); await the result
+        with asyncio.wrap_future. Raises WorkerUnavailable."""
+        if not self.alive:
+            raise WorkerUnavailable("the engine worker is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, future))
+        return future
+
     def stop(self, timeout: float) -> None:
         """Abort everything, end the thread, wait up to `timeout` seconds for it."""
         self._inbox.put(_STOP)
@@ -228,6 +247,8 @@ class Worker:
                 self._abort(cmd.request_id, cmd.error)
             elif isinstance(cmd, _AbortAll):
                 self._fail_all(cmd.error)
+            elif isinstance(cmd, _Call):
+                _run_call(self._engine, cmd)
 
     def _add(self, ticket: Ticket) -> None:
         if ticket.finished_at is not None:
@@ -367,6 +388,15 @@ class Worker:
                 loop.call_soon_threadsafe(_deliver, batch)
             except RuntimeError:
                 pass  # the loop is closed: nobody is listening any more
+
+
+def _run_call(engine: EngineProtocol, cmd: _Call) -> None:
+    if not cmd.future.set_running_or_notify_cancel():
+        return
+    try:
+        cmd.future.set_result(cmd.fn(engine))
+    except Exception as exc:  # the caller's to report (a LoraError is a 4xx)
+        cmd.future.set_exception(exc)
 
 
 def _deliver(batch: list[tuple[Collector, Event]]) -> None:

@@ -25,6 +25,7 @@ class FakeDeployment:
         self.max_model_len, self.loaded_at, self.engine_desc = 128, 0.0, {"dtype": "float32", "device": "cpu"}
         self.timings: dict[str, float] = {}
         self.error = None
+        self.adapters: dict = {}  # LoRA adapters by name (none here)
 
     def busy(self) -> int:
         return self.leases
