@@ -275,3 +275,24 @@ def test_nothing_is_recorded_without_record_events():
     bm = BlockManager(16, BLOCK)
     _registered(bm, list(range(1, 13)))
     assert bm.take_events() == [] and len(bm.cached_hashes()) == 3
+
+
+def test_an_adapter_s_blocks_carry_its_id_and_start_their_own_chain():
+    """A prompt cached under a LoRA adapter and on the base model: two chains, the adapter's events carry
+    its lora_id, and neither names a parent (the adapter's salt is no block a consumer ever saw)."""
+    bm = BlockManager(16, 4, record_events=True)
+    base = make_request("base", 8, tokens=list(range(1, 9)))
+    adapted = make_request("lora", 8, tokens=list(range(1, 9)))
+    adapted.lora_id = 7
+    for req in (base, adapted):
+        assert bm.find_cached_prefix(req) == []  # the base model's blocks do not serve the adapter
+        assert bm.allocate(req, 8)
+        req.num_computed_tokens = 8
+        bm.register_computed_blocks(req)
+    stored = [e for e in bm.take_events() if isinstance(e, ours.BlockStored)]
+    assert [(e.lora_id, e.parent_block_hash, len(e.block_hashes)) for e in stored] == [(None, None, 2), (7, None, 2)]
+    assert not set(stored[0].block_hashes) & set(stored[1].block_hashes)
+    snapshot = [e for e in bm.snapshot_events() if isinstance(e, ours.BlockStored)]
+    firsts = {e.lora_id: e.parent_block_hash for e in snapshot if e.token_ids == [1, 2, 3, 4]}
+    assert firsts == {None: None, 7: None}
+    assert {e.lora_id for e in snapshot} == {None, 7}
