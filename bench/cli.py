@@ -3,7 +3,7 @@
 Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
 and sets `func(args) -> int`. Today: `offline`, `floor`, `quality`, `gemv`, `fused`, `load` (HTTP load test), `sweep`,
 `priority`, `long-prompt`, `startup`, `swap` (model version swap under load, response cache latency),
-`structured` (what structured outputs cost in throughput and TTFT).
+`structured` (what structured outputs cost in throughput and TTFT), `determinism` (batch-invariant mode on/off).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from bench import (
+    determinism,
     floor,
     fused,
     gemv,
@@ -46,6 +47,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     swap.add_parser(subparsers)
     structured.add_parser(subparsers)
     spec.add_parser(subparsers)
+    determinism.add_parser(subparsers)
     return parser
 
 

@@ -53,6 +53,9 @@ class EngineConfig:
     cpu_threads: int | None = None  # CPU: torch's intra-op threads, set at start-up (process-wide); None: torch's
     # Speculative decoding (vLLM's --speculative-config; a dict of its keys is accepted); None: off
     speculative: SpeculativeConfig | None = None
+    # Batch-invariant mode (engine/batch_invariant.py): each row's result independent of the batch, its
+    # position, chunking, prefix-cache hits and preemption; CPU only, a few percent slower; False: unchanged
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):
@@ -99,7 +102,7 @@ class EngineConfig:
                 raise ValueError(f"quantization_group_size must be even, got {self.quantization_group_size}")
         if self.cpu_gemv not in CPU_GEMV:
             raise ValueError(f"cpu_gemv must be one of {CPU_GEMV}, got {self.cpu_gemv!r}")
-        for name in ("enforce_eager", "pack_weights", "fused_decode", "grammar_compile_processes"):
+        for name in ("enforce_eager", "pack_weights", "fused_decode", "grammar_compile_processes", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from engine import setup
+from engine import batch_invariant, setup
 from engine.attention import select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -49,8 +49,12 @@ class Engine(EngineCore):
         self.weights = prepare_weights(model, config, self.device, self.dtype)  # packing, kernels, INT8
         self.packed_weights = self.weights.packed
         backend = select_backend(self.device, config.attention_backend, self.dtype)
+        if config.deterministic and (reason := batch_invariant.unsupported(self.device, backend.name)):
+            raise ValueError(f"deterministic {reason}")
         if backend.name == "cpu":  # the C++ kernels are loaded: the layers use theirs too
-            model.use_cpu_kernels(norms=self.dtype == torch.bfloat16, fused_decode=config.fused_decode)
+            # (batch-invariant mode: the per-row norm kernel in float32 too)
+            model.use_cpu_kernels(norms=self.dtype == torch.bfloat16 or config.deterministic,
+                                  fused_decode=config.fused_decode)
         use_graphs = graphs_enabled(self.device, config.enforce_eager, backend)
         buckets = graph_buckets(config.max_num_seqs)
         spec = setup.kv_spec(self.hf_config, self.block_size, self.dtype)
@@ -68,7 +72,8 @@ class Engine(EngineCore):
         super().__init__(
             model_name=source.name,
             tokenizer=source.tokenizer,
-            runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs),
+            runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs,
+                               one_row_attention=config.deterministic),
             block_manager=BlockManager(num_blocks, self.block_size, config.enable_prefix_caching),
             scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.aging_s,
                                              config.outranked_chunk_tokens, config.speculative),

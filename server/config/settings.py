@@ -74,6 +74,8 @@ class ServerSettings(BaseSettings):
     speculative_config: dict[str, Any] | None = Field(
         None, description="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} (docs/ENGINE.md); none: off")
+    deterministic: bool = Field(False, description="batch-invariant mode (CPU): a greedy or seeded request gives the "
+                                "same tokens alone or batched, cached or chunked, at a few percent of throughput")
     engine_threads: int | None = Field(
         None, ge=1, description="CPU: engine compute threads; default: OMP_NUM_THREADS, else one per core "
         "(but one above 4 cores)"
@@ -292,6 +294,7 @@ class ServerSettings(BaseSettings):
             quantization=self.quantization,
             speculative=SpeculativeConfig.from_dict(self.speculative_config) if self.speculative_config else None,
             cpu_threads=self.engine_threads or default_engine_threads(),
+            deterministic=self.deterministic,
             show_progress=True,  # a bar on a terminal only (tqdm stays quiet in logs and pipes)
         )
 
