@@ -245,3 +245,11 @@ def test_outside_the_mode_bf16_runs_differ(tiny):
     }  # fmt: skip
     differing = {name: sum(a != b for a, b in zip(got, want, strict=True)) for name, got in runs.items()}
     assert any(differing.values()), differing
+
+
+def test_the_mode_refuses_what_it_cannot_keep(tiny):
+    """The reference attention backend (SDPA for prefill) cannot give one-row attention: refused at start."""
+    with pytest.raises(ValueError, match="deterministic needs the C\\+\\+ attention kernels"):
+        make_engine(tiny, dtype="float32", deterministic=True, attention_backend="torch")
+    with pytest.raises(ValueError, match="deterministic must be a bool"):
+        make_engine(tiny, deterministic="yes")
