@@ -4,7 +4,7 @@ Each subcommand lives in its own module with `add_parser(subparsers)`, which reg
 and sets `func(args) -> int`. Today: `offline`, `floor`, `quality`, `gemv`, `fused`, `load` (HTTP load test), `sweep`, `contention`,
 `priority`, `long-prompt`, `startup`, `swap` (model version swap under load, response cache latency),
 `structured` (what structured outputs cost in throughput and TTFT), `router` (replicas behind vllm-router, per policy),
-`lora` (what LoRA adapters cost).
+`lora` (what LoRA adapters cost), `determinism` (batch-invariant mode on/off).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from bench import (
     contention,
+    determinism,
     floor,
     fused,
     gemv,
@@ -53,6 +54,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     contention.add_parser(subparsers)
     router.add_parser(subparsers)
     lora.add_parser(subparsers)
+    determinism.add_parser(subparsers)
     return parser
 
 

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.batch_invariant import CALL_ROWS, RowLinear, TiledLinear, row_linears, rows_agree
 from engine.config import EngineConfig
 from engine.models.cpu_linear import (
     ALWAYS,
@@ -62,11 +64,59 @@ def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch
         raise ValueError(f"quantization {config.quantization!r} runs on the CPU only (device is {device})")
     if preloaded and config.quantization != "int8":
         raise ValueError("preloaded INT8 weights need quantization='int8'")
+    if config.deterministic:
+        return _invariant(model, config, device, dtype, dict(preloaded or {}))
     if config.quantization == "int8":
         return _int8(model, config, dtype, dict(preloaded or {}))
     if device.type != "cpu" or dtype != torch.bfloat16:
         return WeightsReport(False, None, "off (bf16 on the CPU only)", _weight_bytes(model))
     return _bf16(model, config, config.pack_weights and packing_supported(device, dtype))
+
+
+def _invariant(model: LlamaForCausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+               preloaded: dict[str, Int8Weight]) -> WeightsReport:
+    """Batch-invariant linears (engine/batch_invariant.py): the C++ kernels at every row count for bf16
+    and INT8 weights (no oneDNN copy), one-row products for float32; ValueError where they cannot run."""
+    if device.type != "cpu":
+        raise ValueError(f"deterministic runs on the CPU only (device is {device})")
+    if config.quantization is None and dtype == torch.float32:
+        row_linears(model)
+        return WeightsReport(False, None, "off (float32: one-row products, deterministic)", _weight_bytes(model))
+    if config.quantization is None and dtype != torch.bfloat16:
+        raise ValueError(f"deterministic supports float32 and bfloat16 on the CPU, not {dtype}")
+    kind = "int8" if config.quantization == "int8" else "bf16"
+    reason = kernels_unavailable(kind)
+    if kind == "bf16" and packing_supported(device, dtype):
+        return _tiled(model, reason)
+    if reason is not None:
+        raise ValueError(f"deterministic needs the C++ {kind} linear kernels: {reason}")
+    forced = dataclasses.replace(config, cpu_gemv="on")  # every row count on the kernel
+    if kind == "int8":
+        return _int8(model, forced, dtype, preloaded)
+    return _bf16(model, forced, onednn=False)
+
+
+def _tiled(model: LlamaForCausalLM, gemv_reason: str | None) -> WeightsReport:
+    """bf16 in the mode: oneDNN in calls of at most CALL_ROWS rows where the start-up check finds rows
+    unchanged by the batch for the weight's shape, else the C++ kernel at every row count."""
+    agree: dict[tuple, bool] = {}
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None, role: str) -> nn.Module:
+        lin = TiledLinear(weight, bias)
+        key = _key(weight, bias, False)
+        if key not in agree:
+            agree[key] = rows_agree(lin, lin.in_features, torch.bfloat16)
+        if agree[key]:
+            return lin
+        if gemv_reason is not None:
+            raise ValueError(f"deterministic: oneDNN's rows change with the batch for a {tuple(weight.shape)} "
+                             f"weight and the C++ linear kernels cannot replace it: {gemv_reason}")
+        return GemvLinear(weight, bias, ALWAYS, CALL_ROWS, role == "gate_up", onednn=False)
+
+    model.replace_linears(make)
+    plan = "; ".join(f"{n}x{k}: {'oneDNN, <= 32 rows a call' if ok else 'kernel, all rows'}"
+                     for (n, k, _, _), ok in agree.items())
+    return WeightsReport(True, None, f"deterministic ({plan})", _weight_bytes(model))
 
 
 def _bf16(model: LlamaForCausalLM, config: EngineConfig, onednn: bool) -> WeightsReport:
@@ -187,14 +237,15 @@ def _weight_bytes(model: nn.Module) -> int:
     # An untied INT8 embedding's rows are looked up, not multiplied: not read whole.
     lookup_only = embed.source if isinstance(embed, Int8Embedding) and embed.source is not model.lm_head else None
     inner = {id(m.large) for m in model.modules() if isinstance(m, GemvLinear)}  # counted with their GemvLinear
+    inner |= {id(m.inner) for m in model.modules() if isinstance(m, TiledLinear)}
     for m in model.modules():
         if m is lookup_only or id(m) in inner:
             continue
         if isinstance(m, (GemvLinear, Int8Linear)):
             total += m.weight_bytes
-        elif isinstance(m, PackedLinear):
+        elif isinstance(m, (PackedLinear, TiledLinear)):
             total += m.out_features * m.in_features * 2
-        elif isinstance(m, nn.Linear):
+        elif isinstance(m, (nn.Linear, RowLinear)):
             total += m.weight.numel() * m.weight.element_size()
     if getattr(model, "lm_head", True) is None:  # tied and unreplaced: the logits read the embedding
         total += embed.weight.numel() * embed.weight.element_size()

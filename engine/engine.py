@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from engine import setup
+from engine import batch_invariant, setup
 from engine.attention import select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -55,8 +55,12 @@ class Engine(EngineCore):
         self.weights = prepare_weights(model, config, self.device, self.dtype)  # packing, kernels, INT8
         self.packed_weights = self.weights.packed
         backend = select_backend(self.device, config.attention_backend, self.dtype)
+        if config.deterministic and (reason := batch_invariant.unsupported(self.device, backend.name)):
+            raise ValueError(f"deterministic {reason}")
         if backend.name == "cpu":  # the C++ kernels are loaded: the layers use theirs too
-            model.use_cpu_kernels(norms=self.dtype == torch.bfloat16, fused_decode=config.fused_decode)
+            # (batch-invariant mode: the per-row norm kernel in float32 too)
+            model.use_cpu_kernels(norms=self.dtype == torch.bfloat16 or config.deterministic,
+                                  fused_decode=config.fused_decode)
         use_graphs = graphs_enabled(self.device, config.enforce_eager, backend)
         buckets = graph_buckets(config.max_num_seqs)
         spec = setup.kv_spec(self.hf_config, self.block_size, self.dtype)
@@ -75,7 +79,8 @@ class Engine(EngineCore):
         super().__init__(
             model_name=source.name,
             tokenizer=source.tokenizer,
-            runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs, loras),
+            runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs, loras,
+                               one_row_attention=config.deterministic),
             block_manager=BlockManager(num_blocks, self.block_size, config.enable_prefix_caching,
                                        record_events=kv_event_sink is not None,
                                        event_hash_salt=secrets.randbits(64)),
@@ -92,7 +97,8 @@ class Engine(EngineCore):
             loras=loras,
         )
         threads = torch.get_num_threads()
-        if config.adaptive_threads and self.device.type == "cpu" and threads > 1:
+        # not in the batch-invariant mode: float32's per-row products split by thread count (MKL)
+        if config.adaptive_threads and self.device.type == "cpu" and threads > 1 and not config.deterministic:
             self.thread_governor = ThreadGovernor(GovernorConfig(high=threads), torch.set_num_threads)
         if config.speculative is not None and config.speculative.method == "draft_model":
             from engine.draft_model import load_draft_proposer

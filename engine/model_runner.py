@@ -22,6 +22,7 @@ class ModelRunner:
         self, model: LlamaForCausalLM, kv_caches, backend: AttentionBackend, block_size: int,
         device: torch.device, sampler: Sampler, graphs: DecodeGraphRunner | None = None,
         loras: LoraRegistry | None = None,
+        one_row_attention: bool = False,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -31,6 +32,9 @@ class ModelRunner:
         self.sampler = sampler
         self.graphs = graphs  # CUDA graphs for decode-only steps; None: every step runs eagerly
         self.loras = loras  # adapters' device copies by lora_id; None: LoRA off
+        # Every prompt chunk packed as one decode per position, so each query row attends through the
+        # decode kernel whatever its chunk (batch-invariant mode, engine/batch_invariant.py).
+        self.one_row_attention = one_row_attention
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -106,7 +110,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             # A row with drafts (a decode) attends as one decode per position over the same block table:
             # every token's K/V is stored before attention, so position p sees the drafts before it.
-            split = bool(s.draft_token_ids)  # (drafts come with a one-token decode only)
+            split = bool(s.draft_token_ids) or self.one_row_attention  # (drafts come with a one-token decode only)
             for a, b in ([(p, p + 1) for p in range(start, end)] if split else [(start, end)]):
                 query_lens.append(b - a)
                 context_lens.append(b)

@@ -66,10 +66,10 @@ class TorchAttentionBackend(AttentionBackend):
             lens = torch.tensor(layout.context_lens[:nd])
             max_blocks = -(-int(lens.max()) // bs)
             max_ctx = max_blocks * bs  # whole blocks are gathered; the tail is masked
-            tables = torch.zeros(nd, max_blocks, dtype=torch.long)  # padded block tables (pad: block 0)
-            for i in range(nd):
-                row = layout.block_tables[i][:max_blocks]
-                tables[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            # padded block tables (pad: block 0), built as one tensor (a step may hold hundreds of rows:
+            # a prompt chunk packed as one decode per position, engine/batch_invariant.py)
+            rows = [t[:max_blocks] for t in layout.block_tables[:nd]]
+            tables = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.long)
             decode_gather = tables.flatten().to(device)
             decode_lens = lens.to(device)
         prefills, q_start = [], nd

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from engine.models.cpu_linear import GemvLinear, Int8Linear
+from engine.models.invariant_linear import TiledLinear
 from engine.models.layers import ForwardContext
 from engine.models.packed_linear import PackedLinear
 
@@ -120,6 +121,8 @@ def _linear(mod: nn.Module, rows: int, silu: bool) -> _Linear | None:
         if mod.large is not None:
             return _plain_or_packed(mod.large)
         return _Linear(PLAIN, mod.weight, None, mod.bias, mod.out_features, mod.in_features)
+    if isinstance(mod, TiledLinear):  # batch-invariant mode: one oneDNN call up to its call_rows only
+        return _plain_or_packed(mod.inner) if rows <= mod.call_rows else None
     return _plain_or_packed(mod)
 
 

@@ -91,6 +91,8 @@ class ServerSettings(BaseSettings):
     max_loras: int = Field(4, ge=1, description="distinct adapters in one engine step (resident copies, LRU)")
     max_lora_rank: int = Field(16, ge=1, description="highest adapter rank accepted")
     max_cpu_loras: int | None = Field(None, ge=1, description="adapters loaded at once (default: max(64, max_loras))")
+    deterministic: bool = Field(False, description="batch-invariant mode (CPU): a greedy or seeded request gives the "
+                                "same tokens alone or batched, cached or chunked, at a few percent of throughput")
     engine_threads: int | None = Field(
         None, ge=1, description="CPU: engine compute threads; default: OMP_NUM_THREADS, else one per core "
         "(but one above 4 cores)"
@@ -336,6 +338,7 @@ class ServerSettings(BaseSettings):
             cpu_threads=self.engine_threads or default_engine_threads(),
             adaptive_threads=self.adaptive_threads,
             lora=self.lora_config(),
+            deterministic=self.deterministic,
             show_progress=True,  # a bar on a terminal only (tqdm stays quiet in logs and pipes)
         )
 

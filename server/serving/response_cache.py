@@ -1,5 +1,7 @@
 """The response cache: finished generations of deterministic requests, keyed by everything that decides
-their output, so a hit is exactly what the engine would produce again.
+their output. A hit is what the engine produced for that key; with `--deterministic` (batch-invariant
+mode) that is exactly what it would produce again, without it a bf16 regeneration in another batch
+shape may differ (docs/OPERATIONS.md, "Response cache").
 
 - Key: model, version, scope (API key and `user`, hashed), prompt token ids and the whole
   `SamplingParams` (every sampling field, max_tokens, seed, stop, logprobs).

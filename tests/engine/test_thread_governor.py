@@ -118,3 +118,9 @@ def test_the_engine_switches_threads_between_steps_and_output_is_unchanged(build
     assert (1, 1) in seen and (2, 2) in seen and engine.stats().cpu_thread_switches >= 2
     assert engine.stats().cpu_threads == engine.thread_governor.threads
     assert make_engine(path, cpu_threads=1, adaptive_threads=True).thread_governor is None  # nothing to choose
+
+
+def test_no_governor_in_the_batch_invariant_mode(build_model, restore_threads):
+    path = build_model("tiny-llama")
+    engine = make_engine(path, cpu_threads=2, adaptive_threads=True, dtype="bfloat16", deterministic=True)
+    assert engine.thread_governor is None

@@ -245,3 +245,10 @@ def test_speculative_config_flag_as_vllm_spells_it(monkeypatch):
                       ("{not json", "speculative_config")):  # fmt: skip
         with pytest.raises(ValidationError, match=word):
             parse_settings(["--speculative-config", bad])
+
+
+def test_deterministic_flag_reaches_the_engine_config():
+    """--deterministic turns on the engine's batch-invariant mode; it is off by default."""
+    assert parse_settings(["--deterministic"]).engine_config("/m").deterministic is True
+    assert parse_settings(["--no-deterministic"]).engine_config("/m").deterministic is False
+    assert parse_settings([]).engine_config("/m").deterministic is False

@@ -1,0 +1,54 @@
+"""Batch-invariant mode (`EngineConfig.deterministic`, `--deterministic`): a row's result depends on its
+own tokens only, never on how many rows share the step, where it sits, how its prompt was chunked or
+cached, or which thread ran it, so a greedy or seeded request gives the same tokens alone, beside 31
+others, after a prefix-cache hit, and after preemption by recompute.
+
+Outside the mode the engine picks, per row count, the fastest kernel (oneDNN's AMX GEMM above a few
+rows, SDPA for prefill attention), and those change their reduction order with the shape: in bf16 a
+prompt served from the prefix cache can then differ from the computed one within a few tokens. In the
+mode every kernel of a step reduces each row in one fixed order:
+
+- Linears, bf16: oneDNN's packed product in calls of at most CALL_ROWS (32) rows (`TiledLinear`). Up
+  to 32 rows oneDNN (3.12, AMX) computes each row exactly as it computes that row alone; from 33 rows
+  on it switches to another blocking and rows change (measured: docs/BENCHMARKS.md). That is checked
+  per weight shape at start-up (`rows_agree`); a shape that fails it takes the C++ small-batch kernel
+  (engine/csrc/cpu_gemv.cpp) at every row count instead, invariant by construction: each output
+  element is one float32 chain of vdpbf16ps over the input columns in order, whatever row tile,
+  column block or thread computes it. INT8 weights: their C++ kernel at every row count (the same
+  argument, vpdpwssd). float32 weights: `F.linear` one row at a time (`RowLinear`; MKL's float32
+  products change rows with the batch too).
+- Attention: every query row, prefill or decode, through the paged decode kernel
+  (engine/csrc/cpu_attention.cpp): a prompt chunk is packed as one decode per position
+  (model_runner.py, as speculation's verification rows already are), so its scores, softmax and
+  value sums run over the row's own context in cache order, whatever the chunk size or cached prefix.
+- Norms and residual adds: the C++ per-row kernel (cpu_layers.cpp) in every dtype.
+- Sampling: per-row already (engine/sampler.py: each row's draw from its request's own generator).
+
+The bf16 results do not depend on the thread count either (no reduction is split across threads);
+float32's one-row products are MKL's, split as MKL decides for the thread count, which is fixed for the
+process. CPU only; the kernels must build (a compiler, AVX-512 BF16 for bf16/INT8 weights): else the
+engine refuses to start rather than serve a mode it cannot keep.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.invariant_linear import CALL_ROWS, RowLinear, TiledLinear, rows_agree
+
+__all__ = ["CALL_ROWS", "RowLinear", "TiledLinear", "row_linears", "rows_agree", "unsupported"]
+
+
+def unsupported(device: torch.device, attention_backend: str) -> str | None:
+    """Why the mode cannot run with this device and attention backend name, or None."""
+    if device.type != "cpu":
+        return f"runs on the CPU only (device is {device})"
+    if attention_backend != "cpu":
+        return f"needs the C++ attention kernels (attention backend is {attention_backend!r})"
+    return None
+
+
+def row_linears(model: nn.Module) -> None:
+    """Every linear of `model` (a LlamaForCausalLM), the logits head included, as a RowLinear."""
+    model.replace_linears(lambda weight, bias, role: RowLinear(weight, bias))

@@ -1,0 +1,259 @@
+"""Batch-invariant mode (EngineConfig.deterministic, engine/batch_invariant.py).
+
+One prompt set (chat and completion prompts, greedy and seeded, some sharing a prefix) is run one
+request at a time as the reference, then in batches of 2, 8 and 32 with shuffled neighbours, with
+prefix-cache hits, with step budgets (prefill chunks) of 16, 64 and 512 tokens, under forced
+preemption, and with speculative decoding: every run must be token-identical to the reference, in
+bf16 and float32. The kernels it rests on are checked row by row too. Outside the mode the same bf16
+runs differ on this machine (the last test), which is what the mode is for.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.spec_config import SpeculativeConfig
+
+from .helpers import make_engine, require_cpu_kernels
+
+require_cpu_kernels()
+
+ops = torch.ops.tokenmill
+BF16 = hasattr(ops, "gemv_supported") and ops.gemv_supported("bf16")
+needs_bf16 = pytest.mark.skipif(not BF16, reason="this CPU lacks AVX-512 BF16 (the mode refuses bf16 weights there)")
+DTYPES = [pytest.param("bfloat16", marks=needs_bf16), "float32"]
+N_PROMPTS = 20
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def tiny(build_model):
+    return build_model("tiny-llama")
+
+
+def _prompt_set(engine: Engine) -> tuple[list[list[int]], list[SamplingParams]]:
+    """20 prompts: even ones chat (via the template), odd ones raw completion tokens; 0..7 share a
+    40-token prefix; every third is sampled with its own seed (every sixth also with top-p)."""
+    rng = random.Random(26)
+    vocab = engine.vocab_size
+    shared = [rng.randrange(10, vocab) for _ in range(40)]
+    prompts, params = [], []
+    for i in range(N_PROMPTS):
+        if i % 2 == 0:
+            text = " ".join(rng.choice(["tell", "me", "about", "the", "sea", "a", "cat", "why", "code"])
+                            for _ in range(rng.randrange(3, 30)))  # fmt: skip
+            ids = engine.apply_chat_template([{"role": "user", "content": text}])
+        else:
+            ids = [rng.randrange(10, vocab) for _ in range(rng.randrange(1, 90))]
+        prompts.append((shared + ids) if i < 8 else ids)
+        if i % 3 == 0:
+            params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=1000 + i,
+                                         top_p=0.9 if i % 6 == 0 else 1.0))  # fmt: skip
+        else:
+            params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return prompts, params
+
+
+def _neighbours(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randrange(1, 60))] for _ in range(n)]
+    return prompts, [SamplingParams(max_tokens=rng.randrange(1, 24), temperature=0.0) for _ in range(n)]
+
+
+def _alone(engine: Engine, prompts, params) -> list[list[int]]:
+    return [engine.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+
+
+def _batched(engine: Engine, prompts, params, batch: int, seed: int) -> list[list[int]]:
+    """The set in groups of `batch`, each group padded with other requests to `batch` and shuffled."""
+    out: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(prompts), batch):
+        idx = list(range(start, min(start + batch, len(prompts))))
+        fill_p, fill_s = _neighbours(engine.vocab_size, batch - len(idx), seed + start)
+        jobs = [(i, prompts[i], params[i]) for i in idx] + [(None, p, s) for p, s in zip(fill_p, fill_s, strict=True)]
+        random.Random(seed + start).shuffle(jobs)
+        res = engine.generate([j[1] for j in jobs], [j[2] for j in jobs])
+        for (i, _, _), r in zip(jobs, res, strict=True):
+            if i is not None:
+                out[i] = r.token_ids
+    return out
+
+
+def _engine(path, dtype: str, **kw) -> Engine:
+    kw.setdefault("max_num_seqs", 32)
+    return make_engine(path, dtype=dtype, deterministic=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def references(tiny):
+    """dtype -> (prompts, params, one-request-at-a-time tokens), prefix caching off; built once per dtype."""
+    built: dict[str, tuple] = {}
+
+    def get(dtype: str) -> tuple:
+        if dtype not in built:
+            engine = _engine(tiny, dtype, enable_prefix_caching=False)
+            prompts, params = _prompt_set(engine)
+            built[dtype] = (prompts, params, _alone(engine, prompts, params))
+        return built[dtype]
+
+    return get
+
+
+def _cases(bf16: list, f32: list) -> list:
+    """(dtype, value) parameters: every value in bf16 (the mode's reason to be), a few in float32 (its
+    one-row linears are slow on a tiny model)."""
+    return [pytest.param("bfloat16", v, marks=needs_bf16) for v in bf16] + [("float32", v) for v in f32]
+
+
+@pytest.mark.parametrize("dtype,batch", _cases([2, 8, 32], [32]))
+def test_batches_with_shuffled_neighbours_match_one_request_runs(tiny, references, dtype, batch):
+    prompts, params, want = references(dtype)
+    engine = _engine(tiny, dtype, enable_prefix_caching=False)
+    assert _batched(engine, prompts, params, batch, seed=batch) == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefix_cache_hits_match(tiny, references, dtype):
+    prompts, params, want = references(dtype)
+    engine = _engine(tiny, dtype)
+    first = _batched(engine, prompts, params, 8, seed=5)  # prompts 0..7 share a prefix: hits within the run
+    hits = engine.stats().prefix_cache_hits
+    again = _alone(engine, prompts, params)  # every prompt's whole blocks are cached now
+    assert hits > 0 and engine.stats().prefix_cache_hits > hits
+    assert first == want and again == want
+
+
+@pytest.mark.parametrize("dtype,budget", _cases([16, 64, 512], [16]))
+def test_prefill_chunk_sizes_match(tiny, references, dtype, budget):
+    prompts, params, want = references(dtype)
+    engine = _engine(tiny, dtype, max_num_batched_tokens=budget)
+    assert _batched(engine, prompts, params, 8, seed=budget) == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forced_preemption_matches(tiny, references, dtype):
+    prompts, params, want = references(dtype)
+    # 4-token blocks, room for about 5 of the 32 requests: running ones are preempted as they grow
+    engine = _engine(tiny, dtype, num_kv_blocks=40, block_size=4, enable_prefix_caching=False)
+    got = _batched(engine, prompts, params, 32, seed=7)
+    assert engine.stats().preemptions > 0
+    assert got == want
+
+
+@needs_bf16
+def test_speculative_verification_matches(tiny, references):
+    dtype = "bfloat16"
+    prompts, params, want = references(dtype)
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_max": 3, "prompt_lookup_min": 1})  # fmt: skip
+    engine = _engine(tiny, dtype, speculative=spec)
+    greedy = [i for i, sp in enumerate(params) if sp.temperature == 0.0]
+    got = _batched(engine, [prompts[i] for i in greedy], [params[i] for i in greedy], 8, seed=11)
+    assert engine.stats().spec_draft_tokens > 0
+    assert got == [want[i] for i in greedy]
+
+
+# ---- the kernels, row by row ------------------------------------------------------------------------
+@needs_bf16
+@pytest.mark.parametrize("silu", [False, True])
+def test_linear_kernel_rows_do_not_depend_on_the_batch(silu):
+    """A row's product is bit-identical alone and at any position among 5, 37 or 300 other rows."""
+    from engine.models.cpu_linear import ALWAYS, GemvLinear
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(400, 192, generator=g) * 0.05).bfloat16()
+    lin = GemvLinear(w, torch.randn(400, generator=g).bfloat16(), ALWAYS, 32, interleave=silu, onednn=False)
+    fn = lin.silu_mul if silu else lin
+    x = torch.randn(300, 192, generator=g).bfloat16()
+    for m in (5, 37, 300):
+        batch = fn(x[:m])
+        for i in sorted({0, m // 2, m - 1}):
+            assert torch.equal(batch[i], fn(x[i : i + 1])[0])
+
+
+@pytest.mark.skipif(not BF16, reason="oneDNN's bf16 path needs AVX-512 BF16 / AMX")
+def test_tiled_onednn_rows_do_not_depend_on_the_batch():
+    """Calls of at most 32 rows: each row's bits are its one-row bits at any batch size, 300 included
+    (one oneDNN call of 33+ rows changes them on this machine: that is why the calls are tiled)."""
+    from engine.batch_invariant import TiledLinear, rows_agree
+    from engine.models.packed_linear import PackedLinear
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(576, 576, generator=g) * 0.04).bfloat16()
+    lin = TiledLinear(w, None)
+    assert rows_agree(lin, 576, torch.bfloat16)
+    x = torch.randn(300, 576, generator=g).bfloat16()
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(300)])
+    for m in (33, 100, 300):
+        assert torch.equal(lin(x[:m]), alone[:m])
+    untiled = PackedLinear(w, None, 32)
+    assert not all(torch.equal(untiled(x[:m]), alone[:m]) for m in (33, 100, 300))
+
+
+def test_one_row_float32_linear_does_not_depend_on_the_batch():
+    from engine.batch_invariant import RowLinear
+
+    g = torch.Generator().manual_seed(1)
+    lin = RowLinear(torch.randn(300, 200, generator=g), torch.randn(300, generator=g))
+    x = torch.randn(64, 200, generator=g)
+    batch = lin(x)
+    for i in (0, 31, 63):
+        assert torch.equal(batch[i], lin(x[i : i + 1])[0])
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32])
+def test_decode_attention_rows_do_not_depend_on_the_batch(dtype):
+    """One query row over its context gives the same bits alone and beside rows with longer contexts
+    (a wider padded table, a larger max_context) at any position."""
+    g = torch.Generator().manual_seed(2)
+    bs, kvh, heads, d, blocks = 16, 2, 4, 32, 40
+    shape = CpuAttentionBackend().kv_cache_shape(blocks, bs, kvh, d)
+    k_cache, v_cache = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+    lens = [37, 200, 5, 120, 61]
+    tables = torch.zeros(len(lens), 13, dtype=torch.long)
+    perm = torch.randperm(blocks, generator=g)
+    for s, n in enumerate(lens):
+        tables[s, : -(-n // bs)] = perm[s * 8 : s * 8 + -(-n // bs)] if n <= 128 else perm[:13]
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
+    lens_t = torch.tensor(lens)
+    batch = ops.paged_decode_attention(q, k_cache, v_cache, tables, lens_t, bs, 13 * bs, d**-0.5)
+    for s, n in enumerate(lens):
+        width = -(-n // bs)
+        alone = ops.paged_decode_attention(q[s : s + 1], k_cache, v_cache, tables[s : s + 1, :width].contiguous(),
+                                           lens_t[s : s + 1], bs, width * bs, d**-0.5)  # fmt: skip
+        assert torch.equal(batch[s], alone[0])
+
+
+# ---- outside the mode ---------------------------------------------------------------------------------
+@needs_bf16
+def test_outside_the_mode_bf16_runs_differ(tiny):
+    """The same runs without the mode: on this machine bf16 batches, prefix-cache hits and chunking
+    change some request's tokens (oneDNN's GEMMs and SDPA reduce in shape-dependent orders)."""
+    alone_engine = make_engine(tiny, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=32)
+    prompts, params = _prompt_set(alone_engine)
+    want = _alone(alone_engine, prompts, params)
+    runs = {
+        "batch 32": _batched(make_engine(tiny, dtype="bfloat16", enable_prefix_caching=False, max_num_seqs=32),
+                             prompts, params, 32, seed=32),
+        "chunks of 16": _batched(make_engine(tiny, dtype="bfloat16", max_num_batched_tokens=16, max_num_seqs=32),
+                                 prompts, params, 8, seed=16),
+    }  # fmt: skip
+    differing = {name: sum(a != b for a, b in zip(got, want, strict=True)) for name, got in runs.items()}
+    assert any(differing.values()), differing
+
+
+def test_the_mode_refuses_what_it_cannot_keep(tiny):
+    """The reference attention backend (SDPA for prefill) cannot give one-row attention: refused at start."""
+    with pytest.raises(ValueError, match="deterministic needs the C\\+\\+ attention kernels"):
+        make_engine(tiny, dtype="float32", deterministic=True, attention_backend="torch")
+    with pytest.raises(ValueError, match="deterministic must be a bool"):
+        make_engine(tiny, deterministic="yes")
+    from engine.lora.config import LoraConfig
+
+    with pytest.raises(ValueError, match="LoRA adapters are not batch-invariant"):
+        EngineConfig(model=str(tiny), deterministic=True, lora=LoraConfig())
