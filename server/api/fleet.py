@@ -61,7 +61,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
     return {"model_path": dep.spec.path, "served_model_name": rt.model_name, "version": rt.metrics.server_version,
             "weight_version": dep.version, "context_length": dep.max_model_len, "max_num_seqs": dep.max_num_seqs,
             "max_num_batched_tokens": s.max_num_batched_tokens, "page_size": rt.worker.stats.block_size,
-            "dp_size": 1, "tp_size": 1, "enable_prefix_caching": True, **dep.engine_desc}  # fmt: skip
+            "dp_size": 1, "tp_size": 1, "enable_prefix_caching": s.enable_prefix_caching, **dep.engine_desc}  # fmt: skip
 
 
 @router.get("/get_model_info")
