@@ -9,9 +9,12 @@ output tok/s with two threads against 159 with one (docs/BENCHMARKS.md, "Engine 
 contention"). Which count is faster is a property of the moment, so the governor measures it.
 
 How: decode-only steps are timed per token at the current count (`high`, the configured threads, to
-start). Every `probe_every_s` the next `probe_steps` decode steps run at the other count (`low`: one
-thread, or `high` again when the governor sits at one); the faster median per-token time wins, with a
-margin against noise. A probe that confirms the current count doubles the wait before the next one (up
+start), by batch size (a step's per-token time falls as its batch grows, so only steps of the same
+size compare). Every `probe_every_s` the next `probe_steps` decode steps run at the other count (`low`:
+one thread, or `high` again when the governor sits at one); each probe step is divided by the current
+count's median at its batch size, and the probe wins when the median of those ratios is below
+1 - `margin`. Probe steps of a size the current count has no recent time for are not counted; a probe
+with fewer than two counted steps decides nothing. A probe that confirms the current count doubles the wait before the next one (up
 to `max_probe_every_s`), a switch resets it. A probe step slower than twice the current median ends the
 probe at once, so probing two threads on a crowded machine costs one slow step, not four. Prefill steps
 are not compared: their per-token time depends on the chunk's length and position, not only on threads.
@@ -36,11 +39,11 @@ log = logging.getLogger("tokenmill.engine")
 class GovernorConfig:
     high: int  # the configured thread count (one per core, or --engine-threads)
     low: int = 1
-    probe_every_s: float = 2.0  # first wait before probing the other count
+    probe_every_s: float = 1.0  # first wait before probing the other count
     max_probe_every_s: float = 32.0  # the wait doubles up to this while probes confirm the current count
     probe_steps: int = 4  # decode steps timed at the other count per probe
-    baseline_steps: int = 8  # recent decode steps at the current count that a probe is compared with
-    margin: float = 0.05  # the other count must be this much faster per token to switch
+    baseline_steps: int = 6  # recent decode steps at the current count that a probe is compared with
+    margin: float = 0.10  # the other count must be this much faster per token to switch
     abort_ratio: float = 2.0  # a probe step this many times the current median ends the probe
 
 
@@ -56,8 +59,9 @@ class ThreadGovernor:
         self._clock = clock
         self.threads = config.high  # the count the steps run at now (probes included)
         self._chosen = config.high  # the count that won the last comparison
-        self._baseline: deque[float] = deque(maxlen=config.baseline_steps)  # seconds per token at _chosen
-        self._probe: list[float] = []  # seconds per token at the other count, during a probe
+        # (decode tokens, seconds per token) of recent steps at _chosen, and at the other count during a probe
+        self._baseline: deque[tuple[int, float]] = deque(maxlen=config.baseline_steps)
+        self._probe: list[tuple[int, float]] = []
         self._wait_s = config.probe_every_s
         self._next_probe = clock() + self._wait_s
         self.probes = 0  # probes started (for stats and tests)
@@ -75,14 +79,14 @@ class ThreadGovernor:
         """One finished step: its decode and prefill token counts and its wall time."""
         if prefill_tokens or decode_tokens <= 0:
             return  # only decode-only steps compare thread counts fairly
-        per_token = elapsed_s / decode_tokens
+        sample = (decode_tokens, elapsed_s / decode_tokens)
         if self.probing:
-            self._probe.append(per_token)
-            slow = per_token > self.config.abort_ratio * statistics.median(self._baseline)
+            self._probe.append(sample)
+            slow = sample[1] > self.config.abort_ratio * statistics.median(t for _, t in self._baseline)
             if slow or len(self._probe) >= self.config.probe_steps:
-                self._settle()
+                self._settle(aborted=slow)
             return
-        self._baseline.append(per_token)
+        self._baseline.append(sample)
         if len(self._baseline) == self._baseline.maxlen and self._clock() >= self._next_probe:
             self.probes += 1
             self._probe = []
@@ -91,12 +95,20 @@ class ThreadGovernor:
     def _other(self) -> int:
         return self.config.low if self._chosen == self.config.high else self.config.high
 
-    def _settle(self) -> None:
+    def _ratios(self) -> list[float]:
+        """Each probe step's per-token time over the current count's median at the same batch size."""
+        by_size: dict[int, list[float]] = {}
+        for n, t in self._baseline:
+            by_size.setdefault(n, []).append(t)
+        return [t / statistics.median(by_size[n]) for n, t in self._probe if n in by_size]
+
+    def _settle(self, aborted: bool) -> None:
         """End a probe: keep the faster count (the probe's count only when it wins by the margin)."""
-        current, candidate = statistics.median(self._baseline), statistics.median(self._probe)
-        if len(self._probe) >= self.config.probe_steps and candidate < current * (1 - self.config.margin):
-            log.info("engine threads: %d -> %d (%.2f ms/token against %.2f)", self._chosen, self.threads,
-                     candidate * 1e3, current * 1e3)  # fmt: skip
+        ratios = [] if aborted else self._ratios()
+        ratio = statistics.median(ratios) if len(ratios) >= 2 else None
+        if ratio is not None and ratio < 1 - self.config.margin:
+            log.info("engine threads: %d -> %d (%.0f%% of the per-token time)", self._chosen, self.threads,
+                     100 * ratio)  # fmt: skip
             self._chosen = self.threads
             self.switches += 1
             self._baseline.clear()
@@ -104,7 +116,8 @@ class ThreadGovernor:
             self._wait_s = self.config.probe_every_s
         else:
             self._set(self._chosen)
-            self._wait_s = min(self._wait_s * 2, self.config.max_probe_every_s)
+            if ratio is not None or aborted:  # a probe that decided nothing does not lengthen the wait
+                self._wait_s = min(self._wait_s * 2, self.config.max_probe_every_s)
         self._probe = []
         self._next_probe = self._clock() + self._wait_s
 

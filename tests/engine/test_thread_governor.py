@@ -80,8 +80,22 @@ def test_prefill_steps_and_small_margins_do_not_move_it():
         gov.observe(0, 512, 5.0)  # a slow prefill step: ignored
         gov.observe(4, 60, 5.0)  # a mixed one: ignored
     assert gov.probes == 0 and applied == []
-    run(gov, clock, {2: 3.0, 1: 2.95}, 100)  # one thread under 5% faster: not worth a switch
+    run(gov, clock, {2: 3.0, 1: 2.8}, 100)  # one thread under 10% faster: not worth a switch
     assert gov.chosen == 2 and gov.switches == 0
+
+
+def test_only_steps_of_the_same_batch_size_are_compared():
+    """Per-token time falls as the batch grows: a probe whose steps ran at a bigger batch than the
+    current count's must not look faster for it. Here two threads win at every size."""
+    gov, applied, clock = governor()
+    cost = {(2, 4): 3.0, (1, 4): 4.0, (2, 16): 1.0, (1, 16): 1.5}  # ms per token by (threads, batch)
+    for i in range(600):
+        clock.t += 0.05
+        batch = 4 if not gov.probing else 16  # the batch grows exactly while the governor probes
+        if i % 50 == 0:
+            batch = 16  # now and then the current count sees the big batch too
+        gov.observe(batch, 0, batch * cost[(gov.threads, batch)] / 1e3)
+    assert gov.probes >= 3 and gov.switches == 0 and gov.chosen == 2
 
 
 def test_config_is_checked():
