@@ -35,7 +35,8 @@ Router policies (the router counts requests in flight per replica as its load):
   match is over `--cache-threshold` of it (ties: the least loaded), else the one with the smallest
   tree. Each routed request is inserted into its replica's tree; the tree never learns of the
   replica's evictions (its max_tree_size, 2^24 characters per replica, is far above this workload);
-- `kv_aware`: the same imbalance check, then the least loaded replica that holds the prompt
+- `kv_aware` (a model of it, not read from vllm-router's source): the same imbalance check, then the least
+  loaded replica that holds the prompt
   according to the replicas' KV events (stored / removed), seen `--event-lag-s` after they happen;
   none holds it: the least loaded replica.
 
@@ -43,7 +44,8 @@ Ignored: block granularity (a prompt is cached whole or not at all), the running
 (the cache holds only the shared prefixes), the questions' reuse, preemption, network and router
 time, per-step batching effects beyond the measured averages, and the router's tree eviction.
 Reported per policy, over the requests after the first `--warmup` fraction: the fleet's prefix hit
-rate (cached prompt tokens / prompt tokens), TTFT p50/p99, throughput against the offered rate, the
+rate (cached prompt tokens / prompt tokens), TTFT mean/p50/p99 (p50 is a hit's or a miss's TTFT,
+depending on which side of half the requests hit), throughput against the offered rate, the
 fleet's busy share (their work / replicas x time: the headroom left), the load imbalance (max / mean
 requests per replica, all requests) and the longest queue a replica had.
 """
@@ -124,6 +126,7 @@ class PolicyResult:
     requests: int  # requests arrived (all of them, warm-up included)
     served: int  # requests that finished; each finishes once, so == requests
     hit_rate: float  # cached prompt tokens / prompt tokens, after warm-up
+    ttft_mean_s: float
     ttft_p50_s: float
     ttft_p99_s: float
     requests_per_s: float  # finished after warm-up / the time they took
@@ -363,7 +366,7 @@ class _Run:
         busy = sum(self.work[i] for i in kept) / (cfg.replicas * span) if span > 0 else 0.0
         return PolicyResult(
             policy=policy, requests=len(self.times), served=self.served,
-            hit_rate=hits / (len(kept) * cfg.prompt_tokens), ttft_p50_s=percentile(ttfts, 50),
+            hit_rate=hits / (len(kept) * cfg.prompt_tokens), ttft_mean_s=sum(ttfts) / len(ttfts), ttft_p50_s=percentile(ttfts, 50),
             ttft_p99_s=percentile(ttfts, 99), requests_per_s=len(dones) / span if span > 0 else 0.0,
             offered_per_s=cfg.arrival_rate(), utilisation=busy, imbalance=max(per_replica) / mean,
             max_waiting=max(rep.max_waiting for rep in self.replicas))  # fmt: skip
@@ -377,10 +380,10 @@ def simulate(cfg: SimConfig, policy: str) -> PolicyResult:
 
 
 def table(rows: list[PolicyResult]) -> str:
-    lines = ["| policy | prefix hit rate (fleet) | TTFT p50 | TTFT p99 | req/s (offered) | fleet busy | "
-             "imbalance (max/mean) | longest queue |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = ["| policy | prefix hit rate (fleet) | TTFT mean | TTFT p50 | TTFT p99 | req/s (offered) | fleet busy | "
+             "imbalance (max/mean) | longest queue |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r.policy} | {r.hit_rate:.3f} | {r.ttft_p50_s:.2f} s | {r.ttft_p99_s:.2f} s | "
+        lines.append(f"| {r.policy} | {r.hit_rate:.3f} | {r.ttft_mean_s:.2f} s | {r.ttft_p50_s:.2f} s | {r.ttft_p99_s:.2f} s | "
                      f"{r.requests_per_s:.1f} ({r.offered_per_s:.1f}) | {r.utilisation:.2f} | {r.imbalance:.2f} | {r.max_waiting} |")  # fmt: skip
     return "\n".join(lines)
 
