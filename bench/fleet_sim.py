@@ -35,10 +35,9 @@ Router policies (the router counts requests in flight per replica as its load):
   match is over `--cache-threshold` of it (ties: the least loaded), else the one with the smallest
   tree. Each routed request is inserted into its replica's tree; the tree never learns of the
   replica's evictions (its max_tree_size, 2^24 characters per replica, is far above this workload);
-- `kv_aware` (a model of it, not read from vllm-router's source): the same imbalance check, then the least
-  loaded replica that holds the prompt
-  according to the replicas' KV events (stored / removed), seen `--event-lag-s` after they happen;
-  none holds it: the least loaded replica.
+- `kv_aware` (a model of it, not read from vllm-router's source): the same imbalance check, then
+  the least loaded replica that holds the prompt according to the replicas' KV events (stored /
+  removed), seen `--event-lag-s` after they happen; none holds it: the least loaded replica.
 
 Ignored: block granularity (a prompt is cached whole or not at all), the running requests' own KV
 (the cache holds only the shared prefixes), the questions' reuse, preemption, network and router
