@@ -4,7 +4,8 @@ Each subcommand lives in its own module with `add_parser(subparsers)`, which reg
 and sets `func(args) -> int`. Today: `offline`, `floor`, `quality`, `gemv`, `fused`, `load` (HTTP load test), `sweep`, `contention`,
 `priority`, `long-prompt`, `startup`, `swap` (model version swap under load, response cache latency),
 `structured` (what structured outputs cost in throughput and TTFT), `router` (replicas behind vllm-router, per policy),
-`lora` (what LoRA adapters cost), `determinism` (batch-invariant mode on/off).
+`lora` (what LoRA adapters cost), `determinism` (batch-invariant mode on/off),
+`fleet-sim` (the router policies at 100 replicas and 10,000 tenants, simulated).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 from bench import (
     contention,
     determinism,
+    fleet_sim,
     floor,
     fused,
     gemv,
@@ -55,6 +57,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     router.add_parser(subparsers)
     lora.add_parser(subparsers)
     determinism.add_parser(subparsers)
+    fleet_sim.add_parser(subparsers)
     return parser
 
 
