@@ -3,8 +3,9 @@
 For each engine-thread count and libgomp wait policy, starts `python -m server serve` on the default
 model, runs one closed-loop load (bench/load.py's client), then the same load again beside a
 co-located CPU hog (one process spinning on one core: a sidecar, a client, another tenant's job), and
-prints output tok/s for both. Each timed run follows `--settle-requests` untimed ones on the same server
-(beside the hog when busy): the steady figure, after an adaptive thread count has had its first probe. The question it answers: which default never falls below the one-thread
+prints output tok/s for both. With the adaptive thread count on, the timed run follows
+`--settle-requests` untimed ones on the same server (beside the hog when busy): the steady figure,
+after the governor's first probes (a fixed count has nothing to settle). The question it answers: which default never falls below the one-thread
 figure when a core is taken, and how much it gives up on a quiet machine. Figures: docs/BENCHMARKS.md
 ("Engine threads under contention").
 
@@ -45,6 +46,10 @@ class Variant:
     def label(self) -> str:
         mode = ", fixed" if self.fixed or self.threads == 1 else ", adaptive"
         return f"{self.threads} thread{'s' if self.threads > 1 else ''}, {self.wait_policy or 'default'}{mode}"
+
+    @property
+    def adaptive(self) -> bool:
+        return self.threads > 1 and not self.fixed
 
     def serve_args(self) -> list[str]:
         return ["--engine-threads", str(self.threads), *(["--no-adaptive-threads"] if self.fixed else [])]
@@ -109,9 +114,10 @@ def measure(variant: Variant, busy: bool, args: argparse.Namespace, requests: li
     hog = subprocess.Popen([sys.executable, "-c", HOG]) if busy else None
     try:
         cfg = LoadConfig(base_url=url, concurrency=args.concurrency)
-        if args.settle_requests:  # untimed, beside the hog too: steady throughput, not the first seconds'
-            run_point(requests[: args.settle_requests], cfg, None, warmup=args.warmup, progress=False)
-        report = run_point(requests, cfg, None, warmup=0 if args.settle_requests else args.warmup, progress=False)
+        settle = args.settle_requests if variant.adaptive else 0
+        if settle:  # untimed, beside the hog too: the steady figure, not the governor's first probes
+            run_point(requests[:settle], cfg, None, warmup=args.warmup, progress=False)
+        report = run_point(requests, cfg, None, warmup=0 if settle else args.warmup, progress=False)
         threads = scrape(url, ("tokenmill_engine_threads", "tokenmill_engine_thread_switches_total"))
     finally:
         if hog is not None:
@@ -180,9 +186,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--settle-requests", type=int, default=8,
-                   help="requests run untimed before each timed run (with the hog on when busy), so the figure is "
-                   "the steady one; 0: time from the start")
+    p.add_argument("--settle-requests", type=int, default=32,
+                   help="adaptive variants: requests run untimed before the timed run (with the hog on when busy), "
+                   "so the figure is the steady one, after the first probes; 0: time from the start")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-arg", action="append", default=[], help="one more `serve` argument (repeatable)")

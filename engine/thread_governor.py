@@ -14,9 +14,12 @@ size compare). Every `probe_every_s` the next `probe_steps` decode steps run at 
 one thread, or `high` again when the governor sits at one); each probe step is divided by the current
 count's median at its batch size, and the probe wins when the median of those ratios is below
 1 - `margin`. Probe steps of a size the current count has no recent time for are not counted; a probe
-with fewer than two counted steps decides nothing. A probe that confirms the current count doubles the wait before the next one (up
-to `max_probe_every_s`), a switch resets it. A probe step slower than twice the current median ends the
-probe at once, so probing two threads on a crowded machine costs one slow step, not four. Prefill steps
+with fewer than two counted steps decides nothing. A probe that confirms the current count doubles the
+wait before the next one (up to `max_probe_every_s`), a switch resets it. A probe step slower than twice
+the current median ends the probe at once, so probing two threads on a crowded machine costs one slow
+step, not four; that step still holds every running request (a tenth of a second to a second), so at
+one thread the waits are longer (`low_probe_every_s` doubling to `max_low_probe_every_s`): a taken core
+usually stays taken, and probing `low` from `high` costs little (a few steps at most ~2x). Prefill steps
 are not compared: their per-token time depends on the chunk's length and position, not only on threads.
 
 Plain Python, no torch: `apply(n)` (the engine's `torch.set_num_threads`, called on the thread that runs
@@ -41,6 +44,8 @@ class GovernorConfig:
     low: int = 1
     probe_every_s: float = 1.0  # first wait before probing the other count
     max_probe_every_s: float = 32.0  # the wait doubles up to this while probes confirm the current count
+    low_probe_every_s: float = 8.0  # the same two while at `low` (its probes at `high` are the costly ones)
+    max_low_probe_every_s: float = 64.0
     probe_steps: int = 4  # decode steps timed at the other count per probe
     baseline_steps: int = 6  # recent decode steps at the current count that a probe is compared with
     margin: float = 0.10  # the other count must be this much faster per token to switch
@@ -113,13 +118,21 @@ class ThreadGovernor:
             self.switches += 1
             self._baseline.clear()
             self._baseline.extend(self._probe)
-            self._wait_s = self.config.probe_every_s
+            self._wait_s = self._first_wait()
         else:
             self._set(self._chosen)
             if ratio is not None or aborted:  # a probe that decided nothing does not lengthen the wait
-                self._wait_s = min(self._wait_s * 2, self.config.max_probe_every_s)
+                self._wait_s = min(self._wait_s * 2, self._max_wait())
         self._probe = []
         self._next_probe = self._clock() + self._wait_s
+
+    def _first_wait(self) -> float:
+        c = self.config
+        return c.probe_every_s if self._chosen == c.high else c.low_probe_every_s
+
+    def _max_wait(self) -> float:
+        c = self.config
+        return c.max_probe_every_s if self._chosen == c.high else c.max_low_probe_every_s
 
     def _set(self, threads: int) -> None:
         if threads != self.threads:

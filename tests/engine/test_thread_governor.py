@@ -25,7 +25,8 @@ def governor(**kw) -> tuple[ThreadGovernor, list[int], Clock]:
     applied: list[int] = []
     clock = Clock()
     cfg = GovernorConfig(**{"high": 2, "probe_every_s": 1.0, "max_probe_every_s": 8.0, "probe_steps": 3,
-                            "baseline_steps": 4, **kw})  # fmt: skip
+                            "baseline_steps": 4, "low_probe_every_s": 2.0, "max_low_probe_every_s": 8.0,
+                            **kw})  # fmt: skip
     return ThreadGovernor(cfg, applied.append, clock), applied, clock
 
 
@@ -71,6 +72,24 @@ def test_a_bad_probe_ends_after_one_step():
     # every probe at two threads costs one slow step: the governor is back at one before the next step
     assert gov.probes - probes >= 3 and slow_steps == gov.probes - probes
     assert gov.threads == 1 and gov.chosen == 1
+
+
+def test_at_one_thread_the_costly_probes_wait_longer():
+    """Probing two threads from one costs a slow step on a crowded host: those probes start later and
+    thin out to max_low_probe_every_s; a switch back to two restarts the short schedule."""
+    gov, applied, clock = governor(low_probe_every_s=4.0, max_low_probe_every_s=16.0)
+    while gov.chosen != 1:
+        run(gov, clock, {2: 40.0, 1: 5.0}, 1)
+        assert clock.t < 10
+    switched_at, starts = clock.t, []
+    for _ in range(2000):
+        before = gov.probes
+        run(gov, clock, {2: 40.0, 1: 5.0}, 1)
+        if gov.probes > before:
+            starts.append(clock.t)
+    assert starts[0] - switched_at >= 4.0
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert gaps[0] >= 7.9 and max(gaps) <= 16.0 + 0.5 and gaps[-1] >= 15.5
 
 
 def test_prefill_steps_and_small_margins_do_not_move_it():
@@ -124,7 +143,8 @@ def test_the_engine_switches_threads_between_steps_and_output_is_unchanged(build
         torch.set_num_threads(n)
         seen.append((n, torch.get_num_threads()))
 
-    cfg = GovernorConfig(high=2, probe_every_s=0.0, probe_steps=2, baseline_steps=2, margin=-10.0,
+    cfg = GovernorConfig(high=2, probe_every_s=0.0, low_probe_every_s=0.0, probe_steps=2, baseline_steps=2,
+                         margin=-10.0,
                           abort_ratio=1e9)  # always switch
     engine.thread_governor = ThreadGovernor(cfg, apply)
     out = engine.generate([[11, 12, 13], [5, 6]], params)
