@@ -428,11 +428,11 @@ def test_the_answer_after_a_tool_result_does_not_echo_its_wrapper(smollm2_client
 def test_an_openai_agents_agent_calls_its_tool_once_and_answers(smollm2_server):
     """openai-agents' default model is the Responses API: with one function tool (tool_choice required,
     reset to auto after the call), the agent runs the tool once and ends with a text answer that carries
-    no `<tool_response>` wrapper. Needs openai-agents (not a project dependency); the Responses tool path
-    itself is checked with the openai SDK in tests/server/api/test_endpoints.py."""
-    agents = pytest.importorskip("agents")
+    no `<tool_response>` wrapper (openai-agents is pinned in the dev extra; the Responses tool path itself
+    is checked with the openai SDK in tests/server/api/test_endpoints.py)."""
     import asyncio
 
+    import agents
     from openai import AsyncOpenAI
 
     agents.set_tracing_disabled(True)
