@@ -36,7 +36,7 @@ HOG = "import time\nwhile True:\n    sum(range(10000))\n"  # one core, pure Pyth
 @dataclass(frozen=True)
 class Variant:
     """One server configuration: engine threads, the OpenMP wait policy ('' = libgomp's default) and
-    whether the thread count adapts to measured step times (the server's default) or stays fixed."""
+    whether the thread count adapts to measured step times (`--adaptive-threads`) or stays fixed."""
 
     threads: int
     wait_policy: str  # PASSIVE, ACTIVE, SPIN=<GOMP_SPINCOUNT>, or '' (libgomp's default)
@@ -52,7 +52,7 @@ class Variant:
         return self.threads > 1 and not self.fixed
 
     def serve_args(self) -> list[str]:
-        return ["--engine-threads", str(self.threads), *(["--no-adaptive-threads"] if self.fixed else [])]
+        return ["--engine-threads", str(self.threads), "--adaptive-threads" if self.adaptive else "--no-adaptive-threads"]
 
 
 def parse_variant(text: str) -> Variant:

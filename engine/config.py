@@ -53,8 +53,8 @@ class EngineConfig:
     fused_decode: bool = True  # CPU kernels: decode-only steps run the layer loop in C++ (same results, less overhead)
     cpu_threads: int | None = None  # CPU: torch's intra-op threads, set at start-up (process-wide); None: torch's
     # CPU, more than one thread: steps drop to one thread while that is measured faster (another process
-    # holds a core) and come back when it no longer is (engine/thread_governor.py). Off here (offline use
-    # and tests keep a fixed count); the server turns it on (--adaptive-threads).
+    # holds a core) and come back when it no longer is (engine/thread_governor.py). Off by default, here
+    # and in the server (--adaptive-threads turns it on; docs/SERVER.md says why it is opt-in).
     adaptive_threads: bool = False
     # Speculative decoding (vLLM's --speculative-config; a dict of its keys is accepted); None: off
     speculative: SpeculativeConfig | None = None

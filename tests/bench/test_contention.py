@@ -12,7 +12,8 @@ from bench.contention import Variant, format_summary, parse_variant
 def test_variants_parse_to_server_flags_and_environment():
     assert parse_variant("2") == Variant(2, "", False)
     assert parse_variant("2:fixed").serve_args() == ["--engine-threads", "2", "--no-adaptive-threads"]
-    assert parse_variant("2").serve_args() == ["--engine-threads", "2"]
+    assert parse_variant("2").serve_args() == ["--engine-threads", "2", "--adaptive-threads"]
+    assert parse_variant("1").serve_args() == ["--engine-threads", "1", "--no-adaptive-threads"]
     assert parse_variant("2:passive:fixed") == Variant(2, "PASSIVE", True)
     assert parse_variant("2:SPIN=30000000").wait_policy == "SPIN=30000000"
     assert parse_variant("1").label == "1 thread, default, fixed"
