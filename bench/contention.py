@@ -18,16 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
+from bench import prom
 from bench.load import LoadConfig, run_point, synthetic_requests
+from bench.prom import metric_sum
+from bench.swap import free_port
+from bench.sweep import server_command
 from bench.workloads import DEFAULT_MODEL, resolve_model
 
 HOG = "import time\nwhile True:\n    sum(range(10000))\n"  # one core, pure Python, no syscalls
@@ -66,79 +66,38 @@ def parse_variant(text: str) -> Variant:
     return Variant(int(threads), policy, fixed)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(variant: Variant, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    """The server on a free port, ready (/health 200) or SystemExit with its log's tail."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-    env.pop("GOMP_SPINCOUNT", None)
+def server_env(variant: Variant) -> dict[str, str | None]:
+    """The OpenMP variables the server starts with: only the variant's wait policy (or spin count)."""
+    env: dict[str, str | None] = dict.fromkeys(("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT"))
     if variant.wait_policy.startswith("SPIN="):
         env["GOMP_SPINCOUNT"] = variant.wait_policy[5:]
     elif variant.wait_policy:
         env["OMP_WAIT_POLICY"] = variant.wait_policy
-    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *variant.serve_args(), *extra]
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited {proc.returncode}:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"no /health 200 within 300 s:\n{log.read_text()[-2000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return env
 
 
 def measure(variant: Variant, busy: bool, args: argparse.Namespace, requests: list) -> dict:
     """One point: output tok/s (and TPOT p50) of this variant, quiet or beside the hog."""
-    proc, url = start_server(variant, args.server_arg,
-                              args.log_dir / f"{variant.threads}-{variant.wait_policy}-{variant.fixed}.log")
-    hog = subprocess.Popen([sys.executable, "-c", HOG]) if busy else None
-    try:
-        cfg = LoadConfig(base_url=url, concurrency=args.concurrency)
-        settle = args.settle_requests if variant.adaptive else 0
-        if settle:  # untimed, beside the hog too: the steady figure, not the governor's first probes
-            run_point(requests[:settle], cfg, None, warmup=args.warmup, progress=False)
-        report = run_point(requests, cfg, None, warmup=0 if settle else args.warmup, progress=False)
-        threads = scrape(url, ("tokenmill_engine_threads", "tokenmill_engine_thread_switches_total"))
-    finally:
-        if hog is not None:
-            hog.kill()
-            hog.wait()
-        stop(proc)
+    log = args.log_dir / f"{variant.threads}-{variant.wait_policy}-{variant.fixed}.log"
+    with server_command([*variant.serve_args(), *args.server_arg], free_port(), log, 300,
+                        server_env(variant)) as (url, _pid):  # fmt: skip
+        hog = subprocess.Popen([sys.executable, "-c", HOG]) if busy else None
+        try:
+            cfg = LoadConfig(base_url=url, concurrency=args.concurrency)
+            settle = args.settle_requests if variant.adaptive else 0
+            if settle:  # untimed, beside the hog too: the steady figure, not the governor's first probes
+                run_point(requests[:settle], cfg, None, warmup=args.warmup, progress=False)
+            report = run_point(requests, cfg, None, warmup=0 if settle else args.warmup, progress=False)
+            text = prom.scrape(url)
+        finally:
+            if hog is not None:
+                hog.kill()
+                hog.wait()
     tpot = report.get("tpot_s") or {}
     return {"variant": variant.label, "busy": busy, "output_tok_s": report["output_tok_per_s"],
-            "tpot_p50_ms": 1000 * tpot["p50"] if "p50" in tpot else None, "ok": report["counts"]["ok"], "load_after": os.getloadavg()[0],
-            "threads_at_end": threads["tokenmill_engine_threads"],
-            "thread_switches": threads["tokenmill_engine_thread_switches_total"]}
-
-
-def scrape(url: str, names: tuple[str, ...]) -> dict[str, float | None]:
-    """Those unlabelled-but-for-model/version samples from /metrics (the first of each; None: absent)."""
-    found: dict[str, float | None] = dict.fromkeys(names)
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in found and found[name] is None:
-            found[name] = float(line.rsplit(" ", 1)[1])
-    return found
+            "tpot_p50_ms": 1000 * tpot["p50"] if "p50" in tpot else None, "ok": report["counts"]["ok"],
+            "load_after": os.getloadavg()[0], "threads_at_end": metric_sum(text, "tokenmill_engine_threads"),
+            "thread_switches": metric_sum(text, "tokenmill_engine_thread_switches_total")}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

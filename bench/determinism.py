@@ -18,11 +18,12 @@ import torch
 
 from bench.machine import machine_info
 from bench.spec import code_edit_prompts, run_closed_loop
+from bench.workloads import default_gguf
 from engine import Engine, EngineConfig, SamplingParams
 
 
 def run(args: argparse.Namespace) -> int:
-    model = args.model or _default_model()
+    model = args.model or default_gguf()
     base = dict(model=model, dtype=args.dtype, show_progress=False, max_num_seqs=max(args.concurrency))
     engines = {"off": Engine(EngineConfig(**base)), "on": Engine(EngineConfig(**base, deterministic=True))}
     prompts = code_edit_prompts(engines["off"], args.prompts)
@@ -61,15 +62,6 @@ def _print_row(row: dict, c0: int) -> None:
           f"(cost {100 * row['cost']:.1f}%); best off {off['best_tok_s']:.1f}, on {on['best_tok_s']:.1f} "
           f"(cost {100 * row['best_cost']:.1f}%) | same tokens as c{c0}: off {off['same_as_first']}, "
           f"on {on['same_as_first']}", flush=True)  # fmt: skip
-
-
-def _default_model() -> str:
-    from server.config.default_model import default_model_file
-
-    path = default_model_file()
-    if path is None:
-        raise SystemExit("--model: the default model package is not installed")
-    return str(path)
 
 
 def add_parser(subparsers) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.swap import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
 
@@ -30,12 +31,6 @@ def router_binary() -> str | None:
     """vllm-router's console script: beside this interpreter (a virtual environment's bin), else on PATH."""
     beside = Path(sys.executable).parent / "vllm-router"
     return str(beside) if beside.exists() else shutil.which("vllm-router")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -26,26 +26,9 @@ from pathlib import Path
 import httpx
 
 from bench.load import LoadConfig, LoadRequest, send_one
+from bench.prom import metric_sum, scrape
 from bench.stats import RequestRecord, distribution
 from bench.workloads import fixed_workload, ordinary_token_ids, resolve_model
-
-
-def metric_sum(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of `name` (with these labels) in a Prometheus text scrape."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        series, _, rest = head.partition("{")
-        if series != name or any(f'{k}="{v}"' not in rest for k, v in labels.items()):
-            continue
-        total += float(value)
-    return total
-
-
-def scrape(base_url: str) -> str:
-    return httpx.get(f"{base_url}/metrics", timeout=30).text
 
 
 async def run_phase(cfg: LoadConfig, batch: list[LoadRequest], interactive: list[LoadRequest], streams: int,

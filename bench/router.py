@@ -31,8 +31,10 @@ from typing import Any
 
 import httpx
 
+from bench import prom
 from bench.fleet import REPO_ROOT, Fleet, FleetConfig, free_port, router_binary
 from bench.machine import cpu_model
+from bench.prom import metric_sum
 from bench.stats import percentile
 from bench.workloads import DEFAULT_MODEL, resolve_model
 
@@ -81,13 +83,9 @@ def words_for_tokens(url: str, model: str, tokens: int, seed: int) -> tuple[int,
 
 def scrape(url: str) -> dict[str, float]:
     """The counters this benchmark reads from one replica's /metrics (summed over labels)."""
+    text = prom.scrape(url)
     names = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total")
-    out = dict.fromkeys(names, 0.0)
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out:
-            out[name] += float(line.rsplit(" ", 1)[1])
-    return out
+    return {name: metric_sum(text, name) for name in names}
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, str]],

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info
+from bench.workloads import default_gguf
 from engine import Engine, EngineConfig, SamplingParams
 from engine.spec_config import SpeculativeConfig
 
@@ -94,7 +95,7 @@ def run_closed_loop(engine: Engine, prompts: list[list[int]], concurrency: int, 
 
 
 def run(args: argparse.Namespace) -> int:
-    model = args.model or _default_model()
+    model = args.model or default_gguf()
     spec = {"method": args.method, "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
             "prompt_lookup_min": args.lookup_min, "disable_by_batch_size": args.disable_by_batch_size or None}  # fmt: skip
     if args.method == "draft_model":
@@ -143,15 +144,6 @@ def _print_row(row: dict) -> None:
           f"{off['best_tok_s']:.1f} / {off['best_tpot_ms']:.1f} ms, on {on['best_tok_s']:.1f} / {on['best_tpot_ms']:.1f} ms"
           f" | x{row['best_speedup']:.2f} | steps {off['steps']} -> {on['steps']} | acceptance {acc} "
           f"({on['accepted_tokens']}/{on['draft_tokens']}) | identical {row['identical_outputs']}", flush=True)  # fmt: skip
-
-
-def _default_model() -> str:
-    from server.config.default_model import default_model_file
-
-    path = default_model_file()
-    if path is None:
-        raise SystemExit("--model: the default model package is not installed")
-    return str(path)
 
 
 def add_parser(subparsers) -> None:

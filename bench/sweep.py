@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -68,12 +68,18 @@ def server_process(model: Path, port: int, max_num_seqs: int, dtype: str, extra:
 
 
 @contextmanager
-def server_command(args: Sequence[str], port: int, log_path: Path,
-                   ready_timeout_s: float = 600.0) -> Iterator[tuple[str, int]]:  # fmt: skip
+def server_command(args: Sequence[str], port: int, log_path: Path, ready_timeout_s: float = 600.0,
+                   env_changes: Mapping[str, str | None] | None = None) -> Iterator[tuple[str, int]]:  # fmt: skip
     """`python -m server ARGS` on 127.0.0.1:port (this checkout first on PYTHONPATH, output to
-    log_path); yields (URL, pid) once /health is 200; SIGTERM on exit, a kill after 60 s."""
+    log_path); yields (URL, pid) once /health is 200; SIGTERM on exit, a kill after 60 s.
+    `env_changes`: variables set for the server (None: removed from its environment)."""
     cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    for key, value in (env_changes or {}).items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

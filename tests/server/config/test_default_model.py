@@ -20,6 +20,7 @@ from server.config import default_model
 from server.config.default_model import DEFAULT_MODEL, with_default_model
 from server.config.settings import ServerSettings
 
+from ...ci_skips import skip_or_fail
 from ..real_model import QUESTION, require_default_model
 
 REPO = Path(__file__).resolve().parents[3]
@@ -61,7 +62,7 @@ def test_make_run_serves_the_real_model():
     require_default_model()
     venv = Path(sys.executable).parent.parent
     if subprocess.run(["make", "-q", "install", f"VENV={venv}"], cwd=REPO).returncode != 0:
-        _skip_or_fail(f"the venv {venv} is not installed by `make install` (its stamp is missing or stale)")
+        skip_or_fail(f"the venv {venv} is not installed by `make install` (its stamp is missing or stale)")
     port = _free_port()
     proc = subprocess.Popen(["make", "-s", "run", f"VENV={venv}", f"PORT={port}"], cwd=REPO, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -109,9 +110,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _skip_or_fail(message: str) -> None:
-    if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
-        pytest.fail(f"{message}; CI is set, so this is an error, not a skip")
-    pytest.skip(message)
