@@ -53,9 +53,9 @@ class EngineConfig:
     fused_decode: bool = True  # CPU kernels: decode-only steps run the layer loop in C++ (same results, less overhead)
     cpu_threads: int | None = None  # CPU: torch's intra-op threads, set at start-up (process-wide); None: torch's
     # CPU, more than one thread: steps drop to one thread while that is measured faster (another process
-    # holds a core) and come back when it no longer is (engine/thread_governor.py). Off by default, here
-    # and in the server (--adaptive-threads turns it on; docs/SERVER.md says why it is opt-in).
-    adaptive_threads: bool = False
+    # holds a core) and come back when it no longer is (engine/thread_governor.py; the switch sets the
+    # stepping thread's count only, engine/thread_count.py). Off in the batch-invariant mode.
+    adaptive_threads: bool = True
     # Speculative decoding (vLLM's --speculative-config; a dict of its keys is accepted); None: off
     speculative: SpeculativeConfig | None = None
     # LoRA adapters (engine/lora/; vLLM's --enable-lora and friends); None: off

@@ -27,6 +27,7 @@ from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerConfig
 from engine.structured import make_compiler
+from engine.thread_count import per_thread_setter
 from engine.thread_governor import GovernorConfig, ThreadGovernor
 
 __all__ = ["Engine", "GenerationResult"]
@@ -99,7 +100,9 @@ class Engine(EngineCore):
         threads = torch.get_num_threads()
         # not in the batch-invariant mode: float32's per-row products split by thread count (MKL)
         if config.adaptive_threads and self.device.type == "cpu" and threads > 1 and not config.deterministic:
-            self.thread_governor = ThreadGovernor(GovernorConfig(high=threads), torch.set_num_threads)
+            setter = per_thread_setter()  # the stepping thread's count only (engine/thread_count.py)
+            if setter is not None:
+                self.thread_governor = ThreadGovernor(GovernorConfig(high=threads), setter)
         if config.speculative is not None and config.speculative.method == "draft_model":
             from engine.draft_model import load_draft_proposer
 

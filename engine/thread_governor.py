@@ -22,8 +22,10 @@ one thread the waits are longer (`low_probe_every_s` doubling to `max_low_probe_
 usually stays taken, and probing `low` from `high` costs little (a few steps at most ~2x). Prefill steps
 are not compared: their per-token time depends on the chunk's length and position, not only on threads.
 
-Plain Python, no torch: `apply(n)` (the engine's `torch.set_num_threads`, called on the thread that runs
-the steps) does the switching, so the tests drive it with made-up timings.
+Plain Python, no torch: `apply(n)` (engine/thread_count.py: the calling thread's OpenMP and MKL counts,
+nothing process-wide; called on the thread that runs the steps) does the switching, so the tests drive
+it with made-up timings. The first `observe` applies the current count too: the stepping thread is not
+the one that built the engine, and may keep a count from an earlier engine (a version swap).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class ThreadGovernor:
         self._probe: list[tuple[int, float]] = []
         self._wait_s = config.probe_every_s
         self._next_probe = clock() + self._wait_s
+        self._synced = False  # whether the stepping thread runs at self.threads yet (first observe)
         self.probes = 0  # probes started (for stats and tests)
         self.switches = 0  # times the chosen count changed
 
@@ -82,6 +85,10 @@ class ThreadGovernor:
 
     def observe(self, decode_tokens: int, prefill_tokens: int, elapsed_s: float) -> None:
         """One finished step: its decode and prefill token counts and its wall time."""
+        if not self._synced:  # the first step ran at whatever the thread had; it is not compared
+            self._apply(self.threads)
+            self._synced = True
+            return
         if prefill_tokens or decode_tokens <= 0:
             return  # only decode-only steps compare thread counts fairly
         sample = (decode_tokens, elapsed_s / decode_tokens)

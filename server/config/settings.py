@@ -98,8 +98,8 @@ class ServerSettings(BaseSettings):
         "(but one above 4 cores)"
     )
     adaptive_threads: bool = Field(
-        False, description="CPU, more than one engine thread: drop to one while steps measure faster that way "
-        "(another process holds a core), back when they no longer do; opt-in for now (docs/SERVER.md)"
+        True, description="CPU, more than one engine thread: drop to one while steps measure faster that way "
+        "(another process holds a core), back when they no longer do (docs/SERVER.md); off with --deterministic"
     )
 
     # -- HTTP ----------------------------------------------------------------------------------------

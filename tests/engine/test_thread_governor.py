@@ -4,10 +4,15 @@ on prefill steps, and a probe that goes badly ends after one step."""
 
 from __future__ import annotations
 
+import ctypes
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.thread_count import ThreadCountSetter, per_thread_setter
 from engine.thread_governor import GovernorConfig, ThreadGovernor
 
 from .helpers import make_engine
@@ -98,7 +103,7 @@ def test_prefill_steps_and_small_margins_do_not_move_it():
         clock.t += 0.05
         gov.observe(0, 512, 5.0)  # a slow prefill step: ignored
         gov.observe(4, 60, 5.0)  # a mixed one: ignored
-    assert gov.probes == 0 and applied == []
+    assert gov.probes == 0 and applied == [2]  # only the first step's sync of the stepping thread
     run(gov, clock, {2: 3.0, 1: 2.8}, 100)  # one thread under 10% faster: not worth a switch
     assert gov.chosen == 2 and gov.switches == 0
 
@@ -117,6 +122,17 @@ def test_only_steps_of_the_same_batch_size_are_compared():
     assert gov.probes >= 3 and gov.switches == 0 and gov.chosen == 2
 
 
+def test_the_first_step_sets_the_stepping_threads_count():
+    """The stepping thread may keep another engine's count (a version swap left it at one): the first
+    observed step applies the governor's count and is not compared."""
+    gov, applied, clock = governor()
+    assert applied == []  # construction runs on another thread: nothing applied there
+    run(gov, clock, {2: 3.0, 1: 4.0}, 1)
+    assert applied == [2] and gov.probes == 0
+    run(gov, clock, {2: 3.0, 1: 4.0}, 3)
+    assert applied == [2]
+
+
 def test_config_is_checked():
     with pytest.raises(ValueError, match="low < high"):
         ThreadGovernor(GovernorConfig(high=1), lambda n: None)
@@ -130,31 +146,76 @@ def restore_threads():
 
 
 def test_the_engine_switches_threads_between_steps_and_output_is_unchanged(build_model, restore_threads):
-    """The real engine: a governor that probes at once switches torch's threads during generation
-    (seen in torch.get_num_threads at the switch); the greedy tokens equal a fixed-thread run's."""
+    """The real engine on a worker thread, as the server runs it: a governor that probes at once
+    switches that thread's count (what ATen's parallel regions and MKL read there) during generation,
+    the main thread's count never moves, and the greedy tokens equal a fixed-thread run's."""
+    torch.set_num_threads(2)
     path = build_model("tiny-llama")
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     fixed = make_engine(path, cpu_threads=2).generate([[11, 12, 13], [5, 6]], params)
     engine = make_engine(path, cpu_threads=2, adaptive_threads=True)
-    assert engine.thread_governor is not None and engine.thread_governor.config.high == 2
-    seen: list[tuple[int, int]] = []
+    gov = engine.thread_governor
+    assert gov is not None and gov.config.high == 2 and isinstance(gov._apply, ThreadCountSetter)
+    seen: list[tuple[int, int, int]] = []
+    mkl_max = _mkl_max_threads()
 
-    def apply(n: int) -> None:
-        torch.set_num_threads(n)
-        seen.append((n, torch.get_num_threads()))
+    def apply(n: int) -> None:  # the engine's setter, then what this thread's parallel regions will use
+        gov_setter(n)
+        seen.append((n, torch.get_num_threads(), mkl_max() if mkl_max else n))
 
+    gov_setter = gov._apply
     cfg = GovernorConfig(high=2, probe_every_s=0.0, low_probe_every_s=0.0, probe_steps=2, baseline_steps=2,
-                         margin=-10.0,
-                          abort_ratio=1e9)  # always switch
+                         margin=-10.0, abort_ratio=1e9)  # always switch
     engine.thread_governor = ThreadGovernor(cfg, apply)
-    out = engine.generate([[11, 12, 13], [5, 6]], params)
+    out: list = []
+    worker = threading.Thread(target=lambda: out.extend(engine.generate([[11, 12, 13], [5, 6]], params)))
+    worker.start()
+    worker.join()
     assert [r.token_ids for r in out] == [r.token_ids for r in fixed]
-    assert (1, 1) in seen and (2, 2) in seen and engine.stats().cpu_thread_switches >= 2
+    assert (1, 1, 1) in seen and (2, 2, 2) in seen and engine.stats().cpu_thread_switches >= 2
     assert engine.stats().cpu_threads == engine.thread_governor.threads
+    assert torch.get_num_threads() == 2  # the main thread was never switched
     assert make_engine(path, cpu_threads=1, adaptive_threads=True).thread_governor is None  # nothing to choose
+
+
+def test_the_setter_changes_the_calling_thread_only(restore_threads):
+    """torch.set_num_threads is process-wide in part (it resizes shared pools); the governor's setter
+    must touch only the thread that calls it, and survive ATen's lazy per-thread initialisation."""
+    torch.set_num_threads(2)
+    setter = per_thread_setter()
+    assert setter is not None  # torch's CPU build runs on libgomp
+    mkl_max = _mkl_max_threads()
+    set_done, checked = threading.Event(), threading.Event()
+    seen: dict[str, int] = {}
+
+    def other() -> None:
+        setter(1)  # first thing on a fresh thread: ATen's lazy init must not undo it afterwards
+        torch.ones(4096).sum()  # a parallel op
+        seen["other"], seen["other_mkl"] = torch.get_num_threads(), mkl_max() if mkl_max else 1
+        set_done.set()
+        checked.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert set_done.wait(10)
+    seen["main"] = torch.get_num_threads()  # while the other thread still runs at one
+    checked.set()
+    t.join()
+    assert seen == {"other": 1, "other_mkl": 1, "main": 2}
+    with pytest.raises(ValueError, match=">= 1"):
+        setter(0)
+
+
+def _mkl_max_threads():
+    """MKL's thread count for the calling thread (None in builds without MKL)."""
+    core = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    fn = getattr(core, "MKL_Get_Max_Threads", None)
+    if fn is not None:
+        fn.argtypes, fn.restype = [], ctypes.c_int
+    return fn
 
 
 def test_no_governor_in_the_batch_invariant_mode(build_model, restore_threads):
     path = build_model("tiny-llama")
-    engine = make_engine(path, cpu_threads=2, adaptive_threads=True, dtype="bfloat16", deterministic=True)
+    engine = make_engine(path, cpu_threads=2, adaptive_threads=True, dtype="float32", deterministic=True)
     assert engine.thread_governor is None
