@@ -79,7 +79,7 @@ docker-base:
 
 docker-clean:
 	find deploy/docker/wheelhouse -mindepth 1 ! -name README.md ! -name .gitignore -delete
-	-docker image rm tokenmill:cpu tokenmill:gpu-check $$(docker image ls -q tokenmill-base) 2>/dev/null
+	-docker image rm tokenmill:cpu tokenmill:gpu-check tokenmill-router:0.1.17 $$(docker image ls -q tokenmill-base) 2>/dev/null
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -8,14 +8,15 @@
 #   4. the CPU image, `docker build --network none --build-arg VARIANT=cpu --build-arg OFFLINE=1`
 #   5. `docker run -p ...:8000 tokenmill:cpu`: /health, /generate SSE, the README's chat question ("Paris"),
 #      the C++ kernels in use, the healthcheck turns healthy, `docker stop` during a stream: the stream
-#      ends, exit 0 within the drain timeout
+#      ends, exit 0 within the drain timeout; between those, the router image (deploy/router/Dockerfile,
+#      same base, same wheelhouse) run in front of that container: its readiness, a chat through it
 #   6. the GPU variant's runtime stage built on the local base (torch's CPU build, triton from the wheelhouse):
 #      as its user, a C compiler, Python.h, a writable Triton cache, Triton builds and compiles (gpu_runtime_check.py)
 #   7. the compose stack's tokenmill service up on the CPU image (no build: the image is built once), the
 #      kernels of step 5 found on its cache volume, a chat through it
 #
 # Exit 0: all passed; 3: no Docker engine can be had here (the reason is printed); else a failure.
-# Images stay (tokenmill:cpu, tokenmill:gpu-check, the base), so a second run reuses every layer.
+# Images stay (tokenmill:cpu, tokenmill:gpu-check, tokenmill-router:0.1.17, the base), so a second run reuses every layer.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # Debian's client (dockerd.sh installs it) builds with BuildKit without the buildx plugin; a newer
@@ -27,7 +28,9 @@ no_env=$(mktemp)
 COMPOSE="${COMPOSE:-docker-compose} --env-file $no_env -f docker-compose.yml"
 CPU_IMAGE_TAG=${CPU_IMAGE_TAG:-tokenmill:cpu}
 CHECK_IMAGE_TAG=${CHECK_IMAGE_TAG:-tokenmill:gpu-check}
+ROUTER_IMAGE_TAG=${ROUTER_IMAGE_TAG:-tokenmill-router:0.1.17}
 NAME=tokenmill-smoke-$$
+ROUTER_NAME=tokenmill-smoke-router-$$
 PROJECT=tokenmill-smoke-$$
 DRAIN_S=$(sed -n 's/^drain_timeout_s: *\([0-9]*\).*/\1/p' configs/cpu.yaml)
 HTTP="python3 deploy/docker/smoke_http.py"
@@ -41,7 +44,7 @@ step() {
 }
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 cleanup() {
-  $DOCKER rm -f "$NAME" >/dev/null 2>&1 || true
+  $DOCKER rm -f "$NAME" "$ROUTER_NAME" >/dev/null 2>&1 || true
   COMPOSE_PROJECT_NAME=$PROJECT $COMPOSE down -v --remove-orphans >/dev/null 2>&1 || true
   rm -f "$no_env"
 }
@@ -75,8 +78,9 @@ deploy/docker/wheelhouse.sh "$py"
 build() {  # build TAG ARGS...: no network inside, only the base and the wheelhouse
   local tag=$1 log; shift
   log=$(mktemp)
+  # BASE_IMAGE: the router's Dockerfile; CPU_IMAGE, CUDA_IMAGE: the main one (each ignores the others)
   if ! $DOCKER build --network none --build-arg CPU_IMAGE="$BASE" --build-arg CUDA_IMAGE="$BASE" \
-      --build-arg OFFLINE=1 "$@" -t "$tag" . >"$log" 2>&1; then
+      --build-arg BASE_IMAGE="$BASE" --build-arg OFFLINE=1 "$@" -t "$tag" . >"$log" 2>&1; then
     tail -40 "$log" >&2
     logs_and_fail "docker build of $tag"
   fi
@@ -105,6 +109,18 @@ for _ in $(seq 40); do  # the HEALTHCHECK runs every 15 s
 done
 [ "$health" = healthy ] || logs_and_fail "the healthcheck says $health" "$NAME"
 echo "healthcheck: $health"
+
+step "router image (deploy/router/Dockerfile, OFFLINE=1) in front of the container"
+build "$ROUTER_IMAGE_TAG" -f deploy/router/Dockerfile
+# on the default bridge (no DNS there), by the tokenmill container's address; the compose profile's policy
+worker=http://$($DOCKER inspect -f '{{.NetworkSettings.IPAddress}}' "$NAME"):8000
+router_port=$(free_port)
+$DOCKER run -d --name "$ROUTER_NAME" -p "127.0.0.1:$router_port:8080" "$ROUTER_IMAGE_TAG" \
+  --worker-urls "$worker" --policy cache_aware --health-check-endpoint /health >/dev/null
+router_url=http://127.0.0.1:$router_port
+$HTTP health "$router_url" --path /readiness --timeout 60 || logs_and_fail "the router's /readiness" "$ROUTER_NAME"
+$HTTP chat "$router_url" || logs_and_fail "chat through the router" "$ROUTER_NAME"
+$DOCKER rm -f "$ROUTER_NAME" >/dev/null
 
 step "docker stop during a stream (drain_timeout_s $DRAIN_S)"
 stream_log=$(mktemp)

@@ -1,7 +1,7 @@
 """The HTTP half of make docker-smoke (deploy/docker/smoke.sh): what an operator would try against a
 running container, in the README's words. Standard library only: it runs on the host, outside any venv.
 
-    python3 deploy/docker/smoke_http.py health   URL [--timeout S]   # /health answers 200
+    python3 deploy/docker/smoke_http.py health   URL [--timeout S] [--path P]  # /health (or P) answers 200
     python3 deploy/docker/smoke_http.py generate URL                 # /generate streams tokens, then done
     python3 deploy/docker/smoke_http.py chat     URL                 # the README's question: "Paris"
     python3 deploy/docker/smoke_http.py stream   URL --max-tokens N  # one stream, its events as they come
@@ -47,17 +47,17 @@ def fail(message: str) -> int:
     return 1
 
 
-def health(base: str, timeout: float) -> int:
+def health(base: str, timeout: float, path: str = "/health") -> int:
     deadline, last = time.monotonic() + timeout, "no answer yet"
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(base + "/health", timeout=5) as resp:
-                print(f"/health: {resp.status} {resp.read().decode()[:200]}")
+            with urllib.request.urlopen(base + path, timeout=5) as resp:
+                print(f"{path}: {resp.status} {resp.read().decode()[:200]}")
                 return 0
         except (urllib.error.URLError, OSError) as exc:  # starting: refused, reset, or 503
             last = str(exc)
         time.sleep(1)
-    return fail(f"/health did not answer 200 within {timeout:.0f} s (last: {last})")
+    return fail(f"{path} did not answer 200 within {timeout:.0f} s (last: {last})")
 
 
 def generate(base: str) -> int:
@@ -104,11 +104,12 @@ def main(argv=None) -> int:
     ap.add_argument("check", choices=["health", "generate", "chat", "stream"])
     ap.add_argument("url", help="e.g. http://127.0.0.1:8000")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--path", default="/health", help="health: the path that must answer 200")
     ap.add_argument("--max-tokens", type=int, default=96)
     a = ap.parse_args(argv)
     base = a.url.rstrip("/")
     if a.check == "health":
-        return health(base, a.timeout)
+        return health(base, a.timeout, a.path)
     if a.check == "generate":
         return generate(base)
     if a.check == "chat":

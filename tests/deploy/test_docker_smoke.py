@@ -80,6 +80,8 @@ def stub():
 def test_smoke_checks_pass_the_right_answers(stub, capsys):
     smoke = load_smoke_http()
     assert smoke.main(["health", stub, "--timeout", "5"]) == 0
+    assert smoke.main(["health", stub, "--path", "/readiness", "--timeout", "5"]) == 0
+    assert "/readiness: 200" in capsys.readouterr().out
     assert smoke.main(["generate", stub]) == 0
     assert smoke.main(["chat", stub]) == 0
     Stub.answer = " ".join(["word"] * 32)
@@ -94,6 +96,8 @@ def test_smoke_checks_fail_the_wrong_ones(stub, capsys):
     assert smoke.main(["generate", stub]) == 1
     assert smoke.main(["stream", stub, "--max-tokens", "32"]) == 1  # 6 tokens, not 32: cut off
     assert smoke.main(["health", "http://127.0.0.1:9", "--timeout", "1"]) == 1
+    assert smoke.main(["health", "http://127.0.0.1:9", "--path", "/readiness", "--timeout", "1"]) == 1
     out = capsys.readouterr().out
+    assert "FAIL: /readiness did not answer 200" in out
     assert "FAIL: the answer 'The capital of France is Lyon.' has no 'Paris'" in out
     assert "FAIL: 6 tokens, wanted 32" in out and "FAIL: /health did not answer 200" in out

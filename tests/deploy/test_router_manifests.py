@@ -2,12 +2,14 @@
 pyproject.toml's `router` extra pins, the main Dockerfile's CPU base), its Kubernetes Deployment with
 label-selector service discovery and the RBAC that needs (kubernetes-validate --strict, then the wiring),
 the compose and Kubernetes arguments parsed by the router's own parser, and the Gateway API Inference
-Extension example (core kinds validated; the InferencePool checked field by field against the v1 API,
-since its CRD schema is on no package registry this project can reach)."""
+Extension example's core kinds and wiring (its custom resources against their CRDs' schemas:
+test_gateway_crds.py)."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -45,6 +47,23 @@ def test_router_image_pins_the_extra_on_the_main_base():
     assert base == cpu
     assert "${OFFLINE:+--no-index --find-links /wheelhouse}" in text  # builds with no network, as the main one
     assert re.search(r"^USER 10001:10001$", text, re.M) and "/readiness" in text
+    # the wheelhouse (all of tokenmill's wheels) only in the build stage: the image holds the venv alone
+    *_, final = re.split(r"^FROM ", text, flags=re.M)
+    assert "wheelhouse" not in final and "COPY --from=build /opt/venv /opt/venv" in final
+
+
+def test_wheelhouse_fetches_the_router_pin_and_the_smoke_builds_the_image_from_it():
+    script = (DEPLOY / "docker" / "wheelhouse.sh").read_text()
+    (reqs,) = re.findall(r"<<'PY'\n(.*?)\nPY\n", script, re.S)  # the requirements wheelhouse.sh downloads
+    out = subprocess.run([sys.executable, "-c", reqs], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert router_pin() in out.splitlines()
+    assert 'ls "$OUT"/vllm_router-*.whl' in script  # and stops when pip did not fetch its wheel
+    smoke = (DEPLOY / "docker" / "smoke.sh").read_text()
+    (build,) = re.findall(r"^build\(\) \{.*?^\}", smoke, re.S | re.M)
+    assert '--build-arg BASE_IMAGE="$BASE" --build-arg OFFLINE=1' in build and "--network none" in build
+    assert re.search(r'^build "\$ROUTER_IMAGE_TAG" -f deploy/router/Dockerfile$', smoke, re.M)
+    # run in front of the tokenmill container, its readiness and a chat through it
+    assert '--worker-urls "$worker"' in smoke and '$HTTP chat "$router_url"' in smoke
 
 
 def test_router_dockerfile_passes_hadolint():
