@@ -1,10 +1,14 @@
 """Speculative decoding in the engine (no HTTP): output tokens/s and TPOT with and without the n-gram
 proposer, on a prompt-grounded workload, at each concurrency.
 
-Workload `code-edit`: "rename this variable in the following function, output the whole function",
-over generated Python functions (greedy, up to --max-tokens, stopping at EOS): the answer copies most
-of the prompt, which is what prompt lookup drafts from. `random`: random token prompts (nothing to
-copy; what speculation costs when it cannot help). Each concurrency runs a closed loop: c requests in
+Prompt-grounded workloads (bench/spec_prompts.py; generated, the same on every run; greedy, up to
+--max-tokens, stopping at EOS): the answer copies spans of the prompt, which is what prompt lookup
+drafts from. `code-edit`: "rename this variable in the following function, output the whole
+function", over generated Python functions. `summarise`: summarise a generated incident report in
+three sentences, each quoting the report verbatim. `rag`: answer a question from a given passage of
+generated facts, quoting the supporting sentence. `random`: random token prompts of --input-len
+tokens and exactly --max-tokens output tokens (ignore_eos; 128/128 by default): nothing to copy from
+the prompt, what speculation costs when it cannot help. Each concurrency runs a closed loop: c requests in
 flight, the next one added as one finishes. The arms alternate per round (off, on, off, on, ...) and
 each arm's median round is reported, with the acceptance rate and whether both arms' outputs agree.
 """
@@ -20,35 +24,21 @@ from pathlib import Path
 import torch
 
 from bench.machine import machine_info
+from bench.spec_prompts import CHAT_WORKLOADS
 from bench.workloads import default_gguf
 from engine import Engine, EngineConfig, SamplingParams
 from engine.spec_config import SpeculativeConfig
 
-NAMES = ["total", "count", "value", "result", "items", "buffer", "offset", "index", "score", "width"]
-OPS = ["+", "-", "*"]
+
+def chat_prompts(engine: Engine, workload: str, n: int) -> list[list[int]]:
+    """n chat prompts of a prompt-grounded workload (bench/spec_prompts.py), through the model's template."""
+    message = CHAT_WORKLOADS[workload]
+    return [engine.apply_chat_template([{"role": "user", "content": message(i)}]) for i in range(n)]
 
 
 def code_edit_prompts(engine: Engine, n: int) -> list[list[int]]:
     """n chat prompts: rename one variable of a small generated function."""
-    prompts = []
-    for i in range(n):
-        a, b, c = NAMES[i % 10], NAMES[(i + 3) % 10], NAMES[(i + 6) % 10]
-        op = OPS[i % 3]
-        body = "\n".join([
-            f"def update_{a}_{i}({a}, {b}, limit={i + 3}):",
-            f"    {c} = []",
-            "    for step in range(limit):",
-            f"        {a} = {a} {op} step",
-            f"        if {a} > {b}:",
-            f"            {c}.append({a})",
-            "        else:",
-            f"            {b} = {b} {op} {a}",
-            f"    return {c}, {a}, {b}",
-        ])  # fmt: skip
-        text = (f"Rename the variable `{a}` to `new_{a}` in the following function. Output only the whole "
-                f"function, changed.\n\n```python\n{body}\n```")  # fmt: skip
-        prompts.append(engine.apply_chat_template([{"role": "user", "content": text}]))
-    return prompts
+    return chat_prompts(engine, "code-edit", n)
 
 
 def random_prompts(vocab: int, n: int, length: int = 128) -> list[list[int]]:
@@ -103,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
     base = dict(model=model, dtype=args.dtype, show_progress=False, max_num_seqs=max(args.concurrency))
     on = EngineConfig(**base, speculative=SpeculativeConfig.from_dict(spec))
     engines = {"off": Engine(EngineConfig(**base)), "on": Engine(on)}
-    prompts = (code_edit_prompts(engines["off"], args.prompts) if args.workload == "code-edit"
-               else random_prompts(engines["off"].vocab_size, args.prompts))  # fmt: skip
+    prompts = (random_prompts(engines["off"].vocab_size, args.prompts, args.input_len) if args.workload == "random"
+               else chat_prompts(engines["off"], args.workload, args.prompts))  # fmt: skip
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.workload == "random")
     for e in engines.values():  # warm-up
         run_closed_loop(e, prompts[:1], 1, SamplingParams(max_tokens=8, temperature=0.0))
@@ -151,9 +141,12 @@ def add_parser(subparsers) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--model", default=None, help="model path (default: the installed SmolLM2 GGUF)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--workload", choices=("code-edit", "random"), default="code-edit")
-    p.add_argument("--prompts", type=int, default=20)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--workload", choices=(*CHAT_WORKLOADS, "random"), default="code-edit",
+                   help="code-edit, summarise, rag (chat prompts, stop at EOS) or random (--input-len random "
+                        "tokens, --max-tokens with ignore_eos); default: code-edit")  # fmt: skip
+    p.add_argument("--prompts", type=int, default=20, help="prompts per run (default: 20)")
+    p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens (default: 128)")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens at most (default: 128)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--rounds", type=int, default=3, help="rounds per arm, alternating (default: 3)")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: 4)")

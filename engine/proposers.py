@@ -20,6 +20,17 @@ class LearningProposer(Protocol):
         ...
 
 
+@runtime_checkable
+class BatchProposer(Protocol):
+    """A proposer that drafts for many requests at once more cheaply than one by one (the draft model:
+    one batched forward per draft position). The scheduler asks it once per step for every row that
+    may speculate; a row given fewer draft slots takes a prefix of its drafts."""
+
+    def propose_all(self, items: list[tuple[Request, int]]) -> list[list[int]]:
+        """For each (request, k), at most k draft tokens (as Proposer.propose), in order."""
+        ...
+
+
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
     """The plain-Python proposer of `config`; None when off or for a draft model (installed later)."""
     if config is None or config.method == "draft_model":

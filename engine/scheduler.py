@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from engine.api import Deadline, FinishReason, PreemptionCause
 from engine.block_manager import BlockManager
 from engine.ordering import PriorityPolicy
-from engine.proposers import LearningProposer, make_proposer
+from engine.proposers import BatchProposer, LearningProposer, make_proposer
 from engine.request import Request, RequestStatus
 from engine.spec_cost import SpecGate
 from engine.speculative import Proposer, SpeculativeConfig, draft_length, may_speculate, update_acceptance
@@ -182,6 +182,15 @@ class _StepPlanner:
         self.speculate = spec is not None and (cap is None or len(sched.running) <= cap)
         if self.speculate and sched.spec_gate is not None:  # and measured to pay at this batch size
             self.speculate = sched.spec_gate.should_speculate(len(sched.running))
+        # Only the most important level present (running or waiting) speculates: drafts of an outranked
+        # row would lengthen the step of a more important request in it, or take budget it needs.
+        self.spec_level = self._top_level() if self.speculate else None
+        # A batched proposer drafts for every row that may speculate, before the walk (id(req) -> drafts)
+        self.prefetched: dict[int, list[int]] | None = None
+        if self.speculate and isinstance(sched.proposer, BatchProposer):
+            items = [(r, k) for r in sched.running if (k := min(self._draft_cap(r), self.budget - 1)) > 0]
+            drafts = sched.proposer.propose_all(items) if items else []
+            self.prefetched = {id(r): d for (r, _), d in zip(items, drafts, strict=True)}
 
     def plan(self) -> None:
         running = sorted(self.s.running, key=self._key)
@@ -203,6 +212,15 @@ class _StepPlanner:
     def _key(self, req: Request) -> tuple[int, float, str]:
         return self.policy.key(req, self.now)
 
+    def _top_level(self) -> int | None:
+        """The most important effective priority among running requests and the waiting head (the
+        waiting queue's best key, so its best level); None when there are none."""
+        levels = [self.policy.effective_priority(r, self.now) for r in self.s.running]
+        head = self.s.waiting.peek(self.now)
+        if head is not None:
+            levels.append(self.policy.effective_priority(head, self.now))
+        return min(levels, default=None)
+
     # -- running requests ---------------------------------------------------------------------------
     def _continue(self, req: Request) -> None:
         """Schedule req's next chunk (a decode may carry draft tokens), preempting the least important
@@ -220,18 +238,26 @@ class _StepPlanner:
         self._schedule(req, n, drafts)
 
     def _drafts(self, req: Request, n: int) -> list[int]:
-        """Draft tokens for req's decode (n == 1) when it speculates in this step: within the budget
-        left and the tokens it may still emit (max_tokens)."""
-        spec, proposer = self.s.config.speculative, self.s.proposer
-        if spec is None or proposer is None or n != 1 or req.num_tokens - req.num_computed_tokens != 1 or not self.speculate:
-            return []
-        if not may_speculate(req):
-            return []
-        k = min(draft_length(req, spec.num_speculative_tokens), self.budget - 1,
-                req.params.max_tokens - req.num_output_tokens - 1)  # fmt: skip
+        """Draft tokens for req's decode (n == 1) when it speculates in this step: only at the step's most
+        important level (`spec_level`), within the budget left and the tokens it may still emit (max_tokens)."""
+        k = min(self._draft_cap(req), self.budget - 1) if n == 1 else 0
         if k <= 0:
             return []
-        return proposer.propose(req, k)
+        if self.prefetched is not None:
+            return self.prefetched.get(id(req), [])[:k]
+        return self.s.proposer.propose(req, k)
+
+    def _draft_cap(self, req: Request) -> int:
+        """How many drafts req's decode may carry in this step, the budget aside: 0 unless it is at one
+        known token, speculates (this step, its lane, its params), its draft length and max_tokens."""
+        spec = self.s.config.speculative
+        if spec is None or self.s.proposer is None or not self.speculate or req.status != RequestStatus.RUNNING:
+            return 0
+        if req.num_tokens - req.num_computed_tokens != 1 or not may_speculate(req):
+            return 0
+        if self.policy.effective_priority(req, self.now) != self.spec_level:
+            return 0
+        return min(draft_length(req, spec.num_speculative_tokens), req.params.max_tokens - req.num_output_tokens - 1)
 
     # -- waiting requests ---------------------------------------------------------------------------
     def _start(self, req: Request) -> bool:

@@ -22,3 +22,32 @@ def test_bench_spec_reports_both_arms(build_model, tmp_path, capsys):
             assert row[arm]["output_tokens"] == 3 * 24 and row[arm]["tpot_ms"] > 0
         assert row["off"]["draft_tokens"] == 0
     assert "c1:" in capsys.readouterr().out
+
+
+def test_prompt_grounded_workloads_are_fixed_distinct_and_grounded():
+    from bench.spec_prompts import CHAT_WORKLOADS, TOWNS, rag, summarise
+
+    assert set(CHAT_WORKLOADS) == {"code-edit", "summarise", "rag"}
+    for name, message in CHAT_WORKLOADS.items():
+        texts = [message(i) for i in range(20)]
+        assert texts == [message(i) for i in range(20)], name  # a function of i alone
+        assert len(set(texts)) == 20, name
+    # the RAG question asks about a town of its own passage; the summary has a report to quote
+    for i in range(20):
+        passage, question = rag(i).split("Passage:\n")[1].split("\n\nQuestion: ")
+        (town,) = [t for t in TOWNS if t in question]
+        assert f"{town} was founded" in passage, (i, question)
+        assert summarise(i).count(".") >= 9
+
+
+def test_bench_spec_runs_every_chat_workload(build_model, tmp_path, capsys):
+    path = build_model("tiny-llama")
+    for workload in ("summarise", "rag"):  # code-edit: bench/determinism.py's test runs it
+        out = tmp_path / f"{workload}.json"
+        rc = main(["spec", "--model", str(path), "--dtype", "float32", "--workload", workload, "--prompts", "2",
+                   "--max-tokens", "8", "--rounds", "1", "--concurrency", "1", "--json", str(out)])  # fmt: skip
+        assert rc == 0
+        report = json.loads(out.read_text())
+        assert report["workload"] == workload
+        assert report["results"][0]["identical_outputs"] == "2/2"
+        assert report["results"][0]["on"]["output_tokens"] > 0
