@@ -131,10 +131,10 @@ class ModelRegistry:
     def resolve(self, model: str | None) -> tuple[ModelSlot, str | None]:
         """The slot a request's `model` names, and the version it pins (None: the slot picks).
         Raises ApiError 404."""
-        slot, pinned, _ = self._route(model)
+        slot, pinned, _ = self.route(model)
         return slot, pinned
 
-    def _route(self, model: str | None) -> tuple[ModelSlot, str | None, str | None]:
+    def route(self, model: str | None) -> tuple[ModelSlot, str | None, str | None]:
         """(slot, pinned version, adapter name or None) of a request's `model`. A model's name wins over an
         adapter's; `adapter@version` pins the adapter to that version of its base model."""
         if model is None:
@@ -165,7 +165,7 @@ class ModelRegistry:
     def acquire(self, model: str | None) -> tuple[ModelSlot, Lease]:
         """Route a new request: its slot and a lease on the version that serves it (on the adapter
         `model` names, when it names one)."""
-        slot, pinned, adapter = self._route(model)
+        slot, pinned, adapter = self.route(model)
         dep = slot.pick(pinned)
         return slot, dep.acquire() if adapter is None else dep.acquire(adapter)
 

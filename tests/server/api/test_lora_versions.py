@@ -90,6 +90,7 @@ def test_a_new_version_serves_the_same_adapters_through_canary_pins_and_promote(
         assert answered(srv.url, "attn", refs, 8) == Counter(v1=4, v2=4)  # the model's exact share
         assert answered(srv.url, "attn@v2", refs, 2) == Counter(v2=2)  # a pin wins, as for the model
         assert answered(srv.url, "attn@v1", refs, 2) == Counter(v1=2)
+        assert httpx.get(f"{srv.url}/v1/models/attn@v2", timeout=10).json()["parent"] == "tiny"
         assert answered(srv.url, "tiny", refs, 2) == Counter(v1=1, v2=1)
 
         assert admin(srv.url, "versions/v2/promote", {"keep_previous_s": 0}).status_code == 200
