@@ -10,7 +10,15 @@ import pytest
 
 from tests.engine.lora_helpers import SPECS, make_adapter, peft_greedy, random_prompts
 
-from ..helpers import Background, ControlledEngine, build_real_engine, make_settings, park_filler, run_server
+from ..helpers import (
+    Background,
+    ControlledEngine,
+    build_real_engine,
+    make_settings,
+    park_filler,
+    run_server,
+    wait_until,
+)
 
 LENGTHS = [1, 9, 40, 75, 130]  # the longest request needs 9 of the 14 blocks; the batch needs far more
 MAX_TOKENS = 10
@@ -52,6 +60,8 @@ def test_mixed_batch_under_preemption_equals_one_request_runs(tiny_model_path, s
         filler = park_filler(srv, engine, bg, body(prompts[1], None))  # hold the worker: the rest go in together
         jobs = [(name, i) for i in range(len(prompts)) for name in NAMES]
         futures = [bg.post(f"{name}-{i}", f"{srv.url}/generate", body(prompts[i], name)) for name, i in jobs]
+        worker = srv.runtime.primary.worker
+        wait_until(lambda: worker.in_flight() == len(jobs) + 1, what="every request admitted")  # then one batch
         engine.gate.set()
         for (name, i), future in zip(jobs, futures, strict=True):
             r = future.result()
