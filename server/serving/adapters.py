@@ -18,6 +18,7 @@ match or applied to it as to any loaded version, never lost between the two.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 
 from engine.api import EngineProtocol, LoraError, LoraInfo
@@ -50,13 +51,21 @@ class AdapterSync:
             want = dict(source.adapters) if source is not None else {}
             for name in [n for n, info in target.adapters.items() if n not in want or info.path != want[n].path]:
                 target.adapters.pop(name)  # unloaded (or reloaded from another folder) since the start-up
-                await on_worker(target, lambda engine, n=name: engine.unload_lora(n))
+                await on_worker(target, functools.partial(_unload, name=name))
             for name, info in want.items():
                 if name in target.adapters:
                     continue  # a start-up adapter its engine read already, from the same folder
                 try:
-                    loaded = await on_worker(target, lambda engine, n=name, p=info.path: engine.load_lora(n, p))
+                    loaded = await on_worker(target, functools.partial(_load, name=name, path=info.path))
                 except LoraError as exc:
                     raise AdapterMismatch(f"LoRA adapter {name!r} ({info.path}) does not load on {target.spec.ref}: "
                                           f"{exc.message}; unload it first to change the base model") from None
                 target.adapters[name] = loaded
+
+
+def _load(engine: EngineProtocol, name: str, path: str) -> LoraInfo:
+    return engine.load_lora(name, path)
+
+
+def _unload(engine: EngineProtocol, name: str) -> LoraInfo:
+    return engine.unload_lora(name)
