@@ -144,11 +144,12 @@ async def export_feedback(
     model: str | None = None,
     version: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100000)] = 1000,
+    lora: str | None = None,
 ) -> dict[str, Any]:
     rt = _rt(request)
     if rt.feedback is None:
         raise ApiError(404, "not_found", "feedback is off (set feedback_db)")
-    return {"data": await rt.feedback.export(model, version, limit)}
+    return {"data": await rt.feedback.export(model, version, limit, lora)}
 
 
 async def _optional_body(request: Request, model: type[PromoteBody]) -> PromoteBody:

@@ -1,5 +1,5 @@
-"""POST /v1/feedback: a user's rating of one answer, stored with the model version, lane and cost record
-of the request that produced it (server/ops/feedback.py). Off (404) unless `feedback_db` is set.
+"""POST /v1/feedback: a user's rating of one answer, stored with the model version, LoRA adapter, lane and
+cost record of the request that produced it (server/ops/feedback.py). Off (404) unless `feedback_db` is set.
 
 Body: `{"request_id": "...", "choice": 0?, "rating": -1 | 1 | 2..5, "comment": "..."?, "user": "..."?}`.
 `request_id` is the response's `id`; `choice` the index of the rated choice (default 0) when the
@@ -60,7 +60,7 @@ async def feedback(request: Request) -> JSONResponse:
         row = await rt.feedback.add(record, body.rating, body.comment)
     except AlreadyRated:
         raise conflict from None
-    rt.metrics.version(record.model, record.version).observe_feedback(body.rating)
+    rt.metrics.version(record.model, record.version).observe_feedback(body.rating, record.lora)
     return JSONResponse(row, status_code=201)
 
 

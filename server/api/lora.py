@@ -8,12 +8,12 @@ A load reads and validates the adapter on each version's worker thread, between 
 (missing files, wrong shapes, rank above --max-lora-rank, another base model, unknown target modules)
 is a 4xx naming the problem, and a version that had loaded it already unloads it again: all or none.
 An unload takes the name away at once (new requests naming it get 404); requests already handed to the
-engine finish on the adapter, whose weights go after them (let-finish, never 409).
+engine finish on the adapter, whose weights go after them (let-finish, never 409). A version the admin
+API loads later gets the same adapters before it serves (server/serving/adapters.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
@@ -22,12 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.api import LoraError, LoraInfo
 from server.api.protocol import parse_body
 from server.http.errors import ApiError
+from server.serving.adapters import on_worker
 from server.serving.deployment import Deployment
 from server.serving.runtime import Runtime
 
 router = APIRouter(prefix="/v1")
-
-_CALL_TIMEOUT_S = 120.0  # a worker that takes longer to read one adapter is stuck or gone
 
 Name = Annotated[str, Field(min_length=1, max_length=256)]
 
@@ -49,21 +48,22 @@ class UnloadLoraBody(BaseModel):
 async def load_lora_adapter(request: Request) -> dict[str, Any]:
     rt: Runtime = request.app.state.runtime
     body = await parse_body(request, LoadLoraBody)
-    slot = rt.models.default
-    deps = _lora_versions(slot.versions.values())
-    if rt.models.is_model_name(body.lora_name) or rt.models.adapter_slot(body.lora_name) is not None:
-        raise ApiError(409, "lora_exists", f"the name {body.lora_name!r} is already served", param="lora_name")
-    loaded: list[Deployment] = []
-    try:
-        for dep in deps:
-            info = await _on_worker(dep, lambda engine: engine.load_lora(body.lora_name, body.lora_path))
-            dep.adapters[info.name] = info
-            loaded.append(dep)
-    except BaseException:
-        for dep in loaded:  # all or none
-            dep.adapters.pop(body.lora_name, None)
-            await _on_worker(dep, lambda engine: engine.unload_lora(body.lora_name))
-        raise
+    async with rt.adapters.lock:  # one change at a time, and none while a new version is matched
+        slot = rt.models.default
+        deps = _lora_versions(slot.versions.values())
+        if rt.models.is_model_name(body.lora_name) or rt.models.adapter_slot(body.lora_name) is not None:
+            raise ApiError(409, "lora_exists", f"the name {body.lora_name!r} is already served", param="lora_name")
+        loaded: list[Deployment] = []
+        try:
+            for dep in deps:
+                info = await _on_worker(dep, lambda engine: engine.load_lora(body.lora_name, body.lora_path))
+                dep.adapters[info.name] = info
+                loaded.append(dep)
+        except BaseException:
+            for dep in loaded:  # all or none
+                dep.adapters.pop(body.lora_name, None)
+                await _on_worker(dep, lambda engine: engine.unload_lora(body.lora_name))
+            raise
     return {"object": "lora_adapter", "id": body.lora_name, "parent": slot.name, "rank": info.rank,
             "targets": list(info.targets), "loaded_on": [d.spec.ref for d in loaded]}  # fmt: skip
 
@@ -72,13 +72,14 @@ async def load_lora_adapter(request: Request) -> dict[str, Any]:
 async def unload_lora_adapter(request: Request) -> dict[str, Any]:
     rt: Runtime = request.app.state.runtime
     body = await parse_body(request, UnloadLoraBody)
-    holders = [dep for _, dep in rt.models.deployments() if body.lora_name in dep.adapters]
-    if not holders:
-        _lora_versions([dep for _, dep in rt.models.deployments()])  # 400 when LoRA is off
-        raise ApiError(404, "lora_not_found", f"no adapter named {body.lora_name!r} is loaded", param="lora_name")
-    for dep in holders:
-        dep.adapters.pop(body.lora_name, None)  # new requests: 404 from now on
-        await _on_worker(dep, lambda engine: engine.unload_lora(body.lora_name))
+    async with rt.adapters.lock:
+        holders = [dep for _, dep in rt.models.deployments() if body.lora_name in dep.adapters]
+        if not holders:
+            _lora_versions([dep for _, dep in rt.models.deployments()])  # 400 when LoRA is off
+            raise ApiError(404, "lora_not_found", f"no adapter named {body.lora_name!r} is loaded", param="lora_name")
+        for dep in holders:
+            dep.adapters.pop(body.lora_name, None)  # new requests: 404 from now on
+            await _on_worker(dep, lambda engine: engine.unload_lora(body.lora_name))
     return {"object": "lora_adapter", "id": body.lora_name, "deleted": True}
 
 
@@ -92,6 +93,6 @@ def _lora_versions(deps) -> list[Deployment]:
 
 async def _on_worker(dep: Deployment, fn) -> LoraInfo:
     try:
-        return await asyncio.wait_for(asyncio.wrap_future(dep.worker.call(fn)), _CALL_TIMEOUT_S)
+        return await on_worker(dep, fn)
     except LoraError as exc:
         raise ApiError(exc.status, exc.kind, exc.message, param=exc.field) from None

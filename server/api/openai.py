@@ -55,8 +55,8 @@ async def models(request: Request) -> dict[str, Any]:
 async def model_card(request: Request, model_id: str) -> dict[str, Any]:
     """One model's card (the SDK's models.retrieve); a name, an alias or name@version. 404 otherwise."""
     rt: Runtime = request.app.state.runtime
-    slot, _ = rt.models.resolve(model_id)
-    name = model_id if rt.models.adapter_slot(model_id) is slot else slot.name
+    slot, _, adapter = rt.models.route(model_id)
+    name = adapter or slot.name  # an adapter's card for `adapter` and `adapter@version`
     return next(card for card in rt.models.cards(rt.created) if card["id"] == name)
 
 

@@ -1,6 +1,6 @@
 """Feedback tied to what produced it: the cost record of every recent request (`RequestRecords`, kept in
 memory for a bounded window) and the ratings users give them (`FeedbackStore`, SQLite on disk, one row
-per rated choice with the request's model, version, lane and cost record copied in).
+per rated choice with the request's model, version, LoRA adapter, lane and cost record copied in).
 
 A record belongs to its owner (`RecordKey.owner`: a hash of the API key and the body's `user`, see
 server/serving/dispatch.py request_owner) and is found only by that owner: another key asking for it
@@ -58,6 +58,7 @@ class RequestRecord:
     ended_at: float  # unix time
     owner: str = ""  # RecordKey.owner
     choice: int = 0  # the choice's index in its response
+    lora: str | None = None  # the LoRA adapter it ran on (its `model`); None: the base model
 
     @property
     def key(self) -> RecordKey:
@@ -101,9 +102,10 @@ class RequestRecords:
         return found[0]
 
 
-# Version 1 (PRAGMA user_version): owner and choice; one rating per (owner, request_id, choice).
+# Version 2 (PRAGMA user_version): lora, the adapter the request ran on (NULL: the base model).
+# Version 1: owner and choice; one rating per (owner, request_id, choice); _migrate adds lora.
 # Version 0 had request_id UNIQUE and neither column: _migrate rebuilds it.
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2
 _TABLE = """
 CREATE TABLE IF NOT EXISTS feedback (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -128,6 +130,7 @@ CREATE TABLE IF NOT EXISTS feedback (
     ended_at REAL NOT NULL,
     owner TEXT NOT NULL DEFAULT '',
     choice INTEGER NOT NULL DEFAULT 0,
+    lora TEXT,
     UNIQUE (owner, request_id, choice)
 );
 """
@@ -164,9 +167,10 @@ class FeedbackStore:
         row_id = await self._run(_insert, row)
         return {"id": row_id, **row, "response_cached": record.response_cached}
 
-    async def export(self, model: str | None, version: str | None, limit: int) -> list[dict[str, Any]]:
-        """Ratings, newest first, optionally of one model and/or version."""
-        return await self._run(_select, model, version, limit)
+    async def export(self, model: str | None, version: str | None, limit: int,
+                     lora: str | None = None) -> list[dict[str, Any]]:  # fmt: skip
+        """Ratings, newest first, optionally of one model, version and/or LoRA adapter."""
+        return await self._run(_select, model, version, limit, lora)
 
     def close(self) -> None:
         self._pool.submit(self._conn.close).result()
@@ -187,7 +191,8 @@ def _connect(path: str) -> sqlite3.Connection:
 
 def _migrate(conn: sqlite3.Connection) -> None:
     """Bring a database of an older version to _SCHEMA_VERSION in one transaction. Version 0 rows keep
-    their ids and columns and get owner '' and choice 0 (whose they were was not stored)."""
+    their ids and columns and get owner '' and choice 0 (whose they were was not stored); rows of
+    versions 0 and 1 get lora NULL (adapters were not served then: the base model's)."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feedback)")]
@@ -198,6 +203,8 @@ def _migrate(conn: sqlite3.Connection) -> None:
             names = ", ".join(columns)
             conn.execute(f"INSERT INTO feedback ({names}) SELECT {names} FROM feedback_v0")
             conn.execute("DROP TABLE feedback_v0")
+        elif columns and "lora" not in columns:
+            conn.execute("ALTER TABLE feedback ADD COLUMN lora TEXT")
         conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
         conn.execute("COMMIT")
     except BaseException:
@@ -220,9 +227,10 @@ def _insert(conn: sqlite3.Connection, row: dict[str, Any]) -> int:
     return int(cursor.lastrowid or 0)
 
 
-def _select(conn: sqlite3.Connection, model: str | None, version: str | None, limit: int) -> list[dict[str, Any]]:
+def _select(conn: sqlite3.Connection, model: str | None, version: str | None, limit: int,
+            lora: str | None) -> list[dict[str, Any]]:  # fmt: skip
     where, args = [], []
-    for column, value in (("model", model), ("version", version)):
+    for column, value in (("model", model), ("version", version), ("lora", lora)):
         if value is not None:
             where.append(f"{column} = ?")
             args.append(value)

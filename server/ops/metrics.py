@@ -238,6 +238,9 @@ class ServerMetrics:
                                      "adapter (`lora`) and status.", [*mv, "lora", "status"], registry=r)  # fmt: skip
         self.lora_tokens = Counter("tokenmill_lora_generation_tokens", "Tokens generated on a LoRA adapter.",
                                    [*mv, "lora"], registry=r)  # fmt: skip
+        self.lora_feedback = Counter("tokenmill_lora_feedback_ratings", "Ratings received on POST /v1/feedback "
+                                     "of requests on a LoRA adapter, by adapter and rating.", [*mv, "lora", "rating"],
+                                     registry=r)  # fmt: skip
         # -- structured outputs (server/prompt/structured.py) --
         self.grammar_compile = _histogram(
             r, "tokenmill_grammar_compile_seconds", "Grammar compiles (cache misses) from submit to answer, by "
@@ -373,8 +376,11 @@ class VersionMetrics:
     def observe_grammar_rejected(self, reason: str) -> None:
         self._m.grammar_rejections.labels(*self.labels, reason).inc()
 
-    def observe_feedback(self, rating: int) -> None:
+    def observe_feedback(self, rating: int, lora: str | None = None) -> None:
+        """A rating of a request of this version; `lora`: the adapter that request ran on."""
         self._m.feedback.labels(*self.labels, str(rating)).inc()
+        if lora is not None:
+            self._m.lora_feedback.labels(*self.labels, lora, str(rating)).inc()
 
     def observe_event(self, event: str) -> None:
         """A rollout event of this version (loaded, promoted, ...)."""

@@ -77,7 +77,7 @@ class RequestAccounting:
             key.request_id, dep.name, dep.version, ticket.lane.label, status, ticket.finish_reason,
             len(ticket.prompt_token_ids), ticket.completion_tokens, ticket.cached_tokens, timing["queue_s"],
             timing["ttft_s"], timing["e2e_s"], ticket.kv_blocks_peak, ticket.preemptions, cached, time.time(),
-            owner=key.owner, choice=key.choice,
+            owner=key.owner, choice=key.choice, lora=ticket.params.lora_name,
         ))  # fmt: skip
 
 

@@ -2,8 +2,10 @@
 promoted one, the previous one (kept for rollback while loaded) and a canary with its weight.
 
 Routing happens before admission: a request's `model` field names a slot (or pins `name@version`), or a
-LoRA adapter a version of a slot holds (the request then runs on it: the lease carries it), the
-slot picks a version, and the route holds a lease on it (server/serving/deployment.py). The canary split is
+LoRA adapter a version of a slot holds (or pins `adapter@version`; the request then runs on it: the
+lease carries it), the slot picks a version, and the route holds a lease on it
+(server/serving/deployment.py). An adapter's requests take the same split and pins as the model's:
+every version of a model holds the same adapters (server/serving/adapters.py). The canary split is
 deterministic: of every 100 consecutive requests, exactly `weight` go to the canary (a credit counter,
 not a coin), so the share is exact on any window and reproducible in tests. Plain bookkeeping on the
 event loop: loading, draining and unloading engines is server/serving/rollout.py's job.
@@ -129,15 +131,22 @@ class ModelRegistry:
     def resolve(self, model: str | None) -> tuple[ModelSlot, str | None]:
         """The slot a request's `model` names, and the version it pins (None: the slot picks).
         Raises ApiError 404."""
+        slot, pinned, _ = self.route(model)
+        return slot, pinned
+
+    def route(self, model: str | None) -> tuple[ModelSlot, str | None, str | None]:
+        """(slot, pinned version, adapter name or None) of a request's `model`. A model's name wins over an
+        adapter's; `adapter@version` pins the adapter to that version of its base model."""
         if model is None:
-            return self.default, None
+            return self.default, None, None
         for candidate, pinned in ((model, None), split_ref(model)):
             for slot in self.slots.values():
                 if candidate == slot.name or candidate in slot.aliases:
-                    return slot, pinned
-        adapter_slot = self.adapter_slot(model)
-        if adapter_slot is not None:
-            return adapter_slot, None
+                    return slot, pinned, None
+        for candidate, pinned in ((model, None), split_ref(model)):
+            adapter_slot = self.adapter_slot(candidate)
+            if adapter_slot is not None:
+                return adapter_slot, pinned, candidate
         raise ApiError(404, "model_not_found", f"model {model!r} is not served here; see /v1/models", param="model")
 
     def is_model_name(self, name: str) -> bool:
@@ -156,8 +165,7 @@ class ModelRegistry:
     def acquire(self, model: str | None) -> tuple[ModelSlot, Lease]:
         """Route a new request: its slot and a lease on the version that serves it (on the adapter
         `model` names, when it names one)."""
-        slot, pinned = self.resolve(model)
-        adapter = model if model is not None and self.adapter_slot(model) is slot else None
+        slot, pinned, adapter = self.route(model)
         dep = slot.pick(pinned)
         return slot, dep.acquire() if adapter is None else dep.acquire(adapter)
 

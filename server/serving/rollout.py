@@ -3,7 +3,8 @@ canary share to it, roll back, retire a version (drain, then unload). On the eve
 blocking part, building an engine, runs in a thread.
 
 A new version is loaded in the same process with its own engine, worker thread and KV budget, after a
-memory check (507 when it cannot fit). It then runs the warm-up and a real generation probe
+memory check (507 when it cannot fit). It is given the LoRA adapters the promoted version serves
+(server/serving/adapters.py; one that does not load fails the load), then runs the warm-up and a real generation probe
 (server/serving/deployment.py); only then is it `ready`. A version that fails any of these is unloaded at once
 and listed as `failed`: it is never routed to, and nothing about the running version changes (its
 readiness included). Promote, rollback and canary changes are in-memory switches of the registry
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -48,7 +49,9 @@ class Rollout:
     uses: the registry it switches, the settings, how to build a version's engine (`loader`) and its
     deployment (`deploy`), each version's series (`version_metrics`), and `on_switch(name, version)`,
     told when the answers of a model (version None: of every version of it) may change, so the response
-    cache drops them. Runs on the event loop that creates it."""
+    cache drops them; `prepare(slot, dep)`, awaited on a new version before its warm-up (its LoRA
+    adapters, server/serving/adapters.py): what it raises fails the load. Runs on the event loop that
+    creates it."""
 
     def __init__(
         self,
@@ -58,6 +61,7 @@ class Rollout:
         deploy: Callable[[ModelSpec, EngineProtocol], Deployment],
         version_metrics: Callable[[str, str], VersionMetrics],
         on_switch: Callable[[str, str | None], None],
+        prepare: Callable[[ModelSlot, Deployment], Awaitable[None]] | None = None,
     ) -> None:
         self._models = models
         self._settings = settings
@@ -65,6 +69,7 @@ class Rollout:
         self._deploy = deploy
         self._version_metrics = version_metrics
         self._on_switch = on_switch
+        self._prepare = prepare
         self._loop = asyncio.get_running_loop()
         self._retiring: dict[str, asyncio.Task] = {}  # name@version -> its drain-then-unload task
         self._loads: set[asyncio.Task[Deployment]] = set()
@@ -144,7 +149,11 @@ class Rollout:
         slot.loading.pop(spec.version, None)
         dep.start()
         timeout = self._settings.stall_timeout_s
+        kind = "load_failed"
         try:
+            if self._prepare is not None:
+                await self._prepare(slot, dep)
+            kind = "probe_failed"
             await dep.warm_up(timeout)
             await dep.probe(probe, timeout)
         except Exception as exc:
@@ -155,7 +164,7 @@ class Rollout:
             await dep.unload()
             del dep
             await asyncio.to_thread(memory_check.return_freed_memory)
-            self._failed(slot, spec, "probe_failed", failure)
+            self._failed(slot, spec, kind, failure)
         dep.state, dep.ready_at = VersionState.READY, time.time()
         dep.metrics.observe_event("loaded")
         log.info("%s loaded and probed in %.2fs (%s)", spec.ref, time.perf_counter() - started, dep.timings)

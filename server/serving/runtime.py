@@ -22,10 +22,11 @@ from server.ops.feedback import FeedbackStore, RequestRecords
 from server.ops.metrics import CacheStats, ServerMetrics, VersionSnapshot
 from server.prompt.codec import PromptCodec
 from server.serving.accounting import RequestAccounting
+from server.serving.adapters import AdapterSync
 from server.serving.deployment import Deployment, VersionState
 from server.serving.loading import VersionLoader
 from server.serving.readiness import Readiness
-from server.serving.registry import ModelRegistry
+from server.serving.registry import ModelRegistry, ModelSlot
 from server.serving.response_cache import CacheKey, ResponseCache
 from server.serving.rollout import Rollout
 from server.serving.ticket import ServerError
@@ -62,8 +63,9 @@ class Runtime:
         for spec, engine, aliases in initial:
             self.models.add_slot(self.new_deployment(spec, engine), aliases)
         self.readiness = Readiness(self.models, settings.stall_timeout_s)
+        self.adapters = AdapterSync()  # LoRA adapters kept the same on every version of a model
         self.rollout = Rollout(self.models, settings, loader, self.new_deployment, self.metrics.version,
-                               self._drop_cached)  # fmt: skip
+                               self._drop_cached, self._match_adapters)  # fmt: skip
         self.started_at = time.monotonic()
         self.created = int(time.time())
         self.open_responses = 0  # request handles not closed yet (their responses are still being sent)
@@ -157,6 +159,10 @@ class Runtime:
     # -- requests ------------------------------------------------------------------------------------
     def lane_for_size(self, tokens: int) -> Lane:
         return Lane.INTERACTIVE if tokens <= self.settings.short_request_tokens else Lane.STANDARD
+
+    async def _match_adapters(self, slot: ModelSlot, dep: Deployment) -> None:
+        """A new version of `slot` gets the adapters its promoted version serves (raises AdapterMismatch)."""
+        await self.adapters.match(slot.versions.get(slot.promoted), dep)
 
     def _drop_cached(self, model: str, version: str | None) -> None:
         self.cache.drop(model, version)

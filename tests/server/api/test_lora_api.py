@@ -13,7 +13,7 @@ from server.config.flags import add_flags, parse_settings
 from server.config.vllm_flags import flag_problems
 from tests.engine.lora_helpers import SPECS, AdapterSpec, make_adapter, peft_greedy
 
-from ..helpers import Background, build_real_engine, make_settings, run_server, wait_until
+from ..helpers import Background, build_real_engine, make_settings, metric, run_server, wait_until
 
 ADMIN = {"Authorization": "Bearer adm"}
 PROMPT = [11, 250, 37, 900, 42, 7, 1300]
@@ -34,11 +34,12 @@ def refs(tiny_model_path, adapters):
 
 
 @pytest.fixture(scope="module")
-def lora_srv(tiny_model_path, adapters):
+def lora_srv(tiny_model_path, adapters, tmp_path_factory):
     from engine.lora.config import LoraConfig
 
     settings = make_settings(enable_lora=True, admin_api_keys="adm", max_loras=2, served_model_name="tiny",
-                             response_cache_bytes=1 << 20)
+                             response_cache_bytes=1 << 20,
+                             feedback_db=str(tmp_path_factory.mktemp("lora-fb") / "fb.sqlite3"))  # fmt: skip
     engine = build_real_engine(tiny_model_path, lora=LoraConfig(max_loras=2, modules=(("all", str(adapters["all"])),)))
     with run_server(settings, engine) as s:
         yield s
@@ -81,6 +82,29 @@ def test_response_cache_is_keyed_by_adapter(lora_srv, refs):
     assert gen(lora_srv, None, **body).json()["usage"].get("cached") is True  # the cache is on
     on_adapter = gen(lora_srv, "all", **body).json()
     assert on_adapter["usage"].get("cached") is not True and on_adapter["token_ids"] == refs["all"]
+
+
+def test_feedback_records_the_adapter(lora_srv):
+    """A rating of a request on adapter X is stored, exported and counted with X; the base model's with none."""
+    ids = {}
+    for model in ("all", None):
+        body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, **({"model": model} if model else {})}
+        r = httpx.post(f"{lora_srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200
+        ids[model] = r.json()["id"]
+    rows = {}
+    for model, rating in (("all", 4), (None, -1)):
+        r = httpx.post(f"{lora_srv.url}/v1/feedback", json={"request_id": ids[model], "rating": rating}, timeout=10)
+        assert r.status_code == 201, r.text
+        rows[model] = r.json()
+    assert rows["all"]["lora"] == "all" and rows["all"]["model"] == "tiny" and rows["all"]["completion_tokens"] == 3
+    assert rows[None]["lora"] is None
+    export = httpx.get(f"{lora_srv.url}/admin/feedback", params={"lora": "all"}, headers=ADMIN, timeout=10).json()
+    assert [row["request_id"] for row in export["data"]] == [ids["all"]]
+    metrics = httpx.get(f"{lora_srv.url}/metrics").text
+    assert metric(metrics, "tokenmill_lora_feedback_ratings_total", lora="all", rating="4") == 1
+    assert metric(metrics, "tokenmill_lora_feedback_ratings_total", rating="-1") == 0  # the base model's rating
+    assert metric(metrics, "tokenmill_feedback_ratings_total", rating="-1") == 1
 
 
 def test_unknown_adapter_is_404_naming_model(lora_srv):

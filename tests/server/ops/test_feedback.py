@@ -126,10 +126,50 @@ def test_a_version_0_database_is_migrated_in_place(tmp_path):
 
     asyncio.run(scenario())
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
     indexes = {row[1] for row in conn.execute("PRAGMA index_list(feedback)")}
     assert "feedback_by_version" in indexes and not conn.execute(
         "SELECT name FROM sqlite_master WHERE name = 'feedback_v0'").fetchall()  # fmt: skip
+    conn.close()
+
+
+# The table as version 1 (owners and choices, before LoRA adapters) created it.
+_V1_TABLE = """
+CREATE TABLE feedback (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, rating INTEGER NOT NULL, comment TEXT, rated_at REAL NOT NULL,
+    request_id TEXT NOT NULL, model TEXT NOT NULL, version TEXT NOT NULL, lane TEXT NOT NULL,
+    status TEXT NOT NULL, finish_reason TEXT, prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL,
+    cached_tokens INTEGER NOT NULL, queue_s REAL, ttft_s REAL, e2e_s REAL, kv_blocks_peak INTEGER NOT NULL,
+    preemptions INTEGER NOT NULL, response_cached INTEGER NOT NULL, ended_at REAL NOT NULL,
+    owner TEXT NOT NULL DEFAULT '', choice INTEGER NOT NULL DEFAULT 0, UNIQUE (owner, request_id, choice)
+);
+CREATE INDEX feedback_by_version ON feedback (model, version);
+INSERT INTO feedback VALUES (3, 5, NULL, 1.0, 'gen-v1', 'm', 'v1', 'batch', 'ok', 'stop', 3, 2, 0, 0.1, 0.2,
+                             0.3, 1, 0, 0, 1.0, 'o', 1);
+PRAGMA user_version = 1;
+"""
+
+
+def test_a_version_1_database_gets_the_lora_column(tmp_path):
+    path = str(tmp_path / "fb.sqlite3")
+    conn = sqlite3.connect(path)
+    conn.executescript(_V1_TABLE)
+    conn.close()
+
+    async def scenario() -> None:
+        store = FeedbackStore.open(path)
+        assert await store.rated(key("gen-v1", "o", 1))  # the old row and its unique key are kept
+        lora = RequestRecord("gen-a", "m", "v1", "interactive", "ok", "length", 4, 8, 0, 0.01, 0.02, 0.1, 1, 0,
+                             False, 1.0, lora="sql")  # fmt: skip
+        await store.add(lora, 1, None)
+        rows = await store.export(None, None, 10)
+        assert [(r["id"], r["request_id"], r["lora"]) for r in rows] == [(4, "gen-a", "sql"), (3, "gen-v1", None)]
+        assert [r["request_id"] for r in await store.export(None, None, 10, lora="sql")] == ["gen-a"]
+        store.close()
+
+    asyncio.run(scenario())
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
     conn.close()
 
 
