@@ -12,6 +12,11 @@ those it holds (a prompt's later samples, until its first sample's prompt ran) g
 Threads: `submit`, `submit_unit`, `release`, `abort`, `abort_all`, `stop` and the read-only properties
 are called from the event loop; everything else runs on the worker thread, the only thread that touches
 the engine.
+
+When the thread ends (stopped, or dead) it closes: nothing more is admitted, a call or request that
+reached its inbox too late is answered (WorkerUnavailable, or a 503 shutdown error), never left waiting,
+and it lets go of the engine, so the weights and KV cache are freed then even while something still
+holds this Worker (a finishing request's frame, a snapshot, a stale reference to its version).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from engine.api import EngineProtocol, EngineStats, FinishReason, InvalidParam, RequestOutput
 from server.config.lanes import Lane
@@ -80,6 +86,13 @@ class WorkerUnavailable(RuntimeError):
     pass
 
 
+class _ReleasedEngine:
+    """What a closed worker holds instead of its engine: any use says the worker is gone."""
+
+    def __getattr__(self, name: str) -> object:
+        raise WorkerUnavailable(f"the engine worker has stopped and released its engine (engine.{name})")
+
+
 class Worker:
     """Owns the engine on its own thread; see the module docstring for the loop."""
 
@@ -101,7 +114,8 @@ class Worker:
         self._on_token_gap = on_token_gap  # time between two tokens of a request (metrics)
         self._keep_outputs = keep_outputs
         self._clock = clock  # the engine's clock too: arrival times cross over as they are
-        self._lock = threading.Lock()  # guards _admission and _tickets, shared with the event loop
+        self._lock = threading.Lock()  # guards _admission, _tickets and _closed, shared with the event loop
+        self._closed = False  # the thread has ended: nothing more is admitted or queued
         self._tickets: dict[str, Ticket] = {}  # every request admitted and not finished
         self._in_engine: dict[str, Ticket] = {}  # worker thread only
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -140,6 +154,8 @@ class Worker:
         lane, tokens = unit[0].lane, sum(t.tokens for t in unit)
         now = self._clock()
         with self._lock:
+            if self._closed:
+                raise WorkerUnavailable("the engine worker is not running")
             for ticket in unit:
                 if ticket.request_id in self._tickets:
                     raise DuplicateRequestId(f"request_id {ticket.request_id!r} is already in flight")
@@ -179,7 +195,10 @@ class Worker:
         if not self.alive:
             raise WorkerUnavailable("the engine worker is not running")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Call(fn, future))
+        with self._lock:  # queued before _close() drains the inbox, or refused here: never left unanswered
+            if self._closed:
+                raise WorkerUnavailable("the engine worker is not running")
+            self._inbox.put(_Call(fn, future))
         return future
 
     def stop(self, timeout: float) -> None:
@@ -205,10 +224,29 @@ class Worker:
         except BaseException as exc:  # noqa: BLE001 - the worker must report any death, then end
             self.died = exc
             log.critical("engine worker died: %s: %s", type(exc).__name__, exc, exc_info=exc)
-            self._fail_all(ServerError("worker_died", f"the engine worker died: {type(exc).__name__}", 503))
-        finally:
+            exc.__traceback__ = None  # its frames hold the engine; the log above has them
+        finally:  # _close() fails what is left (503 worker_died)
+            self._close()
             self._flush()
             self._retire()
+            self._engine = cast(EngineProtocol, _ReleasedEngine())  # the weights and KV cache go now
+
+    def _close(self) -> None:
+        """Admit nothing more, then answer what the inbox still holds (calls get WorkerUnavailable) and fail
+        any request admitted since the stop (a 503, as the ones the stop ended)."""
+        with self._lock:
+            self._closed = True
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Call) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(WorkerUnavailable("the engine worker stopped before running the call"))
+        if self.died is None:
+            self._fail_all(ServerError("shutdown", "the server is shutting down", 503))
+        else:
+            self._fail_all(ServerError("worker_died", f"the engine worker died: {type(self.died).__name__}", 503))
 
     def _retire(self) -> None:
         """The engine serves nothing more: consumers of its KV events must drop its blocks."""

@@ -46,6 +46,44 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, interval: fl
         time.sleep(interval)
 
 
+def holders(obj: Any, depth: int = 4, width: int = 6) -> str:
+    """Who keeps `obj` alive, as a tree of referrer types `depth` levels up (frames by function and line,
+    dicts by their owner when one is found): what a failed "freed by reference count" check prints."""
+    import gc
+    import sys
+    import types
+
+    seen = {id(sys._getframe())}
+
+    def name(ref: Any) -> str:
+        if isinstance(ref, types.FrameType):
+            return f"frame {ref.f_code.co_name} ({ref.f_code.co_filename}:{ref.f_lineno})"
+        if isinstance(ref, dict):
+            return f"dict keys={list(ref)[:8]}"
+        if isinstance(ref, (list, tuple, set)):
+            return f"{type(ref).__name__} of {len(ref)}"
+        return type(ref).__qualname__
+
+    def walk(target: Any, level: int, out: list[str]) -> None:
+        if level == depth:
+            return
+        found = gc.get_referrers(target)
+        seen.add(id(found))
+        refs = [r for r in found if id(r) not in seen]
+        seen.add(id(refs))
+        for ref in refs[:width]:
+            seen.add(id(ref))
+            out.append("  " * level + name(ref))
+            walk(ref, level + 1, out)
+        if len(refs) > width:
+            out.append("  " * level + f"... {len(refs) - width} more")
+
+    lines: list[str] = []
+    seen.add(id(lines))
+    walk(obj, 0, lines)
+    return "\n".join(lines) or "no referrers (held by C code)"
+
+
 class ControlledEngine:
     """Wraps an engine: an optional delay per step, and a gate a test closes to hold the worker
     before its next step. Everything else is the wrapped engine's."""

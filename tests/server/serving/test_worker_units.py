@@ -5,15 +5,19 @@ frees its room in the lane. Over the fake engine, no HTTP."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
+
+import pytest
 
 from engine.api import SamplingParams
 from server.config.lanes import Lane, LaneBounds
 from server.serving.admission import Admission
 from server.serving.ticket import Collector, Ticket
-from server.serving.worker import Worker
+from server.serving.worker import Worker, WorkerUnavailable
 
 from ..fake_engine import FakeEngine
-from ..helpers import wait_until
+from ..helpers import ControlledEngine, wait_until
 
 
 def test_held_choices_wait_for_release_and_an_abort_frees_them():
@@ -39,6 +43,45 @@ def test_held_choices_wait_for_release_and_an_abort_frees_them():
         assert tickets[2].finish_reason == "length" and tickets[2].arrival == tickets[0].arrival
         assert worker.lane_load()[Lane.INTERACTIVE] == (0, 0) and worker.in_flight() == 0
         assert worker.submit(other) is None
+    finally:
+        worker.stop(5)
+        loop.close()
+
+
+def test_a_stopped_worker_answers_late_calls_and_lets_go_of_its_engine():
+    """A call and a request queued behind the stop are answered (never left waiting), nothing is admitted
+    after it, and the engine is freed by reference count while the Worker object itself is still held."""
+    loop = asyncio.new_event_loop()
+    engine = ControlledEngine(FakeEngine())
+    admission = Admission({lane: LaneBounds(max_requests=4, max_tokens=1000) for lane in Lane})
+    worker = Worker(engine, admission)
+    worker.start()
+    try:
+        first = Ticket("first", [5, 6], SamplingParams(max_tokens=50), Lane.STANDARD, Collector(loop))
+        engine.close_gate_after(1)  # the worker stops before its second step
+        assert worker.submit(first) is None
+        wait_until(engine.waiting_at_gate.is_set, 5, what="the worker held at the gate")
+        worker.stop(0)  # _STOP queued; the thread is still alive inside a step
+        late_call = worker.call(lambda e: "ran")
+        late = Ticket("late", [5], SamplingParams(max_tokens=2), Lane.STANDARD, Collector(loop))
+        assert worker.submit(late) is None  # admitted: the thread has not seen the stop yet
+        engine.gate.set()
+        assert isinstance(late_call.exception(timeout=5), WorkerUnavailable)
+        wait_until(lambda: not worker.thread_running, 5, what="the thread ended")
+        for ticket in (first, late):
+            assert ticket.finish_reason == "abort" and ticket.error is not None and ticket.error.status == 503
+        with pytest.raises(WorkerUnavailable):
+            worker.submit(Ticket("after", [5], SamplingParams(max_tokens=2), Lane.STANDARD, Collector(loop)))
+        with pytest.raises(WorkerUnavailable):
+            worker.call(lambda e: "ran")
+        held = weakref.ref(engine)
+        gc.disable()
+        try:
+            del engine
+            assert held() is None, "the stopped worker still holds its engine"
+        finally:
+            gc.enable()
+        assert worker.in_flight() == 0 and worker.lane_load()[Lane.STANDARD] == (0, 0)
     finally:
         worker.stop(5)
         loop.close()
