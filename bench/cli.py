@@ -22,6 +22,7 @@ from bench import (
     floor,
     fused,
     gemv,
+    linear_ab,
     load,
     long_prompt,
     lora,
@@ -56,6 +57,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     contention.add_parser(subparsers)
     router.add_parser(subparsers)
     lora.add_parser(subparsers)
+    linear_ab.add_parser(subparsers)
     determinism.add_parser(subparsers)
     fleet_sim.add_parser(subparsers)
     return parser

@@ -29,7 +29,7 @@ import torch
 
 from bench.workloads import DEFAULT_MODEL
 from engine import Engine, EngineConfig, SamplingParams, cpu_kernels
-from engine.models.cpu_linear import GemvLinear, Int8Linear
+from engine.models.cpu_linear import GemvF32Linear, GemvLinear, Int8Linear
 from engine.models.packed_linear import PackedLinear
 
 
@@ -130,7 +130,7 @@ def step_linears(model: torch.nn.Module) -> list:
     """The linear products of a decode step, each once, as the engine calls them: a fused gate/up's
     silu_mul, a GemvLinear (not the oneDNN copy inside it), the logits head (compute_logits when a
     tied head is the embedding itself); not an untied INT8 embedding's lookup rows."""
-    kinds = (torch.nn.Linear, PackedLinear, GemvLinear, Int8Linear)
+    kinds = (torch.nn.Linear, PackedLinear, GemvLinear, GemvF32Linear, Int8Linear)
     inner = {id(m.large) for m in model.modules() if isinstance(m, GemvLinear)}
     mods = [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inner and not _lookup_only(model, m)]
     fused = {id(mlp.gate_up_proj) for mlp in model.modules() if getattr(mlp, "fused_act", False)}

@@ -49,7 +49,7 @@ class EngineConfig:
     quantization: str | None = None  # "int8": INT8 weight-only linears (CPU; half the weight bytes); None: dtype
     # INT8 input columns per scale of an output row; None, or a weight whose K it does not divide: one scale per row.
     quantization_group_size: int | None = 64
-    cpu_gemv: str = "auto"  # CPU small-batch linear kernels: auto (where measured faster at start-up), on, off
+    cpu_gemv: str = "auto"  # CPU small-batch linear kernels: auto (bf16/INT8: where measured faster at start-up; float32: up to 32 rows), on, off
     fused_decode: bool = True  # CPU kernels: decode-only steps run the layer loop in C++ (same results, less overhead)
     cpu_threads: int | None = None  # CPU: torch's intra-op threads, set at start-up (process-wide); None: torch's
     # CPU, more than one thread: steps drop to one thread while that is measured faster (another process

@@ -31,10 +31,10 @@ CSRC = Path(__file__).parent / "csrc"
 # source -> its own flags. The layer kernels reproduce PyTorch's roundings op by op, so the compiler
 # must not contract a * b + c into one fused multiply-add there; the attention products may.
 SOURCES = {"cpu_attention.cpp": (), "cpu_layers.cpp": ("-ffp-contract=off",), "cpu_gemv.cpp": (),
-           "cpu_decode.cpp": (), "cpu_sampling.cpp": ()}
+           "cpu_gemv_f32.cpp": (), "cpu_lora.cpp": (), "cpu_decode.cpp": (), "cpu_sampling.cpp": ()}
 # Sources the library is built without when they do not compile (an older compiler without the
 # AVX-512 BF16/VNNI intrinsics): the engine then keeps its oneDNN/PyTorch linears (cpu_linear.py).
-OPTIONAL = frozenset({"cpu_gemv.cpp"})
+OPTIONAL = frozenset({"cpu_gemv.cpp", "cpu_gemv_f32.cpp"})
 HEADERS = ("widen.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-w")
 

@@ -9,7 +9,10 @@
   channel, the embedding looked up in INT8 (a tied model's in the head's own weight); the kernel
   for the row counts where it beats dequantizing the weight for PyTorch, the latter above. Without
   the kernels (same conditions, one log line) the weights stay INT8 and are dequantized per call.
-- float32 without quantization, and CUDA: nothing changes here.
+- float32 on a CPU with AVX2/FMA: the float32 small-batch kernel (GemvF32Linear) up to f32_max_rows()
+  rows (12 where MKL has AVX-512, else 32) (a fixed limit, not timed; "on": every row count), MKL's F.linear above; "off" or no
+  kernel: F.linear only.
+- CUDA: nothing changes here.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from engine.batch_invariant import CALL_ROWS, RowLinear, TiledLinear, row_linear
 from engine.config import EngineConfig
 from engine.models.cpu_linear import (
     ALWAYS,
+    GemvF32Linear,
     GemvLinear,
     Int8Embedding,
     Int8Linear,
@@ -39,6 +43,19 @@ from engine.quantization import Int8Weight, group_for, quantize_int8
 from engine.setup import resolve_step_budget
 
 log = logging.getLogger("tokenmill.engine")
+
+# Rows up to which float32 linears take the AVX2 kernel (cpu_gemv "auto"), by the vector width MKL's
+# own products use here. Measured over SmolLM2-135M's linears with cold weights (docs/ENGINE.md): on an
+# AVX2-only 2-vCPU AMD EPYC (Zen 3) the kernel is 2.8x MKL at 1-8 rows, 1.2-1.8x at 16-32, even at 64;
+# on a 2-vCPU Xeon with AVX-512 it is 1.0-1.3x at 1-12 rows and 0.9x at 16, 0.7x at 32.
+F32_MAX_ROWS = {"AVX512": 12}
+F32_MAX_ROWS_DEFAULT = 32
+
+
+def f32_max_rows() -> int:
+    """The float32 kernel's row limit on this CPU: fixed per machine, so every engine of a process (a
+    version swap, speculation on and off) computes the same bits for a row."""
+    return F32_MAX_ROWS.get(torch.backends.cpu.get_cpu_capability(), F32_MAX_ROWS_DEFAULT)
 
 
 @dataclass(frozen=True)
@@ -68,6 +85,8 @@ def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch
         return _invariant(model, config, device, dtype, dict(preloaded or {}))
     if config.quantization == "int8":
         return _int8(model, config, dtype, dict(preloaded or {}))
+    if device.type == "cpu" and dtype == torch.float32:
+        return _f32(model, config)
     if device.type != "cpu" or dtype != torch.bfloat16:
         return WeightsReport(False, None, "off (bf16 on the CPU only)", _weight_bytes(model))
     return _bf16(model, config, config.pack_weights and packing_supported(device, dtype))
@@ -142,6 +161,21 @@ def _bf16(model: LlamaForCausalLM, config: EngineConfig, onednn: bool) -> Weight
 
     model.replace_linears(make)
     return WeightsReport(onednn, None, _plan_text(plans), _weight_bytes(model))
+
+
+def _f32(model: LlamaForCausalLM, config: EngineConfig) -> WeightsReport:
+    reason = "cpu_gemv is 'off'" if config.cpu_gemv == "off" else kernels_unavailable("f32")
+    if reason is not None:
+        if config.cpu_gemv != "off":
+            log.warning("float32 small-batch linear kernel unavailable (%s); using F.linear", reason)
+        return WeightsReport(False, None, f"off ({reason})", _weight_bytes(model))
+    # A fixed limit, not timed at start-up: two engines of one process (speculation on and off, a
+    # version swap) then compute the same bits, and a timing with the weight in cache would favour
+    # MKL, which re-reads the weight per call (docs/ENGINE.md, "float32 small-batch kernel").
+    max_rows = ALWAYS if config.cpu_gemv == "on" else f32_max_rows()
+    model.replace_linears(lambda weight, bias, role: GemvF32Linear(weight, bias, max_rows))
+    limit = "all" if max_rows == ALWAYS else str(max_rows)
+    return WeightsReport(False, None, f"float32 kernel: <= {limit} rows, F.linear above", _weight_bytes(model))
 
 
 def _int8(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype,
@@ -241,7 +275,7 @@ def _weight_bytes(model: nn.Module) -> int:
     for m in model.modules():
         if m is lookup_only or id(m) in inner:
             continue
-        if isinstance(m, (GemvLinear, Int8Linear)):
+        if isinstance(m, (GemvLinear, GemvF32Linear, Int8Linear)):
             total += m.weight_bytes
         elif isinstance(m, (PackedLinear, TiledLinear)):
             total += m.out_features * m.in_features * 2

@@ -21,6 +21,7 @@ enum Kind : int64_t {
   ONEDNN = 1,     // mkldnn::_linear_pointwise(x, packed w, bias)
   GEMV = 2,       // tokenmill::gemv(x, packed w, scales?, n, k, bias)
   GEMV_SILU = 3,  // tokenmill::gemv_silu_mul: a gated MLP's gate/up, silu(gate) * up out
+  GEMV_F32 = 4,   // tokenmill::gemv_f32(x, packed w, n, k, bias): float32 (cpu_gemv_f32.cpp)
 };
 
 // Per layer, SLOTS optional tensors in this order (fused_decode.py LAYER_SLOTS):
@@ -52,12 +53,14 @@ at::Tensor call1(const c10::OperatorHandle& h, std::vector<c10::IValue> args) {
   }
 TOKENMILL_OP(gemv_op, "tokenmill::gemv")
 TOKENMILL_OP(gemv_silu_op, "tokenmill::gemv_silu_mul")
+TOKENMILL_OP(gemv_f32_op, "tokenmill::gemv_f32")
 TOKENMILL_OP(rms_norm_op, "tokenmill::rms_norm")
 TOKENMILL_OP(add_rms_norm_op, "tokenmill::add_rms_norm")
 TOKENMILL_OP(rotary_op, "tokenmill::rotary_inplace")
 TOKENMILL_OP(store_op, "tokenmill::paged_store_kv")
 TOKENMILL_OP(attention_op, "tokenmill::paged_decode_attention")
 TOKENMILL_OP(onednn_op, "mkldnn::_linear_pointwise")
+TOKENMILL_OP(lora_op, "tokenmill::lora_add_")
 #undef TOKENMILL_OP
 
 using Weights = c10::List<c10::optional<at::Tensor>>;
@@ -88,6 +91,8 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t layer, int64_t 
       return call1(gemv_op(), {x, weight, scales, n, k, bias});
     case GEMV_SILU:
       return call1(gemv_silu_op(), {x, weight, scales, n, k, bias});
+    case GEMV_F32:
+      return call1(gemv_f32_op(), {x, weight, n, k, bias});
     default:
       TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
   }
@@ -116,6 +121,27 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return x * cos + at::cat({-halves[1], halves[0]}, -1) * sin;
 }
 
+// The step's LoRA operands (engine/lora/batch.py): per layer and linear (qkv, o, gate/up, down), A and
+// B^T of each of `segments` segments; none when segments is 0.
+struct Lora {
+  const std::vector<at::Tensor>& a;
+  const std::vector<at::Tensor>& bt;
+  const c10::optional<at::Tensor>& slots;
+  int64_t segments;
+
+  // y += the adapters' delta of linear `which` of layer l on its input x (tokenmill::lora_add_).
+  void add(const at::Tensor& y, const at::Tensor& x, int64_t l, int64_t which) const {
+    if (segments == 0) return;
+    const size_t base = static_cast<size_t>((l * LINEARS + which) * segments);
+    c10::List<at::Tensor> as, bts;
+    for (int64_t s = 0; s < segments; ++s) {
+      as.push_back(a[base + s]);
+      bts.push_back(bt[base + s]);
+    }
+    call1(lora_op(), {y, x, as, bts, *slots});
+  }
+};
+
 }  // namespace
 
 // x: [B, hidden] (embeddings of B decoding sequences); cos, sin: [B, 1, D]. Returns (x, residual) after
@@ -125,13 +151,20 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
                                       const at::Tensor& slot_mapping, const at::Tensor& tables, const at::Tensor& lens,
                                       int64_t block_size, int64_t max_context, double scale, const Weights& weights,
                                       c10::IntArrayRef kinds, c10::IntArrayRef shapes, int64_t heads, int64_t kv_heads,
-                                      int64_t head_dim, double eps, bool fused_norm, bool qk_norm) {
+                                      int64_t head_dim, double eps, bool fused_norm, bool qk_norm,
+                                      const std::vector<at::Tensor>& lora_a, const std::vector<at::Tensor>& lora_bt,
+                                      const c10::optional<at::Tensor>& lora_slots, int64_t lora_segments) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == layers * SLOTS &&
                   static_cast<int64_t>(kinds.size()) == layers * LINEARS &&
                   static_cast<int64_t>(shapes.size()) == layers * LINEARS * 2,
               "decode_layers: one set of caches, weights, kinds and shapes per layer");
+  TORCH_CHECK(lora_segments == 0 || (lora_slots.has_value() &&
+                                     static_cast<int64_t>(lora_a.size()) == layers * LINEARS * lora_segments &&
+                                     lora_bt.size() == lora_a.size()),
+              "decode_layers: LoRA operands for every layer, linear and segment, and the rows' slots");
+  const Lora lora{lora_a, lora_bt, lora_slots, lora_segments};
   const int64_t b = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   at::Tensor residual;  // undefined before layer 0, as LlamaModel's None
   for (int64_t l = 0; l < layers; ++l) {
@@ -141,6 +174,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
     residual = stream;
     // Attention (llama.py LlamaAttention.forward).
     const at::Tensor qkv = linear(h, weights, l, QKV_W, kind[0], nk[0], nk[1]);  // [B, (H + 2 Hkv) D]
+    lora.add(qkv, h, l, 0);
     const at::Tensor v = qkv.slice(1, q_size + kv_size).view({b, kv_heads, head_dim});
     at::Tensor q, k;
     if (qk_norm) {
@@ -159,18 +193,23 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
     call1(store_op(), {k, v, k_cache, v_cache, slot_mapping, block_size});
     const at::Tensor attn =
         call1(attention_op(), {q, k_cache, v_cache, tables, lens, block_size, max_context, scale});  // [B, H, D]
-    h = linear(attn.reshape({b, -1}), weights, l, O_W, kind[1], nk[2], nk[3]);
+    const at::Tensor attn2d = attn.reshape({b, -1});
+    h = linear(attn2d, weights, l, O_W, kind[1], nk[2], nk[3]);
+    lora.add(h, attn2d, l, 1);
     // MLP (layers.py GatedMLP.forward) after the post-attention norm.
     auto [h2, stream2] = add_norm(h, residual, get(weights, l, POST_NORM), eps, fused_norm);
     residual = stream2;
     at::Tensor act;
-    if (kind[2] == GEMV_SILU) {
+    if (kind[2] == GEMV_SILU) {  // (never with LoRA: fused_decode.py declines such a step)
       act = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5]);
     } else {
-      auto gate_up = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5]).chunk(2, -1);
+      const at::Tensor gu = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5]);
+      lora.add(gu, h2, l, 2);
+      auto gate_up = gu.chunk(2, -1);
       act = at::silu(gate_up[0]) * gate_up[1];
     }
     x = linear(act, weights, l, DOWN_W, kind[3], nk[6], nk[7]);
+    lora.add(x, act, l, 3);
   }
   return {x, residual};
 }
@@ -179,7 +218,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, int block_size, int max_context, float scale, Tensor?[] weights, "
         "int[] kinds, int[] shapes, int heads, int kv_heads, int head_dim, float eps, bool fused_norm, "
-        "bool qk_norm) -> Tensor[]");
+        "bool qk_norm, Tensor[] lora_a, Tensor[] lora_bt, Tensor? lora_slots, int lora_segments) -> Tensor[]");
   m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
   // oneDNN-packed weights among the arguments make the dispatcher pick MkldnnCPU: the same function.
   m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, TORCH_FN(decode_layers));

@@ -59,8 +59,10 @@ class LoraAdapter:
                    for layer in self.layers for a, b in layer.values())  # fmt: skip
 
     def to(self, device: torch.device, dtype: torch.dtype) -> list[dict[str, Pair]]:
-        """The pairs on `device` in `dtype` (the same tensors when they already are)."""
-        return [{m: (a.to(device, dtype), b.to(device, dtype)) for m, (a, b) in layer.items()} for layer in self.layers]
+        """The pairs as a step uses them, on `device` in `dtype`: (A [R, in], B^T [R, out]), both
+        contiguous (B transposed once here, so the delta adds whole rows of B^T: engine/lora/batch.py)."""
+        return [{m: (a.to(device, dtype).contiguous(), b.to(device, dtype).t().contiguous()) for m, (a, b) in layer.items()}
+                for layer in self.layers]  # fmt: skip
 
 
 def read_adapter(name: str, path: str, shapes: BaseShapes, max_rank: int) -> LoraAdapter:

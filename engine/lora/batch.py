@@ -2,11 +2,15 @@
 
 The model runner packs the step's tokens (T rows) and, for each adapter present, the rows that run on
 it: a segment. Every targeted linear then adds, per segment s with rows r_s,
-    y[r_s] += (x[r_s] A_s^T) B_s^T         A_s: [R_s, in], B_s: [out, R_s] (scale folded into B)
+    y[r_s] += (x[r_s] A_s^T) B_s^T         A_s: [R_s, in], B_s^T: [R_s, out] (scale folded into B)
 on top of whatever base product ran (PyTorch, oneDNN packed, the C++ GEMV, INT8): the base path is
 untouched, base-model rows cost nothing, and each adapter costs two thin products over its own rows
-(R_s <= max_lora_rank * shards, so about 2 * T_s * R_s * (in + out) flops). Segments are gathered
-with index_select / index_add_, so rows need not be contiguous; a step on one adapter only skips both.
+(R_s <= max_lora_rank * shards, so about 2 * T_s * R_s * (in + out) flops).
+
+How: float32 on the CPU, one C++ call per linear for every segment (tokenmill::lora_add_,
+engine/csrc/cpu_lora.cpp: each row's slot says its segment); otherwise (bf16, CUDA, no kernels) per
+segment in PyTorch, gathered with index_select / index_add_ so rows need not be contiguous (a step on
+one adapter only skips both).
 """
 
 from __future__ import annotations
@@ -15,7 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-Pair = tuple[torch.Tensor, torch.Tensor]
+Pair = tuple[torch.Tensor, torch.Tensor]  # (A [R, in], B^T [R, out]): LoraAdapter.to
+
+
+_EMPTY = torch.empty(0)  # a segment's operands for a linear its adapter does not target
+
+
+def kernel_available() -> bool:
+    """Whether the C++ delta (tokenmill::lora_add_) is loaded."""
+    return hasattr(torch.ops.tokenmill, "lora_add_")
 
 
 @dataclass
@@ -27,33 +39,56 @@ class LoraSegment:
 
 
 class LoraBatch:
-    """The step's segments (ForwardContext.lora). Valid for one forward."""
+    """The step's segments (ForwardContext.lora). Valid for one forward.
+    slots: [T] int64, each packed row's segment index (-1: the base model), for the C++ kernel."""
 
-    def __init__(self, segments: list[LoraSegment]) -> None:
+    def __init__(self, segments: list[LoraSegment], slots: torch.Tensor) -> None:
         self.segments = segments
+        self.slots = slots
 
     def layer(self, index: int) -> LayerLora:
-        return LayerLora([(s.layers[index], s.rows) for s in self.segments])
+        return LayerLora([(s.layers[index], s.rows) for s in self.segments], self.slots)
 
 
 class LayerLora:
     """The segments' pairs of one decoder layer."""
 
-    def __init__(self, parts: list[tuple[dict[str, Pair], torch.Tensor | None]]) -> None:
+    def __init__(self, parts: list[tuple[dict[str, Pair], torch.Tensor | None]], slots: torch.Tensor) -> None:
         self.parts = parts
+        self.slots = slots
 
     def add(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base product of x, [T, out]) plus each segment's delta on its rows, in place.
         x: [T, in]. module: qkv, o, gate_up or down."""
+        if x.dtype == torch.float32 and x.device.type == "cpu" and kernel_available():
+            return self._add_kernel(module, x, y)
         for pairs, rows in self.parts:
             pair = pairs.get(module)
             if pair is None:
                 continue
-            a, b = pair
+            a, bt = pair
             if rows is None:
-                y += (x @ a.t()) @ b.t()
+                y += (x @ a.t()) @ bt
             else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())
+                y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ bt)
+        return y
+
+    def pairs_of(self, module: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The kernel's operands for one linear: A and B^T per segment, in segment order (the slots
+        index them), two empty tensors where a segment's adapter does not target `module`."""
+        a_list, bt_list = [], []
+        for pairs, _ in self.parts:
+            a, bt = pairs.get(module, (_EMPTY, _EMPTY))
+            a_list.append(a)
+            bt_list.append(bt)
+        return a_list, bt_list
+
+    def _add_kernel(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a_list, bt_list = self.pairs_of(module)
+        out = y if y.is_contiguous() else y.contiguous()
+        torch.ops.tokenmill.lora_add_(out, x.contiguous(), a_list, bt_list, self.slots)
+        if out is not y:
+            y.copy_(out)
         return y
 
 
@@ -70,10 +105,13 @@ def build_batch(row_adapters: list[tuple[int, int, list[dict[str, Pair]] | None]
     if not runs:
         return None
     segments = []
-    for pairs, spans in runs.values():
+    slots = torch.full((total,), -1, dtype=torch.long)
+    for index, (pairs, spans) in enumerate(runs.values()):
+        for a, b in spans:
+            slots[a:b] = index
         if len(spans) == 1 and spans[0] == (0, total):
             segments.append(LoraSegment(pairs, None))
             continue
         rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
         segments.append(LoraSegment(pairs, rows))
-    return LoraBatch(segments)
+    return LoraBatch(segments, slots.to(device))

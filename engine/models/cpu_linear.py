@@ -32,10 +32,14 @@ ALWAYS = 1 << 62  # max_rows: the kernel for every row count
 
 
 def kernels_unavailable(kind: str) -> str | None:
-    """None when the C++ linear kernels of `kind` ("bf16" or "int8") run here, else why not."""
+    """None when the C++ linear kernels of `kind` ("bf16", "int8" or "f32") run here, else why not."""
     reason = cpu_kernels.load()
     if reason is not None:
         return reason
+    if kind == "f32":
+        if not hasattr(torch.ops.tokenmill, "gemv_f32_supported"):
+            return "the float32 linear kernel did not compile here (see the build's warning)"
+        return None if torch.ops.tokenmill.gemv_f32_supported() else "this CPU lacks AVX2/FMA"
     if not hasattr(torch.ops.tokenmill, "gemv_supported"):
         return "the linear kernels did not compile here (see the build's warning)"
     if not cpu_supports(kind):
@@ -99,6 +103,38 @@ class GemvLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, max_rows={self.max_rows}, "
                 f"interleave={self.interleave}")
+
+
+class GemvF32Linear(nn.Module):
+    """float32 y = x W^T + b: the AVX2 kernel (engine/csrc/cpu_gemv_f32.cpp) up to max_rows rows, where
+    it streams the weight once and MKL re-reads it per call; MKL's F.linear above. It keeps both
+    layouts, so twice the weight memory. x: [..., in_features] float32."""
+
+    interleave = False  # no fused activation: the MLP applies silu(gate) * up to the product
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.max_rows = max_rows
+        self.packed = torch.ops.tokenmill.gemv_pack_f32(weight.detach())  # [Nb, K, 8]
+        self.weight = weight.detach()  # [N, K], for F.linear above max_rows
+        self.bias = None if bias is None else bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _rows(x, self.in_features) <= self.max_rows:
+            return torch.ops.tokenmill.gemv_f32(x, self.packed, self.out_features, self.in_features, self.bias)
+        return self._large(x)
+
+    def _large(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes one call reads at decode sizes (the kernel's layout, padded to whole blocks)."""
+        return self.packed.numel() * 4
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, max_rows={self.max_rows}"
 
 
 class Int8Linear(nn.Module):

@@ -3,7 +3,8 @@
 The Python layers make about 13 calls a layer (norms, linears, rotary, the KV store, the attention
 kernels, views), ~400 for a 30-layer model: 2-3 ms of interpreter and dispatcher time a step, a fifth
 of a batch-1 decode step. `FusedDecode` hands the same work to one C++ loop that makes the same calls
-to the same kernels in the same order, so outputs are bit-identical to the Python layers. It applies
+to the same kernels in the same order, so outputs are bit-identical to the Python layers (LoRA deltas
+included, in float32: the same tokenmill::lora_add_ calls the Python layers make). It applies
 to decode-only steps on the `cpu` attention backend whose linears all run as one kernel each at the
 step's row count (an INT8 weight past its kernel's rows is dequantized in Python: that step keeps the
 Python layers). What each linear runs is decided per row count, once (`_plan`).
@@ -16,15 +17,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.models.cpu_linear import GemvLinear, Int8Linear
+from engine.lora.batch import kernel_available
+from engine.models.cpu_linear import GemvF32Linear, GemvLinear, Int8Linear
 from engine.models.invariant_linear import TiledLinear
 from engine.models.layers import ForwardContext
 from engine.models.packed_linear import PackedLinear
 
 # cpu_decode.cpp Kind and Slot: how a linear runs; per layer, the optional tensors in this order.
-PLAIN, ONEDNN, GEMV, GEMV_SILU = 0, 1, 2, 3
+PLAIN, ONEDNN, GEMV, GEMV_SILU, GEMV_F32 = 0, 1, 2, 3, 4
 LAYER_SLOTS = ("in_norm", "post_norm", "q_norm", "k_norm", "qkv_w", "qkv_scales", "qkv_bias", "o_w", "o_scales",
                "o_bias", "gu_w", "gu_scales", "gu_bias", "down_w", "down_scales", "down_bias")  # fmt: skip
+LORA_MODULES = ("qkv", "o", "gate_up", "down")  # the adapted linears of a layer, in cpu_decode.cpp's order
 
 
 @dataclass(frozen=True)
@@ -67,15 +70,27 @@ class FusedDecode:
         """(x, residual) after the last layer, as the Python loop leaves them; None when this step is
         not one the C++ loop takes. x: [B, hidden] embeddings; ctx.cos/sin set."""
         meta = ctx.meta
-        if ctx.lora is not None:  # adapter deltas go inside the linears: the Python layers add them
+        lora = ctx.lora
+        # adapter deltas go inside the linears: the C++ loop adds them with tokenmill::lora_add_
+        # (float32); otherwise the Python layers do
+        if lora is not None and (x.dtype != torch.float32 or not kernel_available()):
             return None
         if ctx.backend.name != "cpu" or getattr(meta, "prefills", True) or meta.num_decodes != x.shape[0]:
             return None
         plan = self._plans.get(x.shape[0], False)
         if plan is False:
             plan = self._plans[x.shape[0]] = self._plan(x.shape[0])
-        if plan is None:
+        if plan is None or (lora is not None and GEMV_SILU in plan.kinds):
             return None
+        lora_a: list[torch.Tensor] = []
+        lora_bt: list[torch.Tensor] = []
+        if lora is not None:  # per layer, per linear, per segment (cpu_decode.cpp Lora)
+            for index in range(len(self.layers)):
+                layer = lora.layer(index)
+                for module in LORA_MODULES:
+                    a, bt = layer.pairs_of(module)
+                    lora_a += a
+                    lora_bt += bt
         nd = meta.num_decodes
         k_caches = [k for k, _ in ctx.kv_caches]
         v_caches = [v for _, v in ctx.kv_caches]
@@ -83,6 +98,7 @@ class FusedDecode:
             x, ctx.cos, ctx.sin, k_caches, v_caches, meta.slot_mapping, meta.decode_gather.view(nd, -1),
             meta.decode_lens, meta.block_size, meta.decode_ctx, self.scale, plan.weights, plan.kinds, plan.shapes,
             self.heads, self.kv_heads, self.head_dim, self.eps, self.fused_norm, self.qk_norm,
+            lora_a, lora_bt, None if lora is None else lora.slots, 0 if lora is None else len(lora.segments),
         )  # fmt: skip
         return out[0], out[1]
 
@@ -120,6 +136,10 @@ def _linear(mod: nn.Module, rows: int, silu: bool) -> _Linear | None:
             return _Linear(GEMV_SILU if silu else GEMV, mod.packed, None, mod.bias, mod.out_features, mod.in_features)
         if mod.large is not None:
             return _plain_or_packed(mod.large)
+        return _Linear(PLAIN, mod.weight, None, mod.bias, mod.out_features, mod.in_features)
+    if isinstance(mod, GemvF32Linear):  # silu: the C++ loop applies silu(gate) * up to the product
+        if rows <= mod.max_rows:
+            return _Linear(GEMV_F32, mod.packed, None, mod.bias, mod.out_features, mod.in_features)
         return _Linear(PLAIN, mod.weight, None, mod.bias, mod.out_features, mod.in_features)
     if isinstance(mod, TiledLinear):  # batch-invariant mode: one oneDNN call up to its call_rows only
         return _plain_or_packed(mod.inner) if rows <= mod.call_rows else None

@@ -18,8 +18,9 @@ require_cpu_kernels()
 
 # (dtype, engine overrides): each linear kind the plan can pick at some row count.
 VARIANTS = {
-    "f32-plain": ("float32", {}),
+    "f32-plain": ("float32", {"cpu_gemv": "off"}),
     "f32-gemv": ("float32", {"cpu_gemv": "on"}),
+    "f32-auto": ("float32", {}),
     "bf16-packed": ("bfloat16", {"cpu_gemv": "off"}),
     "bf16-gemv": ("bfloat16", {"cpu_gemv": "on"}),
     "int8": ("float32", {"quantization": "int8", "cpu_gemv": "on"}),

@@ -60,11 +60,19 @@ def test_not_a_model_folder(tmp_path):
 
 
 def test_tied_embeddings_share_the_embedding_matrix(build_model):
-    engine = make_engine(build_model("tiny-qwen3"))  # float32: no packed copy of the head
+    path = build_model("tiny-qwen3")
+    engine = make_engine(path, cpu_gemv="off")  # float32 on F.linear: no copy of the head at all
     model = engine.runner.model
     assert model.tie_word_embeddings and model.lm_head is None
     hidden = torch.randn(3, model.config.hidden_size)
     torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.model.embed_tokens.weight.T)
+    # with the float32 kernel the head is its packed layout of the same matrix (its F.linear path
+    # reads the embedding itself, not a copy)
+    model = make_engine(path).runner.model
+    if model.lm_head is not None:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    torch.testing.assert_close(model.compute_logits(hidden), hidden @ model.model.embed_tokens.weight.T,
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rope", [

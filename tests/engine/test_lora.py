@@ -284,3 +284,36 @@ def test_a_refused_startup_adapter_stops_the_engine_naming_it(llama, tmp_path):
     path, _, good = llama
     with pytest.raises(LoraFilesMissing, match="lora module 'bad'"):
         lora_engine(path, {"good": good, "bad": tmp_path / "missing"})
+
+
+def test_mixed_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family):
+    """float32: a decode step with adapter rows goes through the C++ layer loop (engine/csrc/cpu_decode.cpp,
+    which adds the deltas with tokenmill::lora_add_) and gives the Python layers' log-probabilities
+    bit for bit."""
+    path, adapters, prompts, refs = family
+    names = [None, *adapters]
+    jobs = [(p, n) for p in prompts for n in names]
+
+    def go(fused: bool):
+        engine = lora_engine(path, adapters, fused_decode=fused)
+        taken = []
+        if fused:
+            inner = engine.runner.model.model.fused_decode.run
+
+            def counted(x, ctx):
+                out = inner(x, ctx)
+                taken.append(out is not None and ctx.lora is not None)
+                return out
+
+            engine.runner.model.model.fused_decode.run = counted
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, lora_name=n, logprobs=2) for _, n in jobs]
+        res = engine.generate([list(p) for p, _ in jobs], params)
+        return [r.token_ids for r in res], [[(lp.logprob, lp.top) for lp in r.logprobs] for r in res], sum(taken)
+
+    want_tokens, want_lps, _ = go(False)
+    got_tokens, got_lps, lora_steps = go(True)
+    assert got_tokens == want_tokens
+    assert got_lps == want_lps
+    assert lora_steps >= MAX_TOKENS - 2  # the adapter rows' decode steps took the C++ loop
+    for (_, name), out, i in zip(jobs, got_tokens, [i for i in range(len(prompts)) for _ in names], strict=True):
+        assert out == refs[name][i], (name, i)
