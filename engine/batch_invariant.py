@@ -14,7 +14,11 @@ mode every kernel of a step reduces each row in one fixed order:
   per weight shape at start-up (`rows_agree`); a shape that fails it takes the C++ small-batch kernel
   (engine/csrc/cpu_gemv.cpp) at every row count instead, invariant by construction: each output
   element is one float32 chain of vdpbf16ps over the input columns in order, whatever row tile,
-  column block or thread computes it. INT8 weights: their C++ kernel at every row count (the same
+  column block or thread computes it. Below oneDNN, for the few rows of a decode step, the C++ kernel
+  that sums in oneDNN's own order (`tokenmill::gemv_blocked`: per 32 columns an even and an odd chain,
+  as AMX's tdpbf16ps sums them) where `kernel_agrees` finds its bits equal to oneDNN's for the shape
+  (on random and on cancelling inputs): as fast as the default's kernel for a one-row step, and the
+  same bits as oneDNN gives the row in any batch. INT8 weights: their C++ kernel at every row count (the same
   argument, vpdpwssd). float32 weights: `F.linear` one row at a time (`RowLinear`; MKL's float32
   products change rows with the batch too).
 - Attention: every query row, prefill or decode, through the paged decode kernel
@@ -35,9 +39,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.invariant_linear import CALL_ROWS, RowLinear, TiledLinear, rows_agree
+from engine.models.invariant_linear import CALL_ROWS, RowLinear, TiledLinear, kernel_agrees, rows_agree
 
-__all__ = ["CALL_ROWS", "RowLinear", "TiledLinear", "row_linears", "rows_agree", "unsupported"]
+__all__ = ["CALL_ROWS", "RowLinear", "TiledLinear", "kernel_agrees", "row_linears", "rows_agree", "unsupported"]
 
 
 def unsupported(device: torch.device, attention_backend: str) -> str | None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.batch_invariant import CALL_ROWS, RowLinear, TiledLinear, row_linears, rows_agree
+from engine.batch_invariant import CALL_ROWS, RowLinear, TiledLinear, kernel_agrees, row_linears, rows_agree
 from engine.config import EngineConfig
 from engine.models.cpu_linear import (
     ALWAYS,
@@ -99,14 +99,19 @@ def _invariant(model: LlamaForCausalLM, config: EngineConfig, device: torch.devi
     if device.type != "cpu":
         raise ValueError(f"deterministic runs on the CPU only (device is {device})")
     if config.quantization is None and dtype == torch.float32:
+        reason = "cpu_gemv is 'off'" if config.cpu_gemv == "off" else kernels_unavailable("f32")
+        if reason is None:  # one float32 chain per output in column order, whatever the rows: invariant
+            model.replace_linears(lambda weight, bias, role: GemvF32Linear(weight, bias, ALWAYS))
+            return WeightsReport(False, None, "deterministic (float32 kernel, all rows)", _weight_bytes(model))
         row_linears(model)
-        return WeightsReport(False, None, "off (float32: one-row products, deterministic)", _weight_bytes(model))
+        return WeightsReport(False, None, f"off (float32: one-row products, deterministic; {reason})",
+                             _weight_bytes(model))
     if config.quantization is None and dtype != torch.bfloat16:
         raise ValueError(f"deterministic supports float32 and bfloat16 on the CPU, not {dtype}")
     kind = "int8" if config.quantization == "int8" else "bf16"
     reason = kernels_unavailable(kind)
     if kind == "bf16" and packing_supported(device, dtype):
-        return _tiled(model, reason)
+        return _tiled(model, config, reason)
     if reason is not None:
         raise ValueError(f"deterministic needs the C++ {kind} linear kernels: {reason}")
     forced = dataclasses.replace(config, cpu_gemv="on")  # every row count on the kernel
@@ -115,10 +120,12 @@ def _invariant(model: LlamaForCausalLM, config: EngineConfig, device: torch.devi
     return _bf16(model, forced, onednn=False)
 
 
-def _tiled(model: LlamaForCausalLM, gemv_reason: str | None) -> WeightsReport:
+def _tiled(model: LlamaForCausalLM, config: EngineConfig, gemv_reason: str | None) -> WeightsReport:
     """bf16 in the mode: oneDNN in calls of at most CALL_ROWS rows where the start-up check finds rows
-    unchanged by the batch for the weight's shape, else the C++ kernel at every row count."""
+    unchanged by the batch for the weight's shape (and below them the C++ kernel that sums in oneDNN's
+    order, where its bits are oneDNN's: small_rows), else the C++ kernel at every row count."""
     agree: dict[tuple, bool] = {}
+    small: dict[tuple, int] = {}
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None, role: str) -> nn.Module:
         lin = TiledLinear(weight, bias)
@@ -126,6 +133,11 @@ def _tiled(model: LlamaForCausalLM, gemv_reason: str | None) -> WeightsReport:
         if key not in agree:
             agree[key] = rows_agree(lin, lin.in_features, torch.bfloat16)
         if agree[key]:
+            if key not in small:
+                small[key] = _small_rows(lin, weight, config, gemv_reason)
+            if small[key]:
+                lin.use_kernel(weight)
+                lin.kernel_rows = small[key]
             return lin
         if gemv_reason is not None:
             raise ValueError(f"deterministic: oneDNN's rows change with the batch for a {tuple(weight.shape)} "
@@ -133,9 +145,37 @@ def _tiled(model: LlamaForCausalLM, gemv_reason: str | None) -> WeightsReport:
         return GemvLinear(weight, bias, ALWAYS, CALL_ROWS, role == "gate_up", onednn=False)
 
     model.replace_linears(make)
-    plan = "; ".join(f"{n}x{k}: {'oneDNN, <= 32 rows a call' if ok else 'kernel, all rows'}"
-                     for (n, k, _, _), ok in agree.items())
+
+    def describe(key: tuple, ok: bool) -> str:
+        n, k = key[0], key[1]
+        if not ok:
+            return f"{n}x{k}: kernel, all rows"
+        rows = small.get(key, 0)
+        return f"{n}x{k}: oneDNN, <= 32 rows a call" + (f", its order in the kernel <= {rows} rows" if rows else "")
+
+    plan = "; ".join(describe(key, ok) for key, ok in agree.items())
     return WeightsReport(True, None, f"deterministic ({plan})", _weight_bytes(model))
+
+
+def _small_rows(lin: TiledLinear, weight: torch.Tensor, config: EngineConfig, gemv_reason: str | None) -> int:
+    """Rows up to which the mode runs `lin` on gemv_blocked: 0 without the kernels, with cpu_gemv "off",
+    or where its bits are not oneDNN's for this shape; else all CALL_ROWS ("on") or timed ("auto"). The
+    timing cannot change a result: below and above the limit every row has the same bits."""
+    if gemv_reason is not None or config.cpu_gemv == "off":
+        return 0
+    ok = kernel_agrees(lin, weight)
+    lin.gemv_packed = None  # kept only where it is used (use_kernel again)
+    if not ok:
+        log.info("deterministic: the kernel's sums are not oneDNN's for a %s weight; oneDNN at every row count",
+                 tuple(weight.shape))
+        return 0
+    if config.cpu_gemv == "on":
+        return CALL_ROWS
+    lin.use_kernel(weight)
+    with torch.inference_mode():
+        rows = measure_max_rows(lin.kernel, lin.inner, lin.in_features, torch.bfloat16, CALL_ROWS)
+    lin.gemv_packed = None
+    return rows
 
 
 def _bf16(model: LlamaForCausalLM, config: EngineConfig, onednn: bool) -> WeightsReport:

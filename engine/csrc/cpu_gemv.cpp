@@ -81,6 +81,7 @@ struct Job {
   void* out;  // [m, out_cols], bf16 or float32
   bool out_bf16;
   int64_t out_cols;
+  bool blocked = false;  // bf16 sums in oneDNN's AMX order (tile_bf16_blocked), not one chain per output
 };
 
 TM_AVX512 inline int32_t pair_at(const uint16_t* row, int64_t p) {
@@ -104,6 +105,43 @@ TM_AVX512 inline void tile_bf16(const Job& j, int64_t m0, int64_t b0, __m512 (&a
       const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair_at(j.x + (m0 + r) * j.g.k2, p)));
       for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], reinterpret_cast<__m512bh>(wv[b]), xb);
     }
+  }
+}
+
+// The same product summed in the order oneDNN's AMX GEMM (tdpbf16ps) sums it, as measured on a Xeon
+// (docs/ENGINE.md, "batch-invariant mode"): per 32 input columns (16 pairs, one AMX tile row), the even
+// columns' products in one float32 chain and the odd columns' in another, each from zero, then
+// acc += (even + odd). vdpbf16ps adds a pair's odd product, then its even one, into one register: with
+// the other half of x's pair zeroed, one instruction adds just the even (or just the odd) product, so
+// each chain costs one vdpbf16ps per pair: twice the one-chain kernel's arithmetic, the same weight
+// reads. Rows of x in tiles of at most 2 (three accumulator sets of 2 x NB registers, plus weights).
+template <int R>
+TM_AVX512 inline void tile_bf16_blocked(const Job& j, int64_t m0, int64_t b0, __m512 (&acc)[R][NB]) {
+  static_assert(R <= 2, "three accumulator sets: at most 2 rows a tile");
+  const int64_t kp = j.g.k2 / 2;
+  const uint16_t* w = static_cast<const uint16_t*>(j.w) + b0 * kp * 32;
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t p0 = 0; p0 < kp; p0 += 16) {
+    __m512 even[R][NB], odd[R][NB];
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) even[r][b] = odd[r][b] = _mm512_setzero_ps();
+    const int64_t p1 = std::min(kp, p0 + 16);
+    for (int64_t p = p0; p < p1; ++p) {
+      __m512i wv[NB];
+      for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_si512(w + (b * kp + p) * 32);
+      for (int r = 0; r < R; ++r) {
+        const int32_t pair = pair_at(j.x + (m0 + r) * j.g.k2, p);  // little-endian: column 2p in the low half
+        const __m512bh xe = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair & 0xFFFF));
+        const __m512bh xo = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(pair & 0xFFFF0000u)));
+        for (int b = 0; b < NB; ++b) {
+          even[r][b] = _mm512_dpbf16_ps(even[r][b], reinterpret_cast<__m512bh>(wv[b]), xe);
+          odd[r][b] = _mm512_dpbf16_ps(odd[r][b], reinterpret_cast<__m512bh>(wv[b]), xo);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_add_ps(acc[r][b], _mm512_add_ps(even[r][b], odd[r][b]));
   }
 }
 
@@ -240,6 +278,12 @@ TM_AVX512 void tile(const Job& j, int64_t m0, int64_t b0) {
   __m512 acc[R][NB];
   if (j.w_scale) {
     tile_int8<R>(j, m0, b0, acc);
+  } else if constexpr (R <= 2) {
+    if (j.blocked) {
+      tile_bf16_blocked<R>(j, m0, b0, acc);
+    } else {
+      tile_bf16<R>(j, m0, b0, acc);
+    }
   } else {
     tile_bf16<R>(j, m0, b0, acc);
   }
@@ -252,6 +296,11 @@ TM_AVX512 void run_chunks(const Job& j, int64_t c0, int64_t c1) {
   for (int64_t c = c0; c < c1; ++c) {
     const int64_t b0 = c * NB;
     int64_t m0 = 0;
+    if (j.blocked) {  // tiles of at most 2 rows (tile_bf16_blocked)
+      for (; m0 + 2 <= j.m; m0 += 2) tile<2>(j, m0, b0);
+      if (m0 < j.m) tile<1>(j, m0, b0);
+      continue;
+    }
     for (; m0 + MR <= j.m; m0 += MR) tile<MR>(j, m0, b0);
     switch (j.m - m0) {
       case 3: tile<3>(j, m0, b0); break;
@@ -451,7 +500,7 @@ at::Tensor x_rows(const at::Tensor& x2d, int64_t k2, bool int8, at::Tensor* scal
 }
 
 at::Tensor call(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales, int64_t n,
-                int64_t k, const c10::optional<at::Tensor>& bias, bool silu) {
+                int64_t k, const c10::optional<at::Tensor>& bias, bool silu, bool blocked = false) {
   const bool int8 = packed.scalar_type() == at::kChar;
   TORCH_CHECK(supported(int8 ? "int8" : "bf16"), "gemv: this CPU lacks the AVX-512 instructions these kernels use");
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k, "gemv: x must be a CPU tensor [..., K]");
@@ -481,7 +530,7 @@ at::Tensor call(const at::Tensor& x, const at::Tensor& packed, const c10::option
   const Job j{reinterpret_cast<const uint16_t*>(rows.data_ptr()), x2d.size(0),
               int8 ? x_scale.data_ptr<float>() : nullptr, packed.data_ptr(),
               int8 ? scales->data_ptr<float>() : nullptr, bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
-              g, silu, out.data_ptr(), x.scalar_type() == at::kBFloat16, out_cols};
+              g, silu, out.data_ptr(), x.scalar_type() == at::kBFloat16, out_cols, blocked};
   run(j);
   return out;
 }
@@ -494,6 +543,15 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, const c10::option
 at::Tensor gemv_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales,
                          int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
   return call(x, packed, scales, n, k, bias, true);
+}
+
+// y = x W^T + b for a bf16 weight, summed in oneDNN's AMX order (tile_bf16_blocked): the batch-invariant
+// mode's small-batch product, bit-identical to oneDNN's where the start-up check finds it so.
+at::Tensor gemv_blocked(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t k,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16,
+              "gemv_blocked: bf16 x and a bf16 packed weight");
+  return call(x, packed, c10::nullopt, n, k, bias, false, true);
 }
 
 bool gemv_supported(c10::string_view kind) { return supported(std::string(kind)); }
@@ -528,6 +586,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("gemv_pack_int8(Tensor q, Tensor scales, bool interleave) -> (Tensor, Tensor)");
   m.def("gemv(Tensor x, Tensor packed, Tensor? scales, int n, int k, Tensor? bias) -> Tensor");
   m.def("gemv_silu_mul(Tensor x, Tensor packed, Tensor? scales, int n, int k, Tensor? bias) -> Tensor");
+  m.def("gemv_blocked(Tensor x, Tensor packed, int n, int k, Tensor? bias) -> Tensor");
   m.def("gemv_unpack(Tensor packed, Tensor? scales, int n, int k, bool interleave, ScalarType dtype) -> Tensor");
   m.def("read_sum(Tensor buf) -> int");
   m.impl("gemv_supported", c10::DispatchKey::CatchAll, TORCH_FN(gemv_supported));
@@ -535,6 +594,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.impl("gemv_pack_int8", c10::DispatchKey::CPU, TORCH_FN(gemv_pack_int8));
   m.impl("gemv", c10::DispatchKey::CPU, TORCH_FN(gemv));
   m.impl("gemv_silu_mul", c10::DispatchKey::CPU, TORCH_FN(gemv_silu_mul));
+  m.impl("gemv_blocked", c10::DispatchKey::CPU, TORCH_FN(gemv_blocked));
   m.impl("gemv_unpack", c10::DispatchKey::CPU, TORCH_FN(gemv_unpack));
   m.impl("read_sum", c10::DispatchKey::CPU, TORCH_FN(read_sum));
 }

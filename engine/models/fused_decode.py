@@ -24,7 +24,7 @@ from engine.models.layers import ForwardContext
 from engine.models.packed_linear import PackedLinear
 
 # cpu_decode.cpp Kind and Slot: how a linear runs; per layer, the optional tensors in this order.
-PLAIN, ONEDNN, GEMV, GEMV_SILU, GEMV_F32 = 0, 1, 2, 3, 4
+PLAIN, ONEDNN, GEMV, GEMV_SILU, GEMV_F32, GEMV_BLOCKED = 0, 1, 2, 3, 4, 5
 LAYER_SLOTS = ("in_norm", "post_norm", "q_norm", "k_norm", "qkv_w", "qkv_scales", "qkv_bias", "o_w", "o_scales",
                "o_bias", "gu_w", "gu_scales", "gu_bias", "down_w", "down_scales", "down_bias")  # fmt: skip
 LORA_MODULES = ("qkv", "o", "gate_up", "down")  # the adapted linears of a layer, in cpu_decode.cpp's order
@@ -142,6 +142,8 @@ def _linear(mod: nn.Module, rows: int, silu: bool) -> _Linear | None:
             return _Linear(GEMV_F32, mod.packed, None, mod.bias, mod.out_features, mod.in_features)
         return _Linear(PLAIN, mod.weight, None, mod.bias, mod.out_features, mod.in_features)
     if isinstance(mod, TiledLinear):  # batch-invariant mode: one oneDNN call up to its call_rows only
+        if rows <= mod.kernel_rows:  # below that the kernel in oneDNN's order (same bits)
+            return _Linear(GEMV_BLOCKED, mod.gemv_packed, None, mod.bias, mod.out_features, mod.in_features)
         return _plain_or_packed(mod.inner) if rows <= mod.call_rows else None
     return _plain_or_packed(mod)
 

@@ -1,7 +1,10 @@
 """Linears whose rows do not depend on the batch (batch-invariant mode, engine/batch_invariant.py).
 
 `TiledLinear` (bf16): oneDNN's packed product in calls of at most CALL_ROWS rows, within which oneDNN
-computes each row as it computes it alone (checked per weight shape by `rows_agree` at start-up).
+computes each row as it computes it alone (checked per weight shape by `rows_agree` at start-up), and
+up to `kernel_rows` rows the C++ kernel that sums in oneDNN's own order (`tokenmill::gemv_blocked`),
+where the start-up check `kernel_agrees` finds its bits equal to oneDNN's: a one-row decode then reads
+the weight as fast as the default's small-batch kernel, with the bits the row has in a prefill chunk.
 `RowLinear` (float32): `F.linear` one row at a time.
 """
 
@@ -47,16 +50,29 @@ class TiledLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.call_rows = call_rows
         self.packed, self.bias = self.inner.packed, self.inner.bias  # read by the C++ layer loop
+        self.kernel_rows = 0  # up to this many rows: gemv_blocked (use_kernel); 0: oneDNN only
+        self.gemv_packed: torch.Tensor | None = None  # the kernel's layout (cpu_gemv.cpp), once used
+
+    def use_kernel(self, weight: torch.Tensor) -> None:
+        """Keep the kernel's layout of `weight` too (twice the weight bytes); kernel_rows is set apart."""
+        self.gemv_packed = torch.ops.tokenmill.gemv_pack_bf16(weight.detach().contiguous(), False)
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """The C++ product in oneDNN's order (whatever kernel_rows says). x: [..., in_features] bf16."""
+        return torch.ops.tokenmill.gemv_blocked(x, self.gemv_packed, self.out_features, self.in_features, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, K]
+        if rows.shape[0] <= self.kernel_rows:
+            return self.kernel(x)
         if rows.shape[0] <= self.call_rows:
             return self.inner(x)
         parts = [self.inner(rows[i : i + self.call_rows]) for i in range(0, rows.shape[0], self.call_rows)]
         return torch.cat(parts).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, call_rows={self.call_rows}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, call_rows={self.call_rows}, "
+                f"kernel_rows={self.kernel_rows}")
 
 
 def rows_agree(lin: nn.Module, in_features: int, dtype: torch.dtype, rows: int = CALL_ROWS) -> bool:
@@ -67,3 +83,36 @@ def rows_agree(lin: nn.Module, in_features: int, dtype: torch.dtype, rows: int =
     with torch.inference_mode():
         alone = torch.cat([lin(x[i : i + 1]) for i in range(rows)])
         return all(torch.equal(lin(x[:m]), alone[:m]) for m in range(2, rows + 1))
+
+
+def cancelling_inputs(rows: int, in_features: int, out_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [rows, K], W [N, K]) in bf16 whose products nearly cancel: x = [u, u], W = [a, -a(1 + e)] with
+    |e| ~ 2^-9, so each output is small against its partial sums and any change in the order they are
+    summed in shows in most outputs' bf16 bits (random inputs show it in ~1 of 10^4)."""
+    g = torch.Generator().manual_seed(seed)
+    half = in_features // 2
+    a = torch.randn(out_features, half, generator=g) * 0.05
+    e = torch.randn(out_features, half, generator=g) * 2.0**-9
+    w = torch.cat([a, -a * (1 + e), torch.zeros(out_features, in_features - 2 * half)], 1)
+    u = torch.randn(rows, half, generator=g)
+    x = torch.cat([u, u, torch.zeros(rows, in_features - 2 * half)], 1)
+    return x.bfloat16(), w.bfloat16()
+
+
+def kernel_agrees(lin: TiledLinear, weight: torch.Tensor, rows: int = CALL_ROWS) -> bool:
+    """Whether gemv_blocked gives oneDNN's bits for `weight`'s shape: 1 and `rows` rows, on random inputs
+    and on cancelling ones (a weight of the same shape), against lin's oneDNN product (rows_agree
+    passed: oneDNN's rows do not change within `rows`). The start-up check before use_kernel."""
+    n, k = weight.shape
+    g = torch.Generator().manual_seed(1)
+    cases = [(torch.randn(rows, k, generator=g).bfloat16(), lin)]
+    x, w = cancelling_inputs(rows, k, n)
+    probe = TiledLinear(w, None if lin.bias is None else torch.zeros_like(lin.bias), lin.call_rows)
+    cases.append((x, probe))
+    with torch.inference_mode():
+        for x, tiled in cases:
+            tiled.use_kernel(w if tiled is probe else weight)
+            for m in (1, rows):
+                if not torch.equal(tiled.kernel(x[:m]), tiled.inner(x[:m])):
+                    return False
+    return True

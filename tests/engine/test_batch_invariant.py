@@ -105,12 +105,12 @@ def references(tiny):
 
 
 def _cases(bf16: list, f32: list) -> list:
-    """(dtype, value) parameters: every value in bf16 (the mode's reason to be), a few in float32 (its
-    one-row linears are slow on a tiny model)."""
+    """(dtype, value) parameters: every value in bf16 (the mode's reason to be) and in float32 (what a
+    CPU without AVX-512 BF16 serves in; its kernel takes every row count in the mode)."""
     return [pytest.param("bfloat16", v, marks=needs_bf16) for v in bf16] + [("float32", v) for v in f32]
 
 
-@pytest.mark.parametrize("dtype,batch", _cases([2, 8, 32], [32]))
+@pytest.mark.parametrize("dtype,batch", _cases([2, 8, 32], [2, 8, 32]))
 def test_batches_with_shuffled_neighbours_match_one_request_runs(tiny, references, dtype, batch):
     prompts, params, want = references(dtype)
     engine = _engine(tiny, dtype, enable_prefix_caching=False)
@@ -128,7 +128,7 @@ def test_prefix_cache_hits_match(tiny, references, dtype):
     assert first == want and again == want
 
 
-@pytest.mark.parametrize("dtype,budget", _cases([16, 64, 512], [16]))
+@pytest.mark.parametrize("dtype,budget", _cases([16, 64, 512], [16, 64, 512]))
 def test_prefill_chunk_sizes_match(tiny, references, dtype, budget):
     prompts, params, want = references(dtype)
     engine = _engine(tiny, dtype, max_num_batched_tokens=budget)
@@ -145,9 +145,8 @@ def test_forced_preemption_matches(tiny, references, dtype):
     assert got == want
 
 
-@needs_bf16
-def test_speculative_verification_matches(tiny, references):
-    dtype = "bfloat16"
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_speculative_verification_matches(tiny, references, dtype):
     prompts, params, want = references(dtype)
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
                                         "prompt_lookup_max": 3, "prompt_lookup_min": 1})  # fmt: skip
@@ -193,6 +192,67 @@ def test_tiled_onednn_rows_do_not_depend_on_the_batch():
         assert torch.equal(lin(x[:m]), alone[:m])
     untiled = PackedLinear(w, None, 32)
     assert not all(torch.equal(untiled(x[:m]), alone[:m]) for m in (33, 100, 300))
+
+
+AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+@pytest.mark.skipif(not (BF16 and AMX), reason="oneDNN sums in AMX's order only on a CPU with AMX-BF16")
+@pytest.mark.parametrize("shape", [(576, 576), (960, 576), (3072, 576), (576, 1536), (100, 200)])
+def test_blocked_kernel_gives_onednns_bits(shape):
+    """gemv_blocked sums as oneDNN's AMX GEMM does (per 32 columns an even and an odd chain): the same
+    bits at 1..32 rows on random and on cancelling inputs, where the one-chain kernel differs in many."""
+    from engine.batch_invariant import TiledLinear, kernel_agrees
+    from engine.models.invariant_linear import cancelling_inputs
+
+    n, k = shape
+    x, w = cancelling_inputs(32, k, n, seed=4)
+    lin = TiledLinear(w, None)
+    assert kernel_agrees(lin, w)
+    lin.use_kernel(w)
+    one_chain = torch.ops.tokenmill.gemv_pack_bf16(w.contiguous(), False)
+    for m in (1, 2, 3, 7, 32):
+        assert torch.equal(lin.kernel(x[:m]), lin.inner(x[:m]))
+    differing = (ops.gemv(x, one_chain, None, n, k, None) != lin.inner(x)).sum().item()
+    assert differing > x.shape[0]  # what the check would catch if the kernel summed in its own order
+
+
+@needs_bf16
+def test_the_modes_small_batch_kernel_changes_no_bit(tiny):
+    """In the mode, the kernel in oneDNN's order for every call of up to 32 rows (cpu_gemv "on") or for
+    none ("off") gives the same tokens and log-probabilities, alone and batched; where it cannot give
+    oneDNN's bits (kernel_agrees fails) the mode keeps oneDNN (kernel_rows 0)."""
+    from engine.batch_invariant import TiledLinear
+
+    runs = {}
+    prompts = [list(range(10 + i, 40 + 3 * i)) for i in range(6)]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, logprobs=3) for _ in prompts]
+    for mode in ("on", "off"):
+        engine = _engine(tiny, "bfloat16", cpu_gemv=mode)
+        rows = {m.kernel_rows for m in engine.runner.model.modules() if isinstance(m, TiledLinear)}
+        if mode == "off":
+            assert rows == {0}
+        else:  # every shape where the check passes: all of them with AMX (oneDNN's order elsewhere unknown)
+            assert rows <= {0, 32} and (rows == {32} or not AMX), rows
+        res = engine.generate(prompts, params) + engine.generate(prompts[:1], params[:1])
+        runs[mode] = [(r.token_ids, [(lp.logprob, lp.top) for lp in r.logprobs]) for r in res]
+    assert runs["on"] == runs["off"]
+
+
+def test_float32_mode_takes_the_float32_kernel_at_every_row_count(tiny):
+    from engine.models.cpu_linear import ALWAYS, GemvF32Linear
+
+    engine = _engine(tiny, "float32")
+    if not hasattr(ops, "gemv_f32_supported") or not ops.gemv_f32_supported():
+        pytest.skip("this CPU lacks AVX2/FMA (the mode keeps one-row products)")
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, GemvF32Linear)]
+    assert linears and all(m.max_rows == ALWAYS for m in linears)
+    g = torch.Generator().manual_seed(5)
+    lin = linears[0]
+    x = torch.randn(70, lin.in_features, generator=g)
+    batch = lin(x)
+    for i in (0, 33, 69):
+        assert torch.equal(batch[i], lin(x[i : i + 1])[0])
 
 
 def test_one_row_float32_linear_does_not_depend_on_the_batch():
