@@ -7,27 +7,63 @@ on top of whatever base product ran (PyTorch, oneDNN packed, the C++ GEMV, INT8)
 untouched, base-model rows cost nothing, and each adapter costs two thin products over its own rows
 (R_s <= max_lora_rank * shards, so about 2 * T_s * R_s * (in + out) flops).
 
-How: float32 on the CPU, one C++ call per linear for every segment (tokenmill::lora_add_,
-engine/csrc/cpu_lora.cpp: each row's slot says its segment); otherwise (bf16, CUDA, no kernels) per
-segment in PyTorch, gathered with index_select / index_add_ so rows need not be contiguous (a step on
-one adapter only skips both).
+How (delta_path): float32 on the CPU, one C++ call per linear for every segment
+(tokenmill::lora_add_, engine/csrc/cpu_lora.cpp: each row's slot says its segment); on CUDA, when
+Triton can build and launch kernels there, two Triton launches per linear for every segment
+(engine/lora/triton_lora.py, the same contract); otherwise (bf16 on the CPU, no kernels) per segment
+in PyTorch, gathered with index_select / index_add_ so rows need not be contiguous (a step on one
+adapter only skips both).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 
+log = logging.getLogger("tokenmill.engine")
+
 Pair = tuple[torch.Tensor, torch.Tensor]  # (A [R, in], B^T [R, out]): LoraAdapter.to
 
 
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # triton_lora.DTYPES, without importing triton
 _EMPTY = torch.empty(0)  # a segment's operands for a linear its adapter does not target
 
 
 def kernel_available() -> bool:
     """Whether the C++ delta (tokenmill::lora_add_) is loaded."""
     return hasattr(torch.ops.tokenmill, "lora_add_")
+
+
+@functools.cache  # one answer per device and process: a failed import or probe is not retried per linear
+def triton_ready(device: torch.device) -> bool:
+    """Whether the Triton delta (engine/lora/triton_lora.py) can run on the CUDA `device`: triton
+    imports, and builds and launches a kernel there (the attention backend's probe, asked once)."""
+    from engine.attention import triton_unavailable_reason
+
+    reason = triton_unavailable_reason(device)
+    if reason is None:
+        try:
+            from engine.lora import triton_lora  # noqa: F401
+        except Exception as exc:  # ImportError, or a broken install
+            reason = f"{type(exc).__name__}: {exc}"
+    if reason is not None:
+        log.warning("LoRA on %s: no Triton delta kernel (%s); the PyTorch products run", device, reason)
+    return reason is None
+
+
+def delta_path(device_type: str, dtype: torch.dtype, cpp_available: bool, triton_available: bool) -> str:
+    """Which delta LayerLora.add runs for x of `dtype` on `device_type`: "cpp" (tokenmill::lora_add_,
+    float32 on the CPU), "triton" (triton_lora.lora_add_triton, CUDA) or "torch" (per segment in
+    PyTorch, anything else). The Triton kernels run on the CPU only under the interpreter, far
+    slower than PyTorch, so the CPU never takes them."""
+    if device_type == "cpu" and dtype == torch.float32 and cpp_available:
+        return "cpp"
+    if device_type == "cuda" and triton_available and dtype in TRITON_DTYPES:
+        return "triton"
+    return "torch"
 
 
 @dataclass
@@ -60,8 +96,12 @@ class LayerLora:
     def add(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base product of x, [T, out]) plus each segment's delta on its rows, in place.
         x: [T, in]. module: qkv, o, gate_up or down."""
-        if x.dtype == torch.float32 and x.device.type == "cpu" and kernel_available():
+        on_cuda = x.device.type == "cuda"
+        path = delta_path(x.device.type, x.dtype, kernel_available(), on_cuda and triton_ready(x.device))
+        if path == "cpp":
             return self._add_kernel(module, x, y)
+        if path == "triton":
+            return self._add_triton(module, x, y)
         for pairs, rows in self.parts:
             pair = pairs.get(module)
             if pair is None:
@@ -89,6 +129,13 @@ class LayerLora:
         torch.ops.tokenmill.lora_add_(out, x.contiguous(), a_list, bt_list, self.slots)
         if out is not y:
             y.copy_(out)
+        return y
+
+    def _add_triton(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from engine.lora.triton_lora import lora_add_triton
+
+        a_list, bt_list = self.pairs_of(module)
+        lora_add_triton(y, x, a_list, bt_list, self.slots)  # takes a strided y (a fused product's split)
         return y
 
 
