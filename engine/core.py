@@ -118,6 +118,9 @@ class EngineCore:
         # CPU: picks the steps' thread count from their measured times (engine/thread_governor.py); the
         # real engine sets it, None: the count set at start-up stays
         self.thread_governor: ThreadGovernor | None = None
+        # CPU: sets the stepping thread's count to this engine's before each step (engine/thread_count.py
+        # ThreadPin; the real engine sets it); None: nothing checked
+        self.thread_pin: Callable[[], None] | None = None
         self._kv_sink = kv_event_sink
         # a batch was dropped: the next publish re-announces the whole cache (snapshot_events)
         self._kv_resync = False
@@ -277,6 +280,8 @@ class EngineCore:
         outputs = [timeout_output(req, kind) for req, kind in sched.expired]
         if sched.is_empty:
             return outputs
+        if self.thread_pin is not None:
+            self.thread_pin()
         try:
             result = self.runner.execute(sched)
         except Exception as exc:  # a failed step fails only its own requests

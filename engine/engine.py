@@ -27,7 +27,7 @@ from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerConfig
 from engine.structured import make_compiler
-from engine.thread_count import per_thread_setter
+from engine.thread_count import ThreadPin, per_thread_setter
 from engine.thread_governor import GovernorConfig, ThreadGovernor
 
 __all__ = ["Engine", "GenerationResult"]
@@ -98,11 +98,13 @@ class Engine(EngineCore):
             loras=loras,
         )
         threads = torch.get_num_threads()
-        # not in the batch-invariant mode: float32's per-row products split by thread count (MKL)
-        if config.adaptive_threads and self.device.type == "cpu" and threads > 1 and not config.deterministic:
-            setter = per_thread_setter()  # the stepping thread's count only (engine/thread_count.py)
-            if setter is not None:
-                self.thread_governor = ThreadGovernor(GovernorConfig(high=threads), setter)
+        setter = per_thread_setter() if self.device.type == "cpu" else None  # the stepping thread's count only
+        # not in the batch-invariant mode: the thread count stays the one set at start-up there
+        if setter is not None and config.adaptive_threads and threads > 1 and not config.deterministic:
+            gov = self.thread_governor = ThreadGovernor(GovernorConfig(high=threads), setter)
+            self.thread_pin = ThreadPin(setter, lambda: gov.threads)
+        elif setter is not None:
+            self.thread_pin = ThreadPin(setter, lambda: threads)
         if config.speculative is not None and config.speculative.method == "draft_model":
             from engine.draft_model import load_draft_proposer
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -65,3 +66,20 @@ def per_thread_setter() -> ThreadCountSetter | None:
     if mkl_set is not None:
         mkl_set.argtypes, mkl_set.restype = [ctypes.c_int], ctypes.c_int
     return ThreadCountSetter(omp_set, mkl_set)
+
+
+class ThreadPin:
+    """Called before each step: the stepping thread runs at the engine's own count (`count()`: the
+    governor's current one, or the count fixed at start-up). Needed because the count is the thread's,
+    not the engine's: another engine stepping on the same thread (benchmarks and tests run two side by
+    side in one thread) leaves it at its own, and a governor's probe would otherwise leak into the other
+    engine's steps. One get and, only when it differs, one set: microseconds a step."""
+
+    def __init__(self, setter: ThreadCountSetter, count: Callable[[], int]) -> None:
+        self._setter = setter
+        self._count = count
+
+    def __call__(self) -> None:
+        n = self._count()
+        if torch.get_num_threads() != n:
+            self._setter(n)

@@ -219,3 +219,35 @@ def test_no_governor_in_the_batch_invariant_mode(build_model, restore_threads):
     path = build_model("tiny-llama")
     engine = make_engine(path, cpu_threads=2, adaptive_threads=True, dtype="float32", deterministic=True)
     assert engine.thread_governor is None
+
+
+def test_two_engines_on_one_thread_each_step_at_their_own_count(build_model, restore_threads):
+    """The count is the thread's: a governed engine's probe at one thread must not leak into the steps
+    of another engine that steps on the same thread (benchmarks run two side by side), nor theirs into
+    its own: each step starts at its engine's count (ThreadPin)."""
+    from engine.thread_count import ThreadPin
+
+    torch.set_num_threads(2)
+    path = build_model("tiny-llama")
+    governed = make_engine(path, cpu_threads=2, adaptive_threads=True)
+    fixed = make_engine(path, cpu_threads=2, adaptive_threads=False)
+    assert governed.thread_governor is not None and fixed.thread_governor is None
+    seen: dict[str, list[int]] = {"governed": [], "fixed": []}
+    for name, engine in (("governed", governed), ("fixed", fixed)):
+        inner = engine.runner.execute
+
+        def execute(sched, inner=inner, name=name):
+            seen[name].append(torch.get_num_threads())
+            return inner(sched)
+
+        engine.runner.execute = execute
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    gov = governed.thread_governor
+    gov._set(1)
+    gov._chosen = 1  # as after a switch to one thread (its next probe of two is seconds away)
+    governed.generate([[11, 12, 13]], params)
+    fixed.generate([[11, 12, 13]], params)
+    governed.generate([[5, 6]], params)
+    assert seen["fixed"] and set(seen["fixed"]) == {2}
+    assert seen["governed"] and set(seen["governed"]) == {1}
+    assert isinstance(fixed.thread_pin, ThreadPin) and isinstance(governed.thread_pin, ThreadPin)
