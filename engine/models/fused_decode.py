@@ -4,7 +4,7 @@ The Python layers make about 13 calls a layer (norms, linears, rotary, the KV st
 kernels, views), ~400 for a 30-layer model: 2-3 ms of interpreter and dispatcher time a step, a fifth
 of a batch-1 decode step. `FusedDecode` hands the same work to one C++ loop that makes the same calls
 to the same kernels in the same order, so outputs are bit-identical to the Python layers (LoRA deltas
-included, in float32: the same tokenmill::lora_add_ calls the Python layers make). It applies
+included, in float32 and bf16: the same tokenmill::lora_add_ calls the Python layers make). It applies
 to decode-only steps on the `cpu` attention backend whose linears all run as one kernel each at the
 step's row count (an INT8 weight past its kernel's rows is dequantized in Python: that step keeps the
 Python layers). What each linear runs is decided per row count, once (`_plan`).
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.lora.batch import kernel_available
+from engine.lora.batch import CPP_DTYPES, kernel_available
 from engine.models.cpu_linear import GemvF32Linear, GemvLinear, Int8Linear
 from engine.models.invariant_linear import TiledLinear
 from engine.models.layers import ForwardContext
@@ -61,6 +61,7 @@ class FusedDecode:
         self.eps = layers[0].input_layernorm.eps
         self.fused_norm = layers[0].input_layernorm.fused
         self._plans: dict[int, _Plan | None] = {}  # row count -> plan (None: the Python layers)
+        self._lora_plans: dict[int, _Plan | None] = {}  # the same for steps with adapter rows (no GEMV_SILU)
 
     @staticmethod
     def available() -> bool:
@@ -72,15 +73,17 @@ class FusedDecode:
         meta = ctx.meta
         lora = ctx.lora
         # adapter deltas go inside the linears: the C++ loop adds them with tokenmill::lora_add_
-        # (float32); otherwise the Python layers do
-        if lora is not None and (x.dtype != torch.float32 or not kernel_available()):
+        # (float32, bf16); otherwise the Python layers do
+        if lora is not None and (x.dtype not in CPP_DTYPES or not kernel_available()):
             return None
         if ctx.backend.name != "cpu" or getattr(meta, "prefills", True) or meta.num_decodes != x.shape[0]:
             return None
-        plan = self._plans.get(x.shape[0], False)
+        # with adapter rows the gate/up product is a plain one (the delta goes in before the activation)
+        plans = self._plans if lora is None else self._lora_plans
+        plan = plans.get(x.shape[0], False)
         if plan is False:
-            plan = self._plans[x.shape[0]] = self._plan(x.shape[0])
-        if plan is None or (lora is not None and GEMV_SILU in plan.kinds):
+            plan = plans[x.shape[0]] = self._plan(x.shape[0], fused_act=lora is None)
+        if plan is None:
             return None
         lora_a: list[torch.Tensor] = []
         lora_bt: list[torch.Tensor] = []
@@ -102,7 +105,8 @@ class FusedDecode:
         )  # fmt: skip
         return out[0], out[1]
 
-    def _plan(self, rows: int) -> _Plan | None:
+    def _plan(self, rows: int, fused_act: bool = True) -> _Plan | None:
+        """The calls for `rows` rows; fused_act False: never the fused silu product (LoRA steps)."""
         weights: list[torch.Tensor | None] = []
         kinds: list[int] = []
         shapes: list[int] = []
@@ -111,7 +115,8 @@ class FusedDecode:
             if attn.fused_rotary is False and not self.qk_norm:
                 return None  # the in-place rotary kernel is what the C++ loop calls
             linears = [_linear(attn.qkv_proj, rows, False), _linear(attn.o_proj, rows, False),
-                       _linear(mlp.gate_up_proj, rows, mlp.fused_act), _linear(mlp.down_proj, rows, False)]  # fmt: skip
+                       _linear(mlp.gate_up_proj, rows, mlp.fused_act and fused_act),
+                       _linear(mlp.down_proj, rows, False)]  # fmt: skip
             if any(lin is None for lin in linears):
                 return None
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

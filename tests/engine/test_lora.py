@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from engine import SamplingParams
 from engine.api import InvalidParam
@@ -317,3 +318,45 @@ def test_mixed_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family):
     assert lora_steps >= MAX_TOKENS - 2  # the adapter rows' decode steps took the C++ loop
     for (_, name), out, i in zip(jobs, got_tokens, [i for i in range(len(prompts)) for _ in names], strict=True):
         assert out == refs[name][i], (name, i)
+
+
+@pytest.mark.parametrize("gemv", ["on", "off"])
+def test_bf16_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family, gemv):
+    """bf16 (what an AVX-512 BF16 CPU serves): the delta is the C++ kernel's (float32 pairs) in the
+    Python layers and in the C++ layer loop alike, which takes the adapter rows' decode steps (the
+    gate/up as a plain product, the delta, then the activation) and gives the same log-probabilities
+    bit for bit, with the small-batch kernels on and off."""
+    from engine.lora.batch import kernel_available
+
+    from .helpers import require_cpu_kernels
+
+    require_cpu_kernels()
+    if not kernel_available() or not torch.ops.tokenmill.gemv_supported("bf16") and gemv == "on":
+        pytest.skip("bf16 kernels unavailable here: this CPU lacks AVX-512 BF16")
+    path, adapters, prompts, _ = family
+    names = [None, *adapters]
+    jobs = [(p, n) for p in prompts[:4] for n in names]
+
+    def go(fused: bool):
+        engine = lora_engine(path, adapters, fused_decode=fused, dtype="bfloat16", cpu_gemv=gemv)
+        taken = []
+        if fused:
+            inner = engine.runner.model.model.fused_decode.run
+
+            def counted(x, ctx):
+                out = inner(x, ctx)
+                taken.append(out is not None and ctx.lora is not None)
+                return out
+
+            engine.runner.model.model.fused_decode.run = counted
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, lora_name=n, logprobs=2) for _, n in jobs]
+        res = engine.generate([list(p) for p, _ in jobs], params)
+        return [r.token_ids for r in res], [[(lp.logprob, lp.top) for lp in r.logprobs] for r in res], sum(taken)
+
+    want_tokens, want_lps, _ = go(False)
+    got_tokens, got_lps, lora_steps = go(True)
+    assert got_tokens == want_tokens
+    assert got_lps == want_lps
+    assert lora_steps >= MAX_TOKENS - 2
+    by_name = {n: [t for (_, m), t in zip(jobs, got_tokens, strict=True) if m == n] for n in names}
+    assert all(by_name[n] != by_name[None] for n in adapters)  # the adapters still change the output

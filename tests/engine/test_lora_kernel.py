@@ -1,4 +1,4 @@
-"""The float32 LoRA delta in one C++ call per linear (tokenmill::lora_add_, engine/lora/batch.py)
+"""The LoRA delta (float32 and bf16 rows, float32 pairs) in one C++ call per linear (tokenmill::lora_add_, engine/lora/batch.py)
 against the per-segment PyTorch form: mixed segments, base-model rows, an adapter that does not
 target the module, refused operands. The end-to-end parity with peft (tests/engine/test_lora.py) runs
 through it in float32."""
@@ -60,5 +60,29 @@ def test_kernel_refuses_bad_operands():
         op(y, x, [a], [bt], torch.tensor([0, 1]))
     with pytest.raises(RuntimeError, match="with A's rank"):
         op(y, x, [a], [torch.randn(3, OUT)], torch.tensor([0, 0]))
-    with pytest.raises(RuntimeError, match="float32"):
-        op(y.bfloat16(), x.bfloat16(), [a], [bt], torch.tensor([0, 0]))
+    with pytest.raises(RuntimeError, match="float32 or bf16"):
+        op(y.half(), x.half(), [a], [bt], torch.tensor([0, 0]))
+    with pytest.raises(RuntimeError, match="of x's dtype"):
+        op(y, x.bfloat16(), [a], [bt], torch.tensor([0, 0]))
+    with pytest.raises(RuntimeError, match="A must be contiguous float32"):
+        op(y.bfloat16(), x.bfloat16(), [a.bfloat16()], [bt.bfloat16()], torch.tensor([0, 0]))
+
+
+def test_bf16_rows_get_the_float32_delta_rounded_once():
+    """bf16 x and y with float32 pairs: each row's delta is summed in float32 on the widened row and
+    added to y's row in float32, one rounding to bf16 at the end; base rows are left as they are."""
+    g = torch.Generator().manual_seed(2)
+    a4 = _pairs(4, g)
+    batch = build_batch([(3, 1, a4), (2, 0, None)], torch.device("cpu"))
+    x = torch.randn(5, IN, generator=g).bfloat16()
+    y = torch.randn(5, OUT, generator=g).bfloat16()
+    a, bt = a4[0]["m"]
+    got = batch.layer(0).add("m", x, y.clone())
+    want = (y[:3].float() + (x[:3].float() @ a.t()) @ bt).bfloat16()
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got[:3], want, rtol=0, atol=0.02 * want.abs().max().item() / 64)
+    assert torch.equal(got[3:], y[3:])
+    # the pairs a bf16 CPU model places: float32, the kernel's operands
+    from engine.lora.batch import pair_dtype
+
+    assert pair_dtype(torch.device("cpu"), torch.bfloat16) == torch.float32
