@@ -9,10 +9,11 @@
 //
 // Why: the PyTorch form costs four dispatched ops per adapter and linear (gather the adapter's rows,
 // two thin products, scatter-add): with 4 adapters on SmolLM2-135M's 30 layers, ~2,000 ops a decode
-// step, mostly dispatch. Here one call per linear does every adapter: rows go to the threads, each row
-// computes its R_s shrink sums (dot products over `in`, contiguous) into a small buffer, then adds
-// R_s scaled rows of B^T into y (contiguous over `out`). Rows of one adapter share its matrices in
-// cache; a base-model row costs nothing.
+// step, mostly dispatch. Here one call per linear does every adapter in two phases: each row's R_s
+// shrink sums (dot products over `in`, contiguous) into a small buffer, then per block of output
+// columns each row's R_s scaled rows of B^T added into y (blocks go to the threads, so a one-row
+// decode uses them all, and a block of B^T stays in L1 across one adapter's rows). A base-model row
+// costs nothing.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -22,36 +23,69 @@
 
 namespace {
 
+constexpr int64_t COLS = 128;  // output columns per expand task: a rank-16 B^T tile of 8 KiB stays in L1
+constexpr int64_t SHRINK_GRAIN = 8;  // rows per shrink task: fewer run inline (no parallel region)
+
+// Phase 1, shrink: tmp[t, :R_s] = A_s x[t] for each adapted row, parallel over rows.
 template <typename T>
-void delta_rows(T* yp, const T* xp, int64_t rows, int64_t in, int64_t out, const int64_t* slot,
-                const std::vector<const float*>& ap, const std::vector<const float*>& bp,
-                const std::vector<int64_t>& rank, int64_t max_rank) {
-  at::parallel_for(0, rows, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> tmp(static_cast<size_t>(max_rank)), xf(static_cast<size_t>(in)), yf(static_cast<size_t>(out));
+void shrink(const T* xp, int64_t rows, int64_t in, const int64_t* slot, const std::vector<const float*>& ap,
+            const std::vector<int64_t>& rank, int64_t max_rank, float* tmp) {
+  at::parallel_for(0, rows, SHRINK_GRAIN, [&](int64_t t0, int64_t t1) {
+    std::vector<float> xf(static_cast<size_t>(in));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t s = slot[t];
       if (s < 0 || rank[s] == 0) continue;
       const T* __restrict xr = xp + t * in;
       float* __restrict xw = xf.data();
       for (int64_t c = 0; c < in; ++c) xw[c] = static_cast<float>(xr[c]);
-      for (int64_t r = 0; r < rank[s]; ++r) {  // shrink: tmp = A_s x[t]
+      for (int64_t r = 0; r < rank[s]; ++r) {
         const float* __restrict ar = ap[s] + r * in;
         float acc = 0.f;
 #pragma omp simd reduction(+ : acc)  // vectorised: the sum's order is the compiler's lanes, then theirs
         for (int64_t c = 0; c < in; ++c) acc += ar[c] * xw[c];
-        tmp[r] = acc;
+        tmp[t * max_rank + r] = acc;
       }
-      T* __restrict yr = yp + t * out;
-      float* __restrict yw = yf.data();
-      for (int64_t o = 0; o < out; ++o) yw[o] = static_cast<float>(yr[o]);
-      for (int64_t r = 0; r < rank[s]; ++r) {  // expand: y[t] += tmp B_s^T, one row of B^T at a time
-        const float v = tmp[r];
-        const float* __restrict br = bp[s] + r * out;
-        for (int64_t o = 0; o < out; ++o) yw[o] += v * br[o];
-      }
-      for (int64_t o = 0; o < out; ++o) yr[o] = static_cast<T>(yw[o]);
     }
   });
+}
+
+// Phase 2, expand: y[t, cols] += tmp[t, :R_s] B_s^T[:, cols], parallel over blocks of COLS output
+// columns (so one row's expand uses every thread too); within a block the rows in order, so a run of
+// one adapter's rows reuses its B^T tile from L1. Each output element: y, then + tmp[r] * B^T[r] for
+// r = 0..R_s-1 in float32, one store (bf16: one rounding).
+template <typename T>
+void expand(T* yp, int64_t rows, int64_t out, const int64_t* slot, const std::vector<const float*>& bp,
+            const std::vector<int64_t>& rank, int64_t max_rank, const float* tmp) {
+  const int64_t blocks = (out + COLS - 1) / COLS;
+  // at least ~32k multiply-adds a task: below that the parallel region costs more than the work
+  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, rows * max_rank * COLS));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    alignas(64) float acc[COLS];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t o0 = b * COLS, w = std::min(COLS, out - o0);
+      for (int64_t t = 0; t < rows; ++t) {
+        const int64_t s = slot[t];
+        if (s < 0 || rank[s] == 0) continue;
+        T* __restrict yr = yp + t * out + o0;
+        for (int64_t o = 0; o < w; ++o) acc[o] = static_cast<float>(yr[o]);
+        for (int64_t r = 0; r < rank[s]; ++r) {
+          const float v = tmp[t * max_rank + r];
+          const float* __restrict br = bp[s] + r * out + o0;
+          for (int64_t o = 0; o < w; ++o) acc[o] += v * br[o];
+        }
+        for (int64_t o = 0; o < w; ++o) yr[o] = static_cast<T>(acc[o]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void delta_rows(T* yp, const T* xp, int64_t rows, int64_t in, int64_t out, const int64_t* slot,
+                const std::vector<const float*>& ap, const std::vector<const float*>& bp,
+                const std::vector<int64_t>& rank, int64_t max_rank) {
+  std::vector<float> tmp(static_cast<size_t>(rows * max_rank));
+  shrink(xp, rows, in, slot, ap, rank, max_rank, tmp.data());
+  expand(yp, rows, out, slot, bp, rank, max_rank, tmp.data());
 }
 
 void lora_add_(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt,
