@@ -23,6 +23,7 @@ enum Kind : int64_t {
   GEMV_SILU = 3,  // tokenmill::gemv_silu_mul: a gated MLP's gate/up, silu(gate) * up out
   GEMV_F32 = 4,   // tokenmill::gemv_f32(x, packed w, n, k, bias): float32 (cpu_gemv_f32.cpp)
   GEMV_BLOCKED = 5,  // tokenmill::gemv_blocked(x, packed w, n, k, bias): bf16 in oneDNN's order
+  GEMV_SPLIT = 6,  // tokenmill::gemv_split: an interleaved gate/up's plain [gate | up] product (LoRA steps)
 };
 
 // Per layer, SLOTS optional tensors in this order (fused_decode.py LAYER_SLOTS):
@@ -56,6 +57,7 @@ TOKENMILL_OP(gemv_op, "tokenmill::gemv")
 TOKENMILL_OP(gemv_silu_op, "tokenmill::gemv_silu_mul")
 TOKENMILL_OP(gemv_f32_op, "tokenmill::gemv_f32")
 TOKENMILL_OP(gemv_blocked_op, "tokenmill::gemv_blocked")
+TOKENMILL_OP(gemv_split_op, "tokenmill::gemv_split")
 TOKENMILL_OP(rms_norm_op, "tokenmill::rms_norm")
 TOKENMILL_OP(add_rms_norm_op, "tokenmill::add_rms_norm")
 TOKENMILL_OP(rotary_op, "tokenmill::rotary_inplace")
@@ -97,6 +99,8 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t layer, int64_t 
       return call1(gemv_f32_op(), {x, weight, n, k, bias});
     case GEMV_BLOCKED:
       return call1(gemv_blocked_op(), {x, weight, n, k, bias});
+    case GEMV_SPLIT:
+      return call1(gemv_split_op(), {x, weight, scales, n, k, bias});
     default:
       TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
   }

@@ -82,6 +82,7 @@ struct Job {
   bool out_bf16;
   int64_t out_cols;
   bool blocked = false;  // bf16 sums in oneDNN's AMX order (tile_bf16_blocked), not one chain per output
+  bool split = false;  // interleaved gate/up blocks, stored plain: [m, n] = [gate | up] (no silu)
 };
 
 TM_AVX512 inline int32_t pair_at(const uint16_t* row, int64_t p) {
@@ -252,8 +253,13 @@ TM_AVX512 inline __m512 silu_mul(__m512 gate, __m512 up, bool bf16) {
 template <int R>
 TM_AVX512 inline void store_tile(const Job& j, int64_t m0, int64_t b0, __m512 (&acc)[R][NB]) {
   for (int b = 0; b < NB; b += j.silu ? 2 : 1) {
-    const int64_t col = (j.silu ? (b0 + b) / 2 : b0 + b) * 16;  // first output column of the block
-    const int64_t valid = std::min<int64_t>(16, j.out_cols - col);
+    int64_t col = (j.silu ? (b0 + b) / 2 : b0 + b) * 16;  // first output column of the block
+    int64_t valid = std::min<int64_t>(16, j.out_cols - col);
+    if (j.split) {  // gate block (b0 + b) / 2 (even) or up block (odd): to its plain column
+      const int64_t half = j.out_cols / 2, at = (b0 + b) / 2 * 16;
+      valid = std::min<int64_t>(16, half - at);
+      col = at + ((b0 + b) % 2 ? half : 0);
+    }
     if (valid <= 0) continue;  // padding blocks
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 bias = j.bias ? _mm512_maskz_loadu_ps(mask, j.bias + col) : _mm512_setzero_ps();
@@ -500,15 +506,15 @@ at::Tensor x_rows(const at::Tensor& x2d, int64_t k2, bool int8, at::Tensor* scal
 }
 
 at::Tensor call(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales, int64_t n,
-                int64_t k, const c10::optional<at::Tensor>& bias, bool silu, bool blocked = false) {
+                int64_t k, const c10::optional<at::Tensor>& bias, bool silu, bool blocked = false, bool split = false) {
   const bool int8 = packed.scalar_type() == at::kChar;
   TORCH_CHECK(supported(int8 ? "int8" : "bf16"), "gemv: this CPU lacks the AVX-512 instructions these kernels use");
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k, "gemv: x must be a CPU tensor [..., K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "gemv: x must be bf16 or float32");
   TORCH_CHECK(int8 == scales.has_value(), "gemv: scales go with int8 weights, and only with them");
-  TORCH_CHECK(!silu || n % 2 == 0, "gemv_silu_mul: N (gate + up) must be even");
+  TORCH_CHECK(!(silu || split) || n % 2 == 0, "gemv_silu_mul / gemv_split: N (gate + up) must be even");
   const int64_t groups = int8 ? scales->size(1) : 1;
-  const Geometry g = geometry(n, k, silu, groups);
+  const Geometry g = geometry(n, k, silu || split, groups);
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 4 && packed.size(0) == g.nb && packed.size(1) == g.k2 / 2,
               "gemv: the packed weight does not match N, K");
   TORCH_CHECK(!int8 || (scales->dim() == 3 && scales->size(0) == g.nb && scales->is_contiguous() &&
@@ -530,7 +536,7 @@ at::Tensor call(const at::Tensor& x, const at::Tensor& packed, const c10::option
   const Job j{reinterpret_cast<const uint16_t*>(rows.data_ptr()), x2d.size(0),
               int8 ? x_scale.data_ptr<float>() : nullptr, packed.data_ptr(),
               int8 ? scales->data_ptr<float>() : nullptr, bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
-              g, silu, out.data_ptr(), x.scalar_type() == at::kBFloat16, out_cols, blocked};
+              g, silu, out.data_ptr(), x.scalar_type() == at::kBFloat16, out_cols, blocked, split};
   run(j);
   return out;
 }
@@ -543,6 +549,13 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& packed, const c10::option
 at::Tensor gemv_silu_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales,
                          int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
   return call(x, packed, scales, n, k, bias, true);
+}
+
+// y = x W^T + b = [gate | up] for a weight packed interleaved (a gated MLP's gate/up, for silu_mul): the
+// product itself, for a caller that adds to it before the activation (LoRA deltas).
+at::Tensor gemv_split(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales,
+                      int64_t n, int64_t k, const c10::optional<at::Tensor>& bias) {
+  return call(x, packed, scales, n, k, bias, false, false, true);
 }
 
 // y = x W^T + b for a bf16 weight, summed in oneDNN's AMX order (tile_bf16_blocked): the batch-invariant
@@ -587,6 +600,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("gemv(Tensor x, Tensor packed, Tensor? scales, int n, int k, Tensor? bias) -> Tensor");
   m.def("gemv_silu_mul(Tensor x, Tensor packed, Tensor? scales, int n, int k, Tensor? bias) -> Tensor");
   m.def("gemv_blocked(Tensor x, Tensor packed, int n, int k, Tensor? bias) -> Tensor");
+  m.def("gemv_split(Tensor x, Tensor packed, Tensor? scales, int n, int k, Tensor? bias) -> Tensor");
   m.def("gemv_unpack(Tensor packed, Tensor? scales, int n, int k, bool interleave, ScalarType dtype) -> Tensor");
   m.def("read_sum(Tensor buf) -> int");
   m.impl("gemv_supported", c10::DispatchKey::CatchAll, TORCH_FN(gemv_supported));
@@ -595,6 +609,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.impl("gemv", c10::DispatchKey::CPU, TORCH_FN(gemv));
   m.impl("gemv_silu_mul", c10::DispatchKey::CPU, TORCH_FN(gemv_silu_mul));
   m.impl("gemv_blocked", c10::DispatchKey::CPU, TORCH_FN(gemv_blocked));
+  m.impl("gemv_split", c10::DispatchKey::CPU, TORCH_FN(gemv_split));
   m.impl("gemv_unpack", c10::DispatchKey::CPU, TORCH_FN(gemv_unpack));
   m.impl("read_sum", c10::DispatchKey::CPU, TORCH_FN(read_sum));
 }

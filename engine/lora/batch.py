@@ -8,8 +8,8 @@ untouched, base-model rows cost nothing, and each adapter costs two thin product
 (R_s <= max_lora_rank * shards, so about 2 * T_s * R_s * (in + out) flops).
 
 How (delta_path): float32 or bf16 on the CPU, one C++ call per linear for every segment
-(tokenmill::lora_add_, engine/csrc/cpu_lora.cpp: each row's slot says its segment; the pairs are kept
-in float32 there, pair_dtype); on CUDA, when
+(tokenmill::lora_add_, engine/csrc/cpu_lora.cpp: each row's slot says its segment; sums in float32);
+on CUDA, when
 Triton can build and launch kernels there, two Triton launches per linear for every segment
 (engine/lora/triton_lora.py, the same contract); otherwise (bf16 on the CPU, no kernels) per segment
 in PyTorch, gathered with index_select / index_add_ so rows need not be contiguous (a step on one
@@ -30,7 +30,7 @@ Pair = tuple[torch.Tensor, torch.Tensor]  # (A [R, in], B^T [R, out]): LoraAdapt
 
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # triton_lora.DTYPES, without importing triton
-CPP_DTYPES = (torch.float32, torch.bfloat16)  # x and y of tokenmill::lora_add_ (its A and B^T: float32)
+CPP_DTYPES = (torch.float32, torch.bfloat16)  # x, y and the pairs of tokenmill::lora_add_
 _EMPTY = torch.empty(0)  # a segment's operands for a linear its adapter does not target
 
 
@@ -58,7 +58,7 @@ def triton_ready(device: torch.device) -> bool:
 
 def delta_path(device_type: str, dtype: torch.dtype, cpp_available: bool, triton_available: bool) -> str:
     """Which delta LayerLora.add runs for x of `dtype` on `device_type`: "cpp" (tokenmill::lora_add_,
-    float32 or bf16 on the CPU, with float32 pairs), "triton" (triton_lora.lora_add_triton, CUDA) or "torch" (per segment in
+    float32 or bf16 on the CPU), "triton" (triton_lora.lora_add_triton, CUDA) or "torch" (per segment in
     PyTorch, anything else). The Triton kernels run on the CPU only under the interpreter, far
     slower than PyTorch, so the CPU never takes them."""
     if device_type == "cpu" and dtype in CPP_DTYPES and cpp_available:
@@ -69,9 +69,9 @@ def delta_path(device_type: str, dtype: torch.dtype, cpp_available: bool, triton
 
 
 def pair_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The dtype an adapter's pairs are placed in for a model of `dtype` on `device`: float32 where the
-    C++ delta runs (it reads float32 A and B^T whatever x's dtype), else the model's dtype."""
-    return torch.float32 if delta_path(device.type, dtype, kernel_available(), False) == "cpp" else dtype
+    """The dtype an adapter's pairs are placed in for a model of `dtype` on `device`: the model's (the C++
+    delta reads float32 pairs, or bf16 ones with bf16 rows: half the bytes a decode step reads)."""
+    return dtype
 
 
 @dataclass

@@ -16,7 +16,7 @@ from engine.lora.shapes import BaseShapes
 def make_registry(config: LoraConfig, hf_config, device: torch.device, dtype: torch.dtype) -> LoraRegistry:
     shapes = BaseShapes.from_hf_config(hf_config)
 
-    def place(adapter: LoraAdapter):  # float32 pairs where the C++ delta runs (its operands)
+    def place(adapter: LoraAdapter):
         return adapter.to(device, pair_dtype(device, dtype))
 
     read = functools.partial(_read, shapes=shapes, max_rank=config.max_lora_rank)

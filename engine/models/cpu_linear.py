@@ -82,8 +82,9 @@ class GemvLinear(nn.Module):
         self.weight = weight.detach() if self.large is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.interleave and _rows(x, self.in_features) <= self.max_rows:
-            return torch.ops.tokenmill.gemv(x, self.packed, None, self.out_features, self.in_features, self.bias)
+        if _rows(x, self.in_features) <= self.max_rows:  # interleaved: the plain [gate | up] product (LoRA steps)
+            op = torch.ops.tokenmill.gemv_split if self.interleave else torch.ops.tokenmill.gemv
+            return op(x, self.packed, None, self.out_features, self.in_features, self.bias)
         return self._large(x)
 
     def _large(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from engine.models.layers import ForwardContext
 from engine.models.packed_linear import PackedLinear
 
 # cpu_decode.cpp Kind and Slot: how a linear runs; per layer, the optional tensors in this order.
-PLAIN, ONEDNN, GEMV, GEMV_SILU, GEMV_F32, GEMV_BLOCKED = 0, 1, 2, 3, 4, 5
+PLAIN, ONEDNN, GEMV, GEMV_SILU, GEMV_F32, GEMV_BLOCKED, GEMV_SPLIT = 0, 1, 2, 3, 4, 5, 6
 LAYER_SLOTS = ("in_norm", "post_norm", "q_norm", "k_norm", "qkv_w", "qkv_scales", "qkv_bias", "o_w", "o_scales",
                "o_bias", "gu_w", "gu_scales", "gu_bias", "down_w", "down_scales", "down_bias")  # fmt: skip
 LORA_MODULES = ("qkv", "o", "gate_up", "down")  # the adapted linears of a layer, in cpu_decode.cpp's order
@@ -136,9 +136,10 @@ def _linear(mod: nn.Module, rows: int, silu: bool) -> _Linear | None:
         if mod.kernel and mod.interleave == silu and rows <= mod.max_rows:
             return _Linear(GEMV_SILU if silu else GEMV, mod.q, mod.scales, mod.bias, mod.out_features, mod.in_features)
         return None  # dequantized for the call: the Python layers
-    if isinstance(mod, GemvLinear):  # forward: the kernel unless interleaved; silu_mul: the kernel
-        if rows <= mod.max_rows and (silu or not mod.interleave):
-            return _Linear(GEMV_SILU if silu else GEMV, mod.packed, None, mod.bias, mod.out_features, mod.in_features)
+    if isinstance(mod, GemvLinear):  # forward: the kernel (interleaved: its plain product); silu_mul: the kernel
+        if rows <= mod.max_rows:
+            kind = GEMV_SILU if silu else GEMV_SPLIT if mod.interleave else GEMV
+            return _Linear(kind, mod.packed, None, mod.bias, mod.out_features, mod.in_features)
         if mod.large is not None:
             return _plain_or_packed(mod.large)
         return _Linear(PLAIN, mod.weight, None, mod.bias, mod.out_features, mod.in_features)

@@ -191,3 +191,19 @@ def test_bad_operands_are_refused():
 def test_read_sum_reads_every_word():
     buf = torch.arange(100_003, dtype=torch.int64)
     assert ops.read_sum(buf) == int(buf.sum())
+
+
+@pytest.mark.parametrize("n,k", [(2, 3), (66, 17), (200, 96), (3072, 576)])  # n: gate + up
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_split_product_of_an_interleaved_weight_is_the_plain_one(n, k, rows):
+    """gemv_split on the interleaved gate/up layout gives [gate | up] with the bits gemv gives on the
+    plain layout (each output one chain over the columns either way), bias included: what a LoRA step
+    adds its delta to before the activation."""
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 0.1).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    split = ops.gemv_split(x, ops.gemv_pack_bf16(w, True), None, n, k, b)
+    plain = ops.gemv(x, ops.gemv_pack_bf16(w, False), None, n, k, b)
+    assert split.shape == (rows, n) and torch.equal(split, plain)
+    _close(split, (x.double() @ w.double().t() + b.double()), 2**-7)
