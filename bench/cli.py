@@ -31,6 +31,7 @@ from bench import (
     quality,
     router,
     spec,
+    spec_http,
     startup,
     structured,
     swap,
@@ -57,6 +58,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     contention.add_parser(subparsers)
     router.add_parser(subparsers)
     lora.add_parser(subparsers)
+    spec_http.add_parser(subparsers)
     linear_ab.add_parser(subparsers)
     determinism.add_parser(subparsers)
     fleet_sim.add_parser(subparsers)
