@@ -67,12 +67,13 @@ def test_kernel_refuses_bad_operands():
 
 
 @pytest.mark.parametrize("pairs", [torch.float32, torch.bfloat16])
-def test_bf16_rows_get_the_float32_delta_rounded_once(pairs):
+@pytest.mark.parametrize("rank", [4, 5, 17])
+def test_bf16_rows_get_the_float32_delta_rounded_once(pairs, rank):
     """bf16 x and y with float32 or bf16 pairs: each row's delta is summed in float32 on the widened
-    operands and added to y's row in float32, one rounding to bf16 at the end (a few rows, so the
-    register tiles' short groups run too); base rows are left as they are."""
+    operands and added to y's row in float32, one rounding to bf16 at the end (a few rows and ranks
+    that are not multiples of the tiles, so the short groups run too); base rows are left alone."""
     g = torch.Generator().manual_seed(2)
-    a, bt = torch.randn(4, IN, generator=g).to(pairs), torch.randn(4, OUT, generator=g).to(pairs)
+    a, bt = torch.randn(rank, IN, generator=g).to(pairs), torch.randn(rank, OUT, generator=g).to(pairs)
     batch = build_batch([(6, 1, [{"m": (a, bt)}]), (2, 0, None)], torch.device("cpu"))
     x = torch.randn(8, IN, generator=g).bfloat16()
     y = torch.randn(8, OUT, generator=g).bfloat16()
