@@ -10,8 +10,8 @@
   for the row counts where it beats dequantizing the weight for PyTorch, the latter above. Without
   the kernels (same conditions, one log line) the weights stay INT8 and are dequantized per call.
 - float32 on a CPU with AVX2/FMA: the float32 small-batch kernel (GemvF32Linear) up to f32_max_rows()
-  rows (12 where MKL has AVX-512, else 32) (a fixed limit, not timed; "on": every row count), MKL's F.linear above; "off" or no
-  kernel: F.linear only.
+  rows (a fixed limit, not timed: 12 where MKL has AVX-512, else 32; "on": every row count), MKL's
+  F.linear above; "off" or no kernel: F.linear only.
 - CUDA: nothing changes here.
 """
 
@@ -133,11 +133,13 @@ def _tiled(model: LlamaForCausalLM, config: EngineConfig, gemv_reason: str | Non
         if key not in agree:
             agree[key] = rows_agree(lin, lin.in_features, torch.bfloat16)
         if agree[key]:
-            if key not in small:
+            if key not in small:  # checked and timed on this layer's weight: it keeps the packed copy
                 small[key] = _small_rows(lin, weight, config, gemv_reason)
-            if small[key]:
+            lin.kernel_rows = small[key]
+            if lin.kernel_rows and lin.gemv_packed is None:
                 lin.use_kernel(weight)
-                lin.kernel_rows = small[key]
+            elif not lin.kernel_rows:
+                lin.gemv_packed = None  # the kernel's copy only where it is used
             return lin
         if gemv_reason is not None:
             raise ValueError(f"deterministic: oneDNN's rows change with the batch for a {tuple(weight.shape)} "
@@ -163,19 +165,14 @@ def _small_rows(lin: TiledLinear, weight: torch.Tensor, config: EngineConfig, ge
     timing cannot change a result: below and above the limit every row has the same bits."""
     if gemv_reason is not None or config.cpu_gemv == "off":
         return 0
-    ok = kernel_agrees(lin, weight)
-    lin.gemv_packed = None  # kept only where it is used (use_kernel again)
-    if not ok:
+    if not kernel_agrees(lin, weight):  # (leaves lin with the kernel's copy of weight)
         log.info("deterministic: the kernel's sums are not oneDNN's for a %s weight; oneDNN at every row count",
                  tuple(weight.shape))
         return 0
     if config.cpu_gemv == "on":
         return CALL_ROWS
-    lin.use_kernel(weight)
     with torch.inference_mode():
-        rows = measure_max_rows(lin.kernel, lin.inner, lin.in_features, torch.bfloat16, CALL_ROWS)
-    lin.gemv_packed = None
-    return rows
+        return measure_max_rows(lin.kernel, lin.inner, lin.in_features, torch.bfloat16, CALL_ROWS)
 
 
 def _bf16(model: LlamaForCausalLM, config: EngineConfig, onednn: bool) -> WeightsReport:

@@ -8,12 +8,12 @@ untouched, base-model rows cost nothing, and each adapter costs two thin product
 (R_s <= max_lora_rank * shards, so about 2 * T_s * R_s * (in + out) flops).
 
 How (delta_path): float32 or bf16 on the CPU, one C++ call per linear for every segment
-(tokenmill::lora_add_, engine/csrc/cpu_lora.cpp: each row's slot says its segment; sums in float32);
-on CUDA, when
-Triton can build and launch kernels there, two Triton launches per linear for every segment
-(engine/lora/triton_lora.py, the same contract); otherwise (bf16 on the CPU, no kernels) per segment
-in PyTorch, gathered with index_select / index_add_ so rows need not be contiguous (a step on one
-adapter only skips both).
+(tokenmill::lora_add_, engine/csrc/cpu_lora.cpp: each row's slot says its segment; float32 sums; the
+pairs in the model's dtype) for steps of at most CPP_MAX_ROWS rows; on CUDA, when Triton can build and
+launch kernels there, two Triton launches per linear for every segment (engine/lora/triton_lora.py,
+the same contract); otherwise (prompt chunks, other dtypes, no kernels) per segment in PyTorch,
+gathered with index_select / index_add_ so rows need not be contiguous (a step on one adapter only
+skips both).
 """
 
 from __future__ import annotations
@@ -70,12 +70,6 @@ def delta_path(device_type: str, dtype: torch.dtype, cpp_available: bool, triton
     if device_type == "cuda" and triton_available and dtype in TRITON_DTYPES:
         return "triton"
     return "torch"
-
-
-def pair_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The dtype an adapter's pairs are placed in for a model of `dtype` on `device`: the model's (the C++
-    delta reads float32 pairs, or bf16 ones with bf16 rows: half the bytes a decode step reads)."""
-    return dtype
 
 
 @dataclass

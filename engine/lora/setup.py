@@ -7,7 +7,6 @@ import functools
 import torch
 
 from engine.lora.adapter import LoraAdapter, read_adapter
-from engine.lora.batch import pair_dtype
 from engine.lora.config import LoraConfig
 from engine.lora.registry import LoraRegistry
 from engine.lora.shapes import BaseShapes
@@ -17,7 +16,7 @@ def make_registry(config: LoraConfig, hf_config, device: torch.device, dtype: to
     shapes = BaseShapes.from_hf_config(hf_config)
 
     def place(adapter: LoraAdapter):
-        return adapter.to(device, pair_dtype(device, dtype))
+        return adapter.to(device, dtype)
 
     read = functools.partial(_read, shapes=shapes, max_rank=config.max_lora_rank)
     return LoraRegistry(config, read, place)

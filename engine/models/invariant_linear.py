@@ -102,7 +102,8 @@ def cancelling_inputs(rows: int, in_features: int, out_features: int, seed: int 
 def kernel_agrees(lin: TiledLinear, weight: torch.Tensor, rows: int = CALL_ROWS) -> bool:
     """Whether gemv_blocked gives oneDNN's bits for `weight`'s shape: 1 and `rows` rows, on random inputs
     and on cancelling ones (a weight of the same shape), against lin's oneDNN product (rows_agree
-    passed: oneDNN's rows do not change within `rows`). The start-up check before use_kernel."""
+    passed: oneDNN's rows do not change within `rows`). The start-up check; it leaves `lin` holding the
+    kernel's copy of `weight` (use_kernel)."""
     n, k = weight.shape
     g = torch.Generator().manual_seed(1)
     cases = [(torch.randn(rows, k, generator=g).bfloat16(), lin)]

@@ -276,8 +276,7 @@ class Worker:
             if block:
                 self.heartbeat = self._clock()  # woke from idle: not a stall
                 block = False
-            if cmd is _STOP:
-                self._fail_all(ServerError("shutdown", "the server is shutting down", 503))
+            if cmd is _STOP:  # _close() fails what is left
                 return False
             if isinstance(cmd, _Submit):
                 self._add(cmd.ticket)

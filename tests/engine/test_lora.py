@@ -287,16 +287,13 @@ def test_a_refused_startup_adapter_stops_the_engine_naming_it(llama, tmp_path):
         lora_engine(path, {"good": good, "bad": tmp_path / "missing"})
 
 
-def test_mixed_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family):
-    """float32: a decode step with adapter rows goes through the C++ layer loop (engine/csrc/cpu_decode.cpp,
-    which adds the deltas with tokenmill::lora_add_) and gives the Python layers' log-probabilities
-    bit for bit."""
-    path, adapters, prompts, refs = family
-    names = [None, *adapters]
-    jobs = [(p, n) for p in prompts for n in names]
+def fused_and_python_runs(path, adapters, jobs, **engine_kw):
+    """The same greedy jobs [(prompt, adapter or None)] on an engine with the C++ layer loop and on one
+    without: each run's (tokens, log-probabilities); the loop's also counts its decode steps that had
+    adapter rows."""
 
     def go(fused: bool):
-        engine = lora_engine(path, adapters, fused_decode=fused)
+        engine = lora_engine(path, adapters, fused_decode=fused, **engine_kw)
         taken = []
         if fused:
             inner = engine.runner.model.model.fused_decode.run
@@ -311,8 +308,17 @@ def test_mixed_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family):
         res = engine.generate([list(p) for p, _ in jobs], params)
         return [r.token_ids for r in res], [[(lp.logprob, lp.top) for lp in r.logprobs] for r in res], sum(taken)
 
-    want_tokens, want_lps, _ = go(False)
-    got_tokens, got_lps, lora_steps = go(True)
+    return go(True), go(False)
+
+
+def test_mixed_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family):
+    """float32: a decode step with adapter rows goes through the C++ layer loop (engine/csrc/cpu_decode.cpp,
+    which adds the deltas with tokenmill::lora_add_) and gives the Python layers' log-probabilities
+    bit for bit."""
+    path, adapters, prompts, refs = family
+    names = [None, *adapters]
+    jobs = [(p, n) for p in prompts for n in names]
+    (got_tokens, got_lps, lora_steps), (want_tokens, want_lps, _) = fused_and_python_runs(path, adapters, jobs)
     assert got_tokens == want_tokens
     assert got_lps == want_lps
     assert lora_steps >= MAX_TOKENS - 2  # the adapter rows' decode steps took the C++ loop
@@ -322,7 +328,7 @@ def test_mixed_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family):
 
 @pytest.mark.parametrize("gemv", ["on", "off"])
 def test_bf16_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family, gemv):
-    """bf16 (what an AVX-512 BF16 CPU serves): the delta is the C++ kernel's (float32 pairs) in the
+    """bf16 (what an AVX-512 BF16 CPU serves): the delta is the C++ kernel's (bf16 pairs) in the
     Python layers and in the C++ layer loop alike, which takes the adapter rows' decode steps (the
     gate/up as a plain product, the delta, then the activation) and gives the same log-probabilities
     bit for bit, with the small-batch kernels on and off."""
@@ -339,25 +345,8 @@ def test_bf16_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family, gemv)
     path, adapters, prompts, _ = family
     names = [None, *adapters]
     jobs = [(p, n) for p in prompts[:4] for n in names]
-
-    def go(fused: bool):
-        engine = lora_engine(path, adapters, fused_decode=fused, dtype="bfloat16", cpu_gemv=gemv)
-        taken = []
-        if fused:
-            inner = engine.runner.model.model.fused_decode.run
-
-            def counted(x, ctx):
-                out = inner(x, ctx)
-                taken.append(out is not None and ctx.lora is not None)
-                return out
-
-            engine.runner.model.model.fused_decode.run = counted
-        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, lora_name=n, logprobs=2) for _, n in jobs]
-        res = engine.generate([list(p) for p, _ in jobs], params)
-        return [r.token_ids for r in res], [[(lp.logprob, lp.top) for lp in r.logprobs] for r in res], sum(taken)
-
-    want_tokens, want_lps, _ = go(False)
-    got_tokens, got_lps, lora_steps = go(True)
+    (got_tokens, got_lps, lora_steps), (want_tokens, want_lps, _) = fused_and_python_runs(
+        path, adapters, jobs, dtype="bfloat16", cpu_gemv=gemv)
     assert got_tokens == want_tokens
     assert got_lps == want_lps
     assert lora_steps >= MAX_TOKENS - 2

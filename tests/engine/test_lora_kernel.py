@@ -1,4 +1,4 @@
-"""The LoRA delta (float32 and bf16 rows, float32 pairs) in one C++ call per linear (tokenmill::lora_add_, engine/lora/batch.py)
+"""The LoRA delta (float32 or bf16 rows; float32 pairs, or bf16 ones with bf16 rows) in one C++ call per linear (tokenmill::lora_add_, engine/lora/batch.py)
 against the per-segment PyTorch form: mixed segments, base-model rows, an adapter that does not
 target the module, refused operands. The end-to-end parity with peft (tests/engine/test_lora.py) runs
 through it in float32."""

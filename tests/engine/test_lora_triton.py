@@ -172,7 +172,7 @@ def test_delta_path_picks_triton_on_cuda():
     assert lora_batch.TRITON_DTYPES == TL.DTYPES
     assert delta_path("cpu", torch.float32, True, True) == "cpp"  # the C++ kernel stays the CPU's float32 path
     assert delta_path("cpu", torch.float32, False, True) == "torch"
-    assert delta_path("cpu", torch.bfloat16, True, True) == "cpp"  # bf16 rows too (float32 pairs)
+    assert delta_path("cpu", torch.bfloat16, True, True) == "cpp"  # bf16 rows too
     assert delta_path("cpu", torch.float16, True, True) == "torch"  # never the interpreter in serving
 
 
