@@ -22,3 +22,25 @@ def build_model(model_cache):
         return ensure_model(preset, model_cache)
 
     return build
+
+
+_TRACE = os.environ.get("TOKENMILL_TEST_TRACE")  # a file: the test now running, for a run that dies
+
+
+def pytest_sessionstart(session):
+    """With TOKENMILL_TEST_TRACE set, faulthandler's tracebacks of a fatal signal go to TRACE.faults:
+    pytest's own go to the stderr it captures, lost with the process."""
+    if _TRACE:
+        import faulthandler
+
+        session.config._tokenmill_faults = open(_TRACE + ".faults", "w")  # noqa: SIM115 (open until exit)
+        faulthandler.enable(file=session.config._tokenmill_faults, all_threads=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid, location):
+    """Record the test about to run (CI prints it when pytest dies of a signal: a segfault in a kernel
+    leaves no report of its own, and faulthandler's cannot run on an overflowed thread stack)."""
+    if _TRACE:
+        with open(_TRACE, "w") as f:
+            f.write(nodeid + "\n")

@@ -17,7 +17,7 @@ request uses seed + j (vLLM's rule), so the samples differ and each is reproduci
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 _POLL_S = 0.005  # how often a staged sample checks whether the first one's prompt has run
 _DISCONNECT_CHECK_S = 0.25
 _DONE = object()
+_CANCEL_RETRY_S = 0.05  # how often a choice task that outlived its cancellation is cancelled again
 
 
 def sample_params(params: SamplingParams, j: int) -> SamplingParams:
@@ -101,11 +102,30 @@ async def collect_choices(handles: list[Handle], request: Request) -> list[Compl
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
-        for task in tasks:
-            task.cancel()
         for h in handles:
             h.close()
+        await _cancelled(tasks)
         raise
+
+
+async def _cancelled(tasks: Sequence[asyncio.Future]) -> None:
+    """Cancel `tasks` and wait until each has ended. A task left pending with nothing referring to it is
+    garbage collected mid-flight ("Task was destroyed but it is pending!"), and one cancel may not end a
+    task: Python 3.10-3.11's asyncio.wait_for returns a result that came with the cancellation instead
+    of raising it, so a pump went on to wait forever on the merged queue nobody read any more. So: cancel
+    again every _CANCEL_RETRY_S until none is left, shielded so that the caller's own cancellation (the
+    response's task group closing) cannot leave them behind either."""
+    pending = {t for t in tasks if not t.done()}
+
+    async def settle() -> None:
+        nonlocal pending
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=_CANCEL_RETRY_S)
+
+    if pending:
+        await asyncio.shield(settle())
 
 
 class ChoiceStreams:
@@ -135,8 +155,7 @@ class ChoiceStreams:
                 else:
                     yield index, event
         finally:
-            for task in tasks:
-                task.cancel()
+            await _cancelled(tasks)
 
     @staticmethod
     async def _pump(index: int, guard: StreamGuard, queue: asyncio.Queue) -> None:

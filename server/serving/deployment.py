@@ -204,11 +204,10 @@ class Deployment:
             while result.finished is None:
                 if loop.time() >= deadline:
                     raise TimeoutError(f"no answer within {timeout_s:g}s")
-                try:
-                    event = await asyncio.wait_for(ticket.collector.queue.get(), min(1.0, deadline - loop.time()))
-                except asyncio.TimeoutError:
+                event = await ticket.collector.next(min(1.0, deadline - loop.time()))
+                if event is None:
                     if not self.worker.thread_running:
-                        raise RuntimeError("the engine worker is not running") from None
+                        raise RuntimeError("the engine worker is not running")
                     continue
                 if isinstance(event, Tokens):
                     result.token_ids.extend(event.output.new_token_ids)

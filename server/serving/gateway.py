@@ -191,9 +191,8 @@ class RequestHandle:
         """The next event, or None after `timeout` seconds without one."""
         if self.finished is not None:
             return self.finished
-        try:
-            event = await asyncio.wait_for(self.ticket.collector.queue.get(), timeout)
-        except asyncio.TimeoutError:
+        event = await self.ticket.collector.next(timeout)
+        if event is None:
             if not self.worker.thread_running:  # no event will ever come
                 event = Finished("error", ServerError("worker_died", "the engine worker is not running", 503))
             else:

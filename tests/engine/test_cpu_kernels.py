@@ -123,6 +123,34 @@ def test_kernels_reject_bad_input():
         attention(q, cache, cache[:, :32].contiguous(), tables, lens, 32, 64, 1.0)
 
 
+def test_a_table_or_slot_outside_the_cache_is_an_error_not_a_stray_read():
+    """A bad block table or slot mapping (a bug upstream) fails the call naming the entry; the kernels
+    read and write the cache unchecked otherwise (a segmentation fault, or another sequence's KV)."""
+    q = torch.randn(2, 4, 32)
+    cache = torch.randn(2, 64, 32)  # 2 blocks of 32
+    attention = torch.ops.tokenmill.paged_decode_attention
+    lens = torch.tensor([3, 40])
+    ok = torch.tensor([[1, 0], [0, 1]])
+    attention(q, cache, cache, ok, lens, 32, 64, 1.0)
+    for bad in (2, -1, 1 << 40):
+        tables = ok.clone()
+        tables[1, 1] = bad  # in use: 40 tokens span two blocks
+        with pytest.raises(RuntimeError, match=f"entry 1 of sequence 1 is {bad}, not a block"):
+            attention(q, cache, cache, tables, lens, 32, 64, 1.0)
+    unused = ok.clone()
+    unused[0, 1] = 99  # past sequence 0's 3 tokens: never read
+    attention(q, cache, cache, unused, lens, 32, 64, 1.0)
+    with pytest.raises(RuntimeError, match="65 tokens of context but a table of 2 blocks"):
+        attention(q, cache, cache, ok, torch.tensor([3, 65]), 32, 128, 1.0)
+    with pytest.raises(RuntimeError, match="contiguous int64"):
+        attention(q, cache, cache, ok, torch.tensor([3, 0, 40, 0])[::2], 32, 64, 1.0)
+    kv = torch.randn(2, 2, 32)
+    store = torch.ops.tokenmill.paged_store_kv
+    store(kv, kv, cache, cache.clone(), torch.tensor([63, -1]), 32)
+    with pytest.raises(RuntimeError, match="slot 64 of row 1 is outside the cache"):
+        store(kv, kv, cache, cache.clone(), torch.tensor([0, 64]), 32)
+
+
 @pytest.mark.parametrize("block_size,num_blocks", [(4, 160), (32, 32)])
 def test_engine_on_cpu_kernels_matches_torch_backend(build_model, block_size, num_blocks):
     """Greedy tokens through the whole engine (float32), C++ kernels against the reference:
