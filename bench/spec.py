@@ -9,7 +9,8 @@ three sentences, each quoting the report verbatim. `rag`: answer a question from
 generated facts, quoting the supporting sentence. `random`: random token prompts of --input-len
 tokens and exactly --max-tokens output tokens (ignore_eos; 128/128 by default): nothing to copy from
 the prompt, what speculation costs when it cannot help. Each concurrency runs a closed loop: c requests in
-flight, the next one added as one finishes. The arms alternate per round (off, on, off, on, ...) and
+flight, the next one added as one finishes. --warm-prompts N first runs N other prompts of the workload
+(untimed) through both engines: the earlier traffic suffix decoding drafts from. The arms alternate per round (off, on, off, on, ...) and
 each arm's median round is reported, with the acceptance rate and whether both arms' outputs agree.
 """
 
@@ -98,7 +99,12 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.workload == "random")
     for e in engines.values():  # warm-up
         run_closed_loop(e, prompts[:1], 1, SamplingParams(max_tokens=8, temperature=0.0))
+    if args.warm_prompts:  # earlier traffic of the same kind (other prompts), for a proposer that learns from it
+        warm = chat_prompts(engines["off"], args.workload, args.prompts + args.warm_prompts)[args.prompts :]
+        for e in engines.values():
+            run_closed_loop(e, warm, 1, params)
     report = {"workload": args.workload, "model": str(model), "speculative": spec, "prompts": args.prompts,
+              "warm_prompts": args.warm_prompts,
               "max_tokens": args.max_tokens, "machine": machine_info(torch.get_num_threads(), torch.__version__),
               "dtype": engines["off"].dtype_name, "results": []}  # fmt: skip
     for c in args.concurrency:
@@ -148,7 +154,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens (default: 128)")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens at most (default: 128)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--rounds", type=int, default=3, help="rounds per arm, alternating (default: 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds per arm, alternating (default: 3; with --method suffix use 1: a later round's "
+                        "drafts would come from the same prompts' earlier answers)")  # fmt: skip
+    p.add_argument("--warm-prompts", type=int, default=0,
+                   help="before measuring, run this many other prompts of the workload through both engines "
+                        "(a server that has served such traffic: what suffix decoding learns from; default: 0)")  # fmt: skip
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (default: 4)")
     p.add_argument("--lookup-max", type=int, default=4)
     p.add_argument("--lookup-min", type=int, default=2)

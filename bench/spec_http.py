@@ -4,7 +4,10 @@ Sends the chat prompts of bench/spec_prompts.py (code-edit, summarise, rag) to `
 (greedy, `max_tokens`), `--concurrency` at a time, and reports output tokens per second (the servers'
 `usage.completion_tokens` over the wall time) and the mean request time. The same client against
 tokenmill with and without `--speculative-config` and against llama.cpp's server with and without its
-`--spec-type` is the side by side of issue 25 (bench/spec_peers.sh runs all four).
+`--spec-type` is the side by side of issue 25 (bench/spec_peers.sh runs all four). `--warm-prompts N`
+first sends N other prompts of the workload, untimed: a server that has served such traffic, which is
+what suffix decoding drafts from. Each concurrency point sends the same prompts, so a second point of a
+learning proposer drafts from the first point's answers: give it one concurrency per server start.
 """
 
 from __future__ import annotations
@@ -31,11 +34,20 @@ def one(client: httpx.Client, url: str, model: str, text: str, max_tokens: int) 
     return int(data["usage"]["completion_tokens"]), time.perf_counter() - t0, data["choices"][0]["message"]["content"]
 
 
+def warm_up(url: str, workload: str, prompts: int, warm_prompts: int, max_tokens: int) -> None:
+    """One short request, then `warm_prompts` other prompts of the workload (after the measured ones),
+    one at a time: the earlier traffic a learning proposer (suffix decoding) drafts from."""
+    with httpx.Client() as client:
+        model = client.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        one(client, url, model, CHAT_WORKLOADS[workload](0), 8)
+        for i in range(prompts, prompts + warm_prompts):
+            one(client, url, model, CHAT_WORKLOADS[workload](i), max_tokens)
+
+
 def run_point(url: str, workload: str, prompts: int, concurrency: int, max_tokens: int) -> dict:
     with httpx.Client() as client:
         model = client.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
         texts = [CHAT_WORKLOADS[workload](i) for i in range(prompts)]
-        one(client, url, model, texts[0], 8)  # warm-up
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
             results = list(pool.map(lambda t: one(client, url, model, t, max_tokens), texts))
@@ -49,6 +61,7 @@ def run_point(url: str, workload: str, prompts: int, concurrency: int, max_token
 
 def run(args: argparse.Namespace) -> int:
     rows = []
+    warm_up(args.base_url, args.workload, args.prompts, args.warm_prompts, args.max_tokens)
     for c in args.concurrency:
         row = run_point(args.base_url, args.workload, args.prompts, c, args.max_tokens)
         rows.append(row)
@@ -68,6 +81,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1])
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--warm-prompts", type=int, default=0,
+                   help="other prompts of the workload sent first, one at a time, untimed (default: 0)")
     p.add_argument("--label", default="")
     p.add_argument("--json", type=Path, default=None)
     p.set_defaults(func=run)

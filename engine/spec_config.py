@@ -18,7 +18,7 @@ class SpeculativeConfig:
     # earlier outputs and the request's own tokens; engine/suffix_tree.py), "draft_model" (a smaller
     # model with the same tokenizer, `model`; engine/draft_model.py)
     method: str = "ngram"
-    num_speculative_tokens: int = 4  # k: draft tokens per step at most
+    num_speculative_tokens: int = 4  # k: draft tokens per step at most (suffix, from a dict: the tree depth)
     prompt_lookup_max: int = 4  # longest n-gram matched (tried first); suffix: of the request's own tokens
     prompt_lookup_min: int = 2  # shortest n-gram matched
     # No speculation in a step with more running requests than this (vLLM's name); None: no fixed cap.
@@ -63,4 +63,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative config: unknown keys {unknown} (known: {sorted(known)})")
         if "model" in value and "method" not in value:  # vLLM: a model without a method is a draft model
             value = {**value, "method": "draft_model"}
+        if value.get("method") == "suffix" and "num_speculative_tokens" not in value:
+            # vLLM: suffix decoding sizes each draft itself (match length, token shares); the setting is
+            # only its ceiling, the tree's depth unless given
+            depth = value.get("suffix_decoding_max_tree_depth", cls.suffix_decoding_max_tree_depth)
+            value = {**value, "num_speculative_tokens": depth}
         return cls(**value)

@@ -7,8 +7,8 @@ output (after the last max_depth - 1 prompt tokens, so a context that spans the 
 matches) goes in; the least recently added sequences go out when more than `max_cached_requests` are
 held or the trie passes `MAX_TREE_NODES` nodes, so its memory is bounded whatever the traffic.
 
-`SuffixProposer.propose` matches the longest suffix of the request's tokens (at most max_depth - k,
-so a k-token draft fits in the tree's depth) that occurs in the tree with a continuation, then follows the most frequent child while its share of
+`SuffixProposer.propose` matches the longest suffix of the request's tokens (at most max_depth -
+min(k, max_depth / 2), so a draft of that many tokens fits in the tree's depth) that occurs in the tree with a continuation, then follows the most frequent child while its share of
 its parent's count is at least `min_token_prob`, for at most k and `max_spec_factor` x the match
 length tokens (a longer match earns a longer draft). The request's own prompt and output are searched
 too, by n-gram prompt lookup (engine/speculative.py), and the longer draft is proposed.
@@ -81,8 +81,9 @@ class SuffixTree:
 
     def propose(self, context: list[int], k: int, spec_factor: float, min_prob: float) -> list[int]:
         """Up to k tokens most often following the longest suffix of `context` the tree holds."""
-        # a match leaves room for k draft tokens within max_depth (at least 1 token is matched)
-        for m in range(min(max(1, self.max_depth - k), len(context)), 0, -1):
+        # a match leaves room for min(k, max_depth // 2) draft tokens within max_depth (at least 1 token
+        # is matched): with vLLM's default k (the depth itself) matches of up to half the depth
+        for m in range(min(max(1, self.max_depth - min(k, self.max_depth // 2)), len(context)), 0, -1):
             node: _Node | None = self.root
             for t in context[len(context) - m :]:
                 node = node.children.get(t) if node is not None else None

@@ -29,6 +29,23 @@ def test_tree_proposes_the_most_frequent_continuation():
     assert tree.propose([42], 4, 4.0, 0.1) == []
 
 
+def test_a_long_draft_ceiling_still_matches_long_suffixes():
+    """k at the tree's depth (vLLM's default for suffix) keeps matches of up to half the depth, so the
+    draft follows the longest context (before: room for k drafts left one-token matches only)."""
+    tree = SuffixTree(max_depth=8, max_sequences=10)
+    tree.add([1, 2, 3, 4, 5, 6, 7])
+    tree.add([9, 3, 4, 8, 8, 8, 8])  # "3 4" alone is followed by 5 once and by 8 once
+    assert tree.propose([1, 2, 3, 4], 8, 1.0, 0.1) == [5, 6, 7]  # match "1 2 3 4": 4 tokens of room
+    assert tree.propose([9, 3, 4], 8, 1.0, 0.1) == [8, 8, 8]  # match "9 3 4": at most 3 (factor 1.0)
+
+
+def test_suffix_draft_ceiling_defaults_to_the_tree_depth_as_vllm():
+    assert SpeculativeConfig.from_dict({"method": "suffix"}).num_speculative_tokens == 24
+    assert SpeculativeConfig.from_dict({"method": "suffix", "suffix_decoding_max_tree_depth": 12}).num_speculative_tokens == 12
+    assert SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 5}).num_speculative_tokens == 5
+    assert SpeculativeConfig.from_dict({"method": "ngram"}).num_speculative_tokens == 4
+
+
 def test_tree_is_bounded_and_evicts_the_oldest():
     tree = SuffixTree(max_depth=4, max_sequences=2)
     tree.add([1, 2, 3])
