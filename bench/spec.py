@@ -94,15 +94,19 @@ def run(args: argparse.Namespace) -> int:
     base = dict(model=model, dtype=args.dtype, show_progress=False, max_num_seqs=max(args.concurrency))
     on = EngineConfig(**base, speculative=SpeculativeConfig.from_dict(spec))
     engines = {"off": Engine(EngineConfig(**base)), "on": Engine(on)}
-    prompts = (random_prompts(engines["off"].vocab_size, args.prompts, args.input_len) if args.workload == "random"
-               else chat_prompts(engines["off"], args.workload, args.prompts))  # fmt: skip
+    # Prompt sets: one for every round (a new one per round with --fresh-rounds), then the warm-up traffic.
+    sets = args.rounds if args.fresh_rounds else 1
+    total = args.prompts * sets + args.warm_prompts
+    every = (random_prompts(engines["off"].vocab_size, total, args.input_len) if args.workload == "random"
+             else chat_prompts(engines["off"], args.workload, total))  # fmt: skip
+    round_prompts = [every[(r % sets) * args.prompts : (r % sets + 1) * args.prompts] for r in range(args.rounds)]
+    prompts = round_prompts[0]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=args.workload == "random")
     for e in engines.values():  # warm-up
         run_closed_loop(e, prompts[:1], 1, SamplingParams(max_tokens=8, temperature=0.0))
     if args.warm_prompts:  # earlier traffic of the same kind (other prompts), for a proposer that learns from it
-        warm = chat_prompts(engines["off"], args.workload, args.prompts + args.warm_prompts)[args.prompts :]
         for e in engines.values():
-            run_closed_loop(e, warm, 1, params)
+            run_closed_loop(e, every[args.prompts * sets :], 1, params)
     report = {"workload": args.workload, "model": str(model), "speculative": spec, "prompts": args.prompts,
               "warm_prompts": args.warm_prompts,
               "max_tokens": args.max_tokens, "machine": machine_info(torch.get_num_threads(), torch.__version__),
@@ -111,8 +115,11 @@ def run(args: argparse.Namespace) -> int:
         rounds: dict[str, list[dict]] = {"off": [], "on": []}
         for r in range(args.rounds):
             for arm in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                rounds[arm].append(run_closed_loop(engines[arm], prompts, c, params))
-        row = {"concurrency": c}
+                rounds[arm].append(run_closed_loop(engines[arm], round_prompts[r], c, params))
+        row: dict = {"concurrency": c}
+        # each round's own ratio (the same prompts in both arms, run back to back)
+        ratios = [on["output_tok_s"] / off["output_tok_s"] for off, on in zip(rounds["off"], rounds["on"], strict=True)]
+        row["round_speedups"] = [round(x, 2) for x in ratios]
         for arm, runs in rounds.items():
             med = sorted(runs, key=lambda x: x["wall_s"])[len(runs) // 2]
             row[arm] = {k: v for k, v in med.items() if k != "outputs"}
@@ -121,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
             row[arm]["best_tpot_ms"] = min(x["tpot_ms"] for x in runs if x["tpot_ms"] is not None)
         same = sum(a == b for a, b in zip(rounds["off"][0]["outputs"], rounds["on"][0]["outputs"], strict=True))
         row["identical_outputs"] = f"{same}/{len(prompts)}"
-        row["speedup"] = row["on"]["output_tok_s"] / row["off"]["output_tok_s"]
+        row["speedup"] = (statistics.median(ratios) if args.fresh_rounds
+                          else row["on"]["output_tok_s"] / row["off"]["output_tok_s"])  # fmt: skip
         row["best_speedup"] = row["on"]["best_tok_s"] / row["off"]["best_tok_s"]
         on = row["on"]
         row["acceptance"] = on["accepted_tokens"] / on["draft_tokens"] if on["draft_tokens"] else None
@@ -139,7 +147,8 @@ def _print_row(row: dict) -> None:
           f"on {on['output_tok_s']:.1f} tok/s TPOT {on['tpot_ms']:.1f} ms | x{row['speedup']:.2f}; best off "
           f"{off['best_tok_s']:.1f} / {off['best_tpot_ms']:.1f} ms, on {on['best_tok_s']:.1f} / {on['best_tpot_ms']:.1f} ms"
           f" | x{row['best_speedup']:.2f} | steps {off['steps']} -> {on['steps']} | acceptance {acc} "
-          f"({on['accepted_tokens']}/{on['draft_tokens']}) | identical {row['identical_outputs']}", flush=True)  # fmt: skip
+          f"({on['accepted_tokens']}/{on['draft_tokens']}) | identical {row['identical_outputs']} | rounds "
+          f"{' '.join(f'x{x}' for x in row['round_speedups'])}", flush=True)  # fmt: skip
 
 
 def add_parser(subparsers) -> None:
@@ -155,8 +164,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens at most (default: 128)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     p.add_argument("--rounds", type=int, default=3,
-                   help="rounds per arm, alternating (default: 3; with --method suffix use 1: a later round's "
-                        "drafts would come from the same prompts' earlier answers)")  # fmt: skip
+                   help="rounds per arm, alternating (default: 3; with --method suffix give --fresh-rounds: a "
+                        "later round would draft from the same prompts' earlier answers)")  # fmt: skip
+    p.add_argument("--fresh-rounds", action="store_true",
+                   help="a new set of prompts for each round (both arms the same), and the median of the rounds' "
+                        "own speedups: for a proposer that learns from earlier answers (suffix)")  # fmt: skip
     p.add_argument("--warm-prompts", type=int, default=0,
                    help="before measuring, run this many other prompts of the workload through both engines "
                         "(a server that has served such traffic: what suffix decoding learns from; default: 0)")  # fmt: skip

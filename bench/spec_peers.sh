@@ -33,12 +33,13 @@ client() {  # label url concurrency
 serve() {  # label concurrency command...
   local label=$1 c=$2 url; shift 2
   case $label in tokenmill*) url=http://127.0.0.1:8331 ;; *) url=http://127.0.0.1:8332 ;; esac
-  "$@" >"$OUT/$label-c$c.log" 2>&1 & local pid=$!
+  if curl -sf "$url/health" >/dev/null 2>&1; then echo "$label: $url is served already (stop that server)"; return; fi
+  "$@" >"$OUT/$label-c$c.log" 2>&1 & local pid=$!  # tm and llama exec: $! is the server
   if wait_ok "$url"; then client "$label" "$url" "$c"; else echo "$label did not start: $OUT/$label-c$c.log"; fi
   kill -TERM $pid; wait $pid 2>/dev/null
 }
-tm() { .venv/bin/tokenmill serve --model "$GGUF" --host 127.0.0.1 --port 8331 "$@"; }
-llama() { "$LLAMA" -m "$GGUF" --host 127.0.0.1 --port 8332 -t 2 -np 4 -c 8192 --no-webui "$@"; }
+tm() { exec .venv/bin/tokenmill serve --model "$GGUF" --host 127.0.0.1 --port 8331 "$@"; }
+llama() { exec "$LLAMA" -m "$GGUF" --host 127.0.0.1 --port 8332 -t 2 -np 4 -c 8192 --no-webui "$@"; }
 echo "$WORKLOAD, $PROMPTS prompts after $WARM warm-up prompts, max_tokens $MAX_TOKENS, concurrency $CS, k=$K (learning methods: $KS); $GGUF"
 for c in $CS; do
   for arm in $ARMS; do
@@ -48,7 +49,7 @@ for c in $CS; do
       tokenmill-suffix) serve "$arm" "$c" tm --speculative-config "$SUFFIX" ;;
       llama.cpp-off) serve "$arm" "$c" llama ;;
       llama.cpp-ngram) serve "$arm" "$c" llama --spec-type ngram-simple --spec-draft-n-max "$K" ;;
-      llama.cpp-ngram-mod) serve "$arm" "$c" llama --spec-type ngram-mod --spec-ngram-mod-n-max "$KS" ;;
+      llama.cpp-ngram-mod) serve "$arm" "$c" llama --spec-type ngram-mod --spec-ngram-mod-n-min 2 --spec-ngram-mod-n-max "$KS" ;;
       *) echo "unknown arm $arm" ;;
     esac
   done

@@ -2,7 +2,8 @@
 // bf16 or in INT8 with float32 scales, streamed once per call. Registered in torch.ops.tokenmill:
 // gemv_pack_bf16 / gemv_pack_int8 (re-lay a weight once), gemv (y = x W^T + b), gemv_silu_mul (the
 // gated MLP's product with silu(gate) * up fused into the epilogue), gemv_supported (whether this
-// CPU runs a kind) and read_sum (a memory-read probe for bench floor).
+// CPU runs a kind; "amx": whether bf16 calls of 2..16 rows use the tile unit) and read_sum (a
+// memory-read probe for bench floor).
 //
 // Packed layout: W [N, K] becomes [Nb, K2 / 2, 16, 2] with Nb = ceil(N / 16) rounded up to a
 // multiple of NB (4) and K2 = K rounded up to even, zero padded. Block b holds output rows
@@ -10,7 +11,9 @@
 // side: 64 bytes of bf16, the operand of vdpbf16ps, or 32 bytes of int8. A block is one contiguous
 // stream, and x contributes a 32-bit broadcast of its pair (x[2p], x[2p + 1]): no horizontal sums.
 //
-// bf16: float32 sums of vdpbf16ps (AVX512-BF16), rounded to bf16 once at the end, as oneDNN does.
+// bf16: float32 sums of vdpbf16ps (AVX512-BF16), rounded to bf16 once at the end, as oneDNN does;
+// on CPUs with AMX, calls of 2..16 rows (K a multiple of 32) multiply on the tile unit instead
+// (tdpbf16ps on the same packed layout, run_chunks_amx), still streaming the weight once.
 // INT8 (weight-only quantization): each row of x is quantized to int16 on entry (symmetric, its own
 // scale: 2^-15 of its largest element, finer than bf16's 2^-8 of each element for all but the
 // smallest), and int8 weights widened to int16 with one vpmovsxbw multiply-add in pairs into int32
@@ -30,16 +33,21 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
 #define TM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")))
+#define TM_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")))
 
 namespace {
 
@@ -55,9 +63,25 @@ bool has(const char* kind) {
   return base && (std::string(kind) == "bf16" || __builtin_cpu_supports("avx512vnni"));
 }
 
+// AMX (Sapphire Rapids and later): CPUID.(7, 0):EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), and Linux's
+// permission for this process to use the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, once).
+// TOKENMILL_CPU_AMX=0 keeps the AVX-512 tiles for every row count (an A/B of the tile path).
+bool amx() {
+  static const bool ok = [] {
+    const char* env = std::getenv("TOKENMILL_CPU_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
 bool supported(const std::string& kind) {
   static const bool bf16 = has("bf16"), int8 = has("int8");
-  TORCH_CHECK(kind == "bf16" || kind == "int8", "gemv_supported: kind must be 'bf16' or 'int8'");
+  TORCH_CHECK(kind == "bf16" || kind == "int8" || kind == "amx", "gemv_supported: kind must be 'bf16', 'int8' or 'amx'");
+  if (kind == "amx") return bf16 && amx();  // bf16 calls of 2..16 rows take the tile path (run_chunks_amx)
   return kind == "bf16" ? bf16 : int8;
 }
 
@@ -296,6 +320,68 @@ TM_AVX512 void tile(const Job& j, int64_t m0, int64_t b0) {
   store_tile<R>(j, m0, b0, acc);
 }
 
+// ---- AMX (bf16, 2..16 rows) ------------------------------------------------------------------------
+// One tdpbf16ps multiplies a tile of up to 16 rows of x by 32 input columns (A: rows x 64 bytes) and a
+// packed block's 16 column pairs (B: 16 rows of 16 outputs x 2 bf16, the packed layout as it lies)
+// into 16 rows x 16 float32 outputs (C). A chunk's NB blocks take four C tiles; per 32 input columns
+// x is loaded once and each block's 1 KiB of weights once, so the call streams the weight once for
+// every row of x like the AVX-512 tiles, but the arithmetic is the tile unit's (the AVX-512 tiles
+// are bound by vdpbf16ps past ~4 rows: SmolLM2-135M's linears took 16 ms at 9 rows against 9 ms at
+// one). The C tiles go to a buffer and through the AVX-512 epilogue (store_tile) a row at a time.
+constexpr int64_t AMX_ROWS = 16;  // rows of x per call on the tile path (one A tile)
+
+struct TileConfig {  // the 64-byte operand of ldtilecfg (palette 1)
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_applies(const Job& j) {
+  return j.w_scale == nullptr && !j.blocked && j.m >= 2 && j.m <= AMX_ROWS && j.g.k2 % 32 == 0 && amx();
+}
+
+TM_AMX void run_chunks_amx(const Job& j, int64_t c0, int64_t c1) {
+  TileConfig cfg;
+  const int m = static_cast<int>(j.m);
+  cfg.rows[0] = m, cfg.colsb[0] = 64;  // A: m rows of 32 bf16
+  cfg.rows[1] = 16, cfg.colsb[1] = 64;  // B: 16 pairs of 16 outputs
+  cfg.rows[2] = 16, cfg.colsb[2] = 64;
+  for (int t = 4; t < 8; ++t) cfg.rows[t] = m, cfg.colsb[t] = 64;  // C: m rows of 16 float32
+  _tile_loadconfig(&cfg);
+  const int64_t kp = j.g.k2 / 2;
+  const uint16_t* w = static_cast<const uint16_t*>(j.w);
+  alignas(64) float c[NB][AMX_ROWS][16];
+  for (int64_t ch = c0; ch < c1; ++ch) {
+    const int64_t b0 = ch * NB;
+    const uint16_t* wb = w + b0 * kp * 32;  // block b0 + b at wb + b * kp * 32, pair p at + p * 32
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t p = 0; p < kp; p += 16) {
+      _tile_loadd(0, j.x + 2 * p, j.g.k2 * 2);
+      _tile_loadd(1, wb + (0 * kp + p) * 32, 64);
+      _tile_loadd(2, wb + (1 * kp + p) * 32, 64);
+      _tile_dpbf16ps(4, 0, 1);
+      _tile_dpbf16ps(5, 0, 2);
+      _tile_loadd(1, wb + (2 * kp + p) * 32, 64);
+      _tile_loadd(2, wb + (3 * kp + p) * 32, 64);
+      _tile_dpbf16ps(6, 0, 1);
+      _tile_dpbf16ps(7, 0, 2);
+    }
+    _tile_stored(4, c[0], 64);
+    _tile_stored(5, c[1], 64);
+    _tile_stored(6, c[2], 64);
+    _tile_stored(7, c[3], 64);
+    for (int r = 0; r < m; ++r) {
+      __m512 acc[1][NB];
+      for (int b = 0; b < NB; ++b) acc[0][b] = _mm512_load_ps(c[b][r]);
+      store_tile<1>(j, r, b0, acc);
+    }
+  }
+  _tile_release();
+}
+
 TM_AVX512 void run_chunks(const Job& j, int64_t c0, int64_t c1) {
   // Every row of x against one chunk of NB blocks at a time: the chunk stays in L1/L2 across the
   // row tiles, so the weights are read from memory once per call whatever the row count.
@@ -321,6 +407,10 @@ void run(const Job& j) {
   // At least ~64 KiB of weights per task: below that starting a thread costs more than it saves.
   const int64_t chunk_bytes = NB * 16 * j.g.k2 * (j.w_scale ? 1 : 2);
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / chunk_bytes);
+  if (amx_applies(j)) {
+    at::parallel_for(0, j.g.nb / NB, grain, [&](int64_t c0, int64_t c1) { run_chunks_amx(j, c0, c1); });
+    return;
+  }
   at::parallel_for(0, j.g.nb / NB, grain, [&](int64_t c0, int64_t c1) { run_chunks(j, c0, c1); });
 }
 

@@ -51,3 +51,19 @@ def test_bench_spec_runs_every_chat_workload(build_model, tmp_path, capsys):
         assert report["workload"] == workload
         assert report["results"][0]["identical_outputs"] == "2/2"
         assert report["results"][0]["on"]["output_tokens"] > 0
+
+
+def test_bench_spec_fresh_rounds_and_warm_traffic_for_suffix_decoding(build_model, tmp_path):
+    """--fresh-rounds gives each round its own prompts (both arms the same ones), --warm-prompts runs other
+    prompts first; the speedup is the median of the rounds' own ratios."""
+    path = build_model("tiny-llama")
+    out = tmp_path / "suffix.json"
+    rc = main(["spec", "--model", str(path), "--dtype", "float32", "--workload", "code-edit", "--prompts", "2",
+               "--max-tokens", "8", "--rounds", "3", "--fresh-rounds", "--warm-prompts", "2", "--method", "suffix",
+               "--k", "6", "--concurrency", "1", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    report = json.loads(out.read_text())
+    row = report["results"][0]
+    assert report["warm_prompts"] == 2 and len(row["round_speedups"]) == 3
+    assert abs(row["speedup"] - sorted(row["round_speedups"])[1]) < 0.01
+    assert row["identical_outputs"] == "2/2"

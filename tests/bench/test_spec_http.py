@@ -22,7 +22,7 @@ def test_same_answers_with_and_without_speculation_counted_from_usage(build_mode
         with server_process(model, free_port(), 4, "float32", extra, tmp_path / f"{arm}.log", ready_timeout_s=120) as url:
             out = tmp_path / f"{arm}.json"
             args = argparse.Namespace(base_url=url, workload="code-edit", prompts=3, concurrency=[1, 2],
-                                      max_tokens=12, label=arm, json=out)  # fmt: skip
+                                      max_tokens=12, label=arm, json=out, warm_prompts=2)  # fmt: skip
             assert run(args) == 0
         reports[arm] = json.loads(out.read_text())["rows"]
     for rows in reports.values():

@@ -61,6 +61,29 @@ def test_bf16_gemv_keeps_leading_dims_and_matches_onednn():
     assert (y == F.linear(x, w)).float().mean() > 0.99
 
 
+@pytest.mark.skipif(not ops.gemv_supported("amx"), reason="no AMX on this CPU: the AVX-512 tiles take every row count")
+@pytest.mark.parametrize("rows", [2, 5, 9, 16])
+def test_the_amx_tile_path_matches_float64_and_onednn(rows):
+    """bf16 calls of 2..16 rows with K a multiple of 32 run on the tile unit (tdpbf16ps, float32 sums):
+    SmolLM2's shapes, plain, gate/up with silu and split, bias; 17 rows and K = 1537 take the AVX-512
+    tiles (covered above)."""
+    g = torch.Generator().manual_seed(rows)
+    for n, k in [(960, 576), (576, 1536), (100, 64)]:
+        w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        y = ops.gemv(x, ops.gemv_pack_bf16(w, False), None, n, k, b)
+        want = x.double() @ w.double().T + b.double()
+        _close(y, want, 2**-7)
+        assert (y == F.linear(x, w, b)).float().mean() > 0.98
+    w = (torch.randn(2 * 1536, 576, generator=g) / 24).bfloat16()
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    gate, up = F.linear(x, w).split(1536, dim=-1)
+    fused = ops.gemv_silu_mul(x, ops.gemv_pack_bf16(w, True), None, 2 * 1536, 576, None)
+    assert (fused == F.silu(gate) * up).float().mean() > 0.98
+    split = ops.gemv_split(x, ops.gemv_pack_bf16(w, True), None, 2 * 1536, 576, None)
+    assert torch.equal(split, ops.gemv(x, ops.gemv_pack_bf16(w, False), None, 2 * 1536, 576, None))
+
+
 @pytest.mark.parametrize("inter,k", [(50, 40), (16, 64), (1536, 576)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_silu_mul_matches_pytorch_ops(inter, k, bias):
