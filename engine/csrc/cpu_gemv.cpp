@@ -2,7 +2,7 @@
 // bf16 or in INT8 with float32 scales, streamed once per call. Registered in torch.ops.tokenmill:
 // gemv_pack_bf16 / gemv_pack_int8 (re-lay a weight once), gemv (y = x W^T + b), gemv_silu_mul (the
 // gated MLP's product with silu(gate) * up fused into the epilogue), gemv_supported (whether this
-// CPU runs a kind; "amx": whether bf16 calls of 2..16 rows use the tile unit) and read_sum (a
+// CPU runs a kind; "amx": whether bf16 calls of 1..32 rows use the tile unit) and read_sum (a
 // memory-read probe for bench floor).
 //
 // Packed layout: W [N, K] becomes [Nb, K2 / 2, 16, 2] with Nb = ceil(N / 16) rounded up to a
@@ -12,7 +12,7 @@
 // stream, and x contributes a 32-bit broadcast of its pair (x[2p], x[2p + 1]): no horizontal sums.
 //
 // bf16: float32 sums of vdpbf16ps (AVX512-BF16), rounded to bf16 once at the end, as oneDNN does;
-// on CPUs with AMX, calls of 2..16 rows (K a multiple of 32) multiply on the tile unit instead
+// on CPUs with AMX, calls of 1..32 rows (K a multiple of 32) multiply on the tile unit instead
 // (tdpbf16ps on the same packed layout, run_chunks_amx), still streaming the weight once.
 // INT8 (weight-only quantization): each row of x is quantized to int16 on entry (symmetric, its own
 // scale: 2^-15 of its largest element, finer than bf16's 2^-8 of each element for all but the
@@ -81,7 +81,7 @@ bool amx() {
 bool supported(const std::string& kind) {
   static const bool bf16 = has("bf16"), int8 = has("int8");
   TORCH_CHECK(kind == "bf16" || kind == "int8" || kind == "amx", "gemv_supported: kind must be 'bf16', 'int8' or 'amx'");
-  if (kind == "amx") return bf16 && amx();  // bf16 calls of 2..16 rows take the tile path (run_chunks_amx)
+  if (kind == "amx") return bf16 && amx();  // bf16 calls of 1..32 rows take the tile path (run_chunks_amx*)
   return kind == "bf16" ? bf16 : int8;
 }
 
@@ -320,7 +320,7 @@ TM_AVX512 void tile(const Job& j, int64_t m0, int64_t b0) {
   store_tile<R>(j, m0, b0, acc);
 }
 
-// ---- AMX (bf16, 2..16 rows) ------------------------------------------------------------------------
+// ---- AMX (bf16, 1..32 rows) ------------------------------------------------------------------------
 // One tdpbf16ps multiplies a tile of up to 16 rows of x by 32 input columns (A: rows x 64 bytes) and a
 // packed block's 16 column pairs (B: 16 rows of 16 outputs x 2 bf16, the packed layout as it lies)
 // into 16 rows x 16 float32 outputs (C). A chunk's NB blocks take four C tiles; per 32 input columns
@@ -328,7 +328,10 @@ TM_AVX512 void tile(const Job& j, int64_t m0, int64_t b0) {
 // every row of x like the AVX-512 tiles, but the arithmetic is the tile unit's (the AVX-512 tiles
 // are bound by vdpbf16ps past ~4 rows: SmolLM2-135M's linears took 16 ms at 9 rows against 9 ms at
 // one). The C tiles go to a buffer and through the AVX-512 epilogue (store_tile) a row at a time.
-constexpr int64_t AMX_ROWS = 16;  // rows of x per call on the tile path (one A tile)
+// The tile unit sums as oneDNN's AMX GEMM does (per 32 columns; docs/ENGINE.md "batch-invariant
+// mode"), so these are oneDNN's bits at every row count up to 32 (tests/engine/test_cpu_gemv.py),
+// where the AVX-512 tiles' one chain per output differs from them near cancellations.
+constexpr int64_t AMX_ROWS = 16;  // rows of x per A tile; the tile path takes calls of 1..2 x AMX_ROWS rows
 
 struct TileConfig {  // the 64-byte operand of ldtilecfg (palette 1)
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -337,7 +340,7 @@ struct TileConfig {  // the 64-byte operand of ldtilecfg (palette 1)
 };
 
 bool amx_applies(const Job& j) {
-  return j.w_scale == nullptr && !j.blocked && j.m >= 2 && j.m <= AMX_ROWS && j.g.k2 % 32 == 0 && amx();
+  return j.w_scale == nullptr && !j.blocked && j.m >= 1 && j.m <= 2 * AMX_ROWS && j.g.k2 % 32 == 0 && amx();
 }
 
 TM_AMX void run_chunks_amx(const Job& j, int64_t c0, int64_t c1) {
@@ -382,6 +385,56 @@ TM_AMX void run_chunks_amx(const Job& j, int64_t c0, int64_t c1) {
   _tile_release();
 }
 
+// 17..32 rows: two A tiles (rows 0-15 and 16..m-1) share each B tile, and a chunk's NB blocks go in
+// two halves of two blocks (A 2 + B 2 + C 4: the eight tile registers); each block is still loaded
+// once per call.
+TM_AMX void run_chunks_amx2(const Job& j, int64_t c0, int64_t c1) {
+  static_assert(NB == 4, "two halves of two blocks");
+  TileConfig cfg;
+  const int m = static_cast<int>(j.m), m1 = m - static_cast<int>(AMX_ROWS);
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  cfg.rows[0] = 16, cfg.rows[1] = m1;  // A: rows 0-15, rows 16..m-1
+  cfg.rows[2] = cfg.rows[3] = 16;  // B: two blocks
+  cfg.rows[4] = cfg.rows[5] = 16;  // C: A0 with each block
+  cfg.rows[6] = cfg.rows[7] = m1;  // C: A1 with each block
+  _tile_loadconfig(&cfg);
+  const int64_t kp = j.g.k2 / 2;
+  const uint16_t* w = static_cast<const uint16_t*>(j.w);
+  const uint16_t* x1 = j.x + AMX_ROWS * j.g.k2;
+  alignas(64) float c[NB][2 * AMX_ROWS][16];
+  for (int64_t ch = c0; ch < c1; ++ch) {
+    const int64_t b0 = ch * NB;
+    for (int half = 0; half < 2; ++half) {
+      const uint16_t* w0 = w + (b0 + 2 * half) * kp * 32;
+      const uint16_t* w1 = w0 + kp * 32;
+      _tile_zero(4);
+      _tile_zero(5);
+      _tile_zero(6);
+      _tile_zero(7);
+      for (int64_t p = 0; p < kp; p += 16) {
+        _tile_loadd(0, j.x + 2 * p, j.g.k2 * 2);
+        _tile_loadd(1, x1 + 2 * p, j.g.k2 * 2);
+        _tile_loadd(2, w0 + p * 32, 64);
+        _tile_loadd(3, w1 + p * 32, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 0, 3);
+        _tile_dpbf16ps(6, 1, 2);
+        _tile_dpbf16ps(7, 1, 3);
+      }
+      _tile_stored(4, c[2 * half][0], 64);
+      _tile_stored(5, c[2 * half + 1][0], 64);
+      _tile_stored(6, c[2 * half][AMX_ROWS], 64);
+      _tile_stored(7, c[2 * half + 1][AMX_ROWS], 64);
+    }
+    for (int r = 0; r < m; ++r) {
+      __m512 acc[1][NB];
+      for (int b = 0; b < NB; ++b) acc[0][b] = _mm512_load_ps(c[b][r]);
+      store_tile<1>(j, r, b0, acc);
+    }
+  }
+  _tile_release();
+}
+
 TM_AVX512 void run_chunks(const Job& j, int64_t c0, int64_t c1) {
   // Every row of x against one chunk of NB blocks at a time: the chunk stays in L1/L2 across the
   // row tiles, so the weights are read from memory once per call whatever the row count.
@@ -408,7 +461,13 @@ void run(const Job& j) {
   const int64_t chunk_bytes = NB * 16 * j.g.k2 * (j.w_scale ? 1 : 2);
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / chunk_bytes);
   if (amx_applies(j)) {
-    at::parallel_for(0, j.g.nb / NB, grain, [&](int64_t c0, int64_t c1) { run_chunks_amx(j, c0, c1); });
+    at::parallel_for(0, j.g.nb / NB, grain, [&](int64_t c0, int64_t c1) {
+      if (j.m <= AMX_ROWS) {
+        run_chunks_amx(j, c0, c1);
+      } else {
+        run_chunks_amx2(j, c0, c1);
+      }
+    });
     return;
   }
   at::parallel_for(0, j.g.nb / NB, grain, [&](int64_t c0, int64_t c1) { run_chunks(j, c0, c1); });

@@ -62,11 +62,16 @@ def test_bf16_gemv_keeps_leading_dims_and_matches_onednn():
 
 
 @pytest.mark.skipif(not ops.gemv_supported("amx"), reason="no AMX on this CPU: the AVX-512 tiles take every row count")
-@pytest.mark.parametrize("rows", [2, 5, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 16, 17, 24, 32])
 def test_the_amx_tile_path_matches_float64_and_onednn(rows):
-    """bf16 calls of 2..16 rows with K a multiple of 32 run on the tile unit (tdpbf16ps, float32 sums):
-    SmolLM2's shapes, plain, gate/up with silu and split, bias; 17 rows and K = 1537 take the AVX-512
-    tiles (covered above)."""
+    """bf16 calls of 1..32 rows with K a multiple of 32 run on the tile unit (tdpbf16ps, float32 sums;
+    one A tile to 16 rows, two past it): SmolLM2's shapes, plain, gate/up with silu and split, bias;
+    33+ rows and K = 1537 take the AVX-512 tiles (covered above). The tile unit sums as oneDNN's AMX
+    GEMM does, so without bias the bits are oneDNN's packed product's at every row count (on
+    cancelling inputs too, where the AVX-512 tiles' one chain per output differs)."""
+    from engine.batch_invariant import TiledLinear
+    from engine.models.invariant_linear import cancelling_inputs
+
     g = torch.Generator().manual_seed(rows)
     for n, k in [(960, 576), (576, 1536), (100, 64)]:
         w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
@@ -75,6 +80,8 @@ def test_the_amx_tile_path_matches_float64_and_onednn(rows):
         want = x.double() @ w.double().T + b.double()
         _close(y, want, 2**-7)
         assert (y == F.linear(x, w, b)).float().mean() > 0.98
+        xc, wc = cancelling_inputs(rows, k, n, seed=rows)
+        assert torch.equal(ops.gemv(xc, ops.gemv_pack_bf16(wc, False), None, n, k, None), TiledLinear(wc, None).inner(xc))
     w = (torch.randn(2 * 1536, 576, generator=g) / 24).bfloat16()
     x = torch.randn(rows, 576, generator=g).bfloat16()
     gate, up = F.linear(x, w).split(1536, dim=-1)
