@@ -339,6 +339,17 @@ struct TileConfig {  // the 64-byte operand of ldtilecfg (palette 1)
   uint8_t rows[16] = {};
 };
 
+using AmxSums = float[NB][2 * AMX_ROWS][16];  // a chunk's C tiles as stored: [block][row][output]
+
+// Rows 0..m-1 of a chunk's stored sums through the AVX-512 epilogue (bias, silu, split, rounding).
+TM_AVX512 inline void store_sums(const Job& j, int64_t b0, const AmxSums& c) {
+  for (int64_t r = 0; r < j.m; ++r) {
+    __m512 acc[1][NB];
+    for (int b = 0; b < NB; ++b) acc[0][b] = _mm512_load_ps(c[b][r]);
+    store_tile<1>(j, r, b0, acc);
+  }
+}
+
 bool amx_applies(const Job& j) {
   return j.w_scale == nullptr && !j.blocked && j.m >= 1 && j.m <= 2 * AMX_ROWS && j.g.k2 % 32 == 0 && amx();
 }
@@ -353,7 +364,7 @@ TM_AMX void run_chunks_amx(const Job& j, int64_t c0, int64_t c1) {
   _tile_loadconfig(&cfg);
   const int64_t kp = j.g.k2 / 2;
   const uint16_t* w = static_cast<const uint16_t*>(j.w);
-  alignas(64) float c[NB][AMX_ROWS][16];
+  alignas(64) AmxSums c;
   for (int64_t ch = c0; ch < c1; ++ch) {
     const int64_t b0 = ch * NB;
     const uint16_t* wb = w + b0 * kp * 32;  // block b0 + b at wb + b * kp * 32, pair p at + p * 32
@@ -376,11 +387,7 @@ TM_AMX void run_chunks_amx(const Job& j, int64_t c0, int64_t c1) {
     _tile_stored(5, c[1], 64);
     _tile_stored(6, c[2], 64);
     _tile_stored(7, c[3], 64);
-    for (int r = 0; r < m; ++r) {
-      __m512 acc[1][NB];
-      for (int b = 0; b < NB; ++b) acc[0][b] = _mm512_load_ps(c[b][r]);
-      store_tile<1>(j, r, b0, acc);
-    }
+    store_sums(j, b0, c);
   }
   _tile_release();
 }
@@ -401,7 +408,7 @@ TM_AMX void run_chunks_amx2(const Job& j, int64_t c0, int64_t c1) {
   const int64_t kp = j.g.k2 / 2;
   const uint16_t* w = static_cast<const uint16_t*>(j.w);
   const uint16_t* x1 = j.x + AMX_ROWS * j.g.k2;
-  alignas(64) float c[NB][2 * AMX_ROWS][16];
+  alignas(64) AmxSums c;
   for (int64_t ch = c0; ch < c1; ++ch) {
     const int64_t b0 = ch * NB;
     for (int half = 0; half < 2; ++half) {
@@ -426,11 +433,7 @@ TM_AMX void run_chunks_amx2(const Job& j, int64_t c0, int64_t c1) {
       _tile_stored(6, c[2 * half][AMX_ROWS], 64);
       _tile_stored(7, c[2 * half + 1][AMX_ROWS], 64);
     }
-    for (int r = 0; r < m; ++r) {
-      __m512 acc[1][NB];
-      for (int b = 0; b < NB; ++b) acc[0][b] = _mm512_load_ps(c[b][r]);
-      store_tile<1>(j, r, b0, acc);
-    }
+    store_sums(j, b0, c);
   }
   _tile_release();
 }
