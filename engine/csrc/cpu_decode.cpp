@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "lora.h"
+
 namespace {
 
 // How one linear runs for this step's row count (engine/models/fused_decode.py picks it).
@@ -64,7 +66,6 @@ TOKENMILL_OP(rotary_op, "tokenmill::rotary_inplace")
 TOKENMILL_OP(store_op, "tokenmill::paged_store_kv")
 TOKENMILL_OP(attention_op, "tokenmill::paged_decode_attention")
 TOKENMILL_OP(onednn_op, "mkldnn::_linear_pointwise")
-TOKENMILL_OP(lora_op, "tokenmill::lora_add_")
 #undef TOKENMILL_OP
 
 using Weights = c10::List<c10::optional<at::Tensor>>;
@@ -129,11 +130,22 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return x * cos + at::cat({-halves[1], halves[0]}, -1) * sin;
 }
 
+// silu(gate) * up of [T, 2I] = [gate | up]: tokenmill::silu_mul for bf16 where cpu_gemv.cpp built (the
+// fused product's arithmetic; engine/models/layers.py GatedMLP makes the same choice), else PyTorch's.
+at::Tensor silu_mul(const at::Tensor& gu) {
+  static const c10::optional<c10::OperatorHandle> h = c10::Dispatcher::singleton().findSchema({"tokenmill::silu_mul", ""});
+  if (h && gu.scalar_type() == at::kBFloat16 && gu.stride(1) == 1) return call1(*h, {gu});
+  auto gate_up = gu.chunk(2, -1);
+  return at::silu(gate_up[0]) * gate_up[1];
+}
+
 // The step's LoRA operands (engine/lora/batch.py): per layer and linear (qkv, o, gate/up, down), A and
 // B^T of each of `segments` segments; none when segments is 0.
 struct Lora {
   const std::vector<at::Tensor>& a;
   const std::vector<at::Tensor>& bt;
+  const std::vector<at::Tensor>& spans;   // B^T's non-zero blocks (cpu_lora.cpp)
+  const std::vector<at::Tensor>& packed;  // the pairs in the AMX path's tile layouts (or empty)
   const c10::optional<at::Tensor>& slots;
   int64_t segments;
 
@@ -141,12 +153,11 @@ struct Lora {
   void add(const at::Tensor& y, const at::Tensor& x, int64_t l, int64_t which) const {
     if (segments == 0) return;
     const size_t base = static_cast<size_t>((l * LINEARS + which) * segments);
-    c10::List<at::Tensor> as, bts;
-    for (int64_t s = 0; s < segments; ++s) {
-      as.push_back(a[base + s]);
-      bts.push_back(bt[base + s]);
-    }
-    call1(lora_op(), {y, x, as, bts, *slots});
+    auto part = [&](const std::vector<at::Tensor>& all) {
+      return std::vector<at::Tensor>(all.begin() + base, all.begin() + base + segments);
+    };
+    at::Tensor out = y;
+    tokenmill::lora_add_cpu(out, x, part(a), part(bt), *slots, part(spans), part(packed));
   }
 };
 
@@ -161,6 +172,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
                                       c10::IntArrayRef kinds, c10::IntArrayRef shapes, int64_t heads, int64_t kv_heads,
                                       int64_t head_dim, double eps, bool fused_norm, bool qk_norm,
                                       const std::vector<at::Tensor>& lora_a, const std::vector<at::Tensor>& lora_bt,
+                                      const std::vector<at::Tensor>& lora_spans, const std::vector<at::Tensor>& lora_packed,
                                       const c10::optional<at::Tensor>& lora_slots, int64_t lora_segments) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == layers &&
@@ -170,9 +182,10 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
               "decode_layers: one set of caches, weights, kinds and shapes per layer");
   TORCH_CHECK(lora_segments == 0 || (lora_slots.has_value() &&
                                      static_cast<int64_t>(lora_a.size()) == layers * LINEARS * lora_segments &&
-                                     lora_bt.size() == lora_a.size()),
+                                     lora_bt.size() == lora_a.size() && lora_spans.size() == lora_a.size() &&
+                                     lora_packed.size() == lora_a.size()),
               "decode_layers: LoRA operands for every layer, linear and segment, and the rows' slots");
-  const Lora lora{lora_a, lora_bt, lora_slots, lora_segments};
+  const Lora lora{lora_a, lora_bt, lora_spans, lora_packed, lora_slots, lora_segments};
   const int64_t b = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   at::Tensor residual;  // undefined before layer 0, as LlamaModel's None
   for (int64_t l = 0; l < layers; ++l) {
@@ -213,8 +226,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
     } else {
       const at::Tensor gu = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5]);
       lora.add(gu, h2, l, 2);
-      auto gate_up = gu.chunk(2, -1);
-      act = at::silu(gate_up[0]) * gate_up[1];
+      act = silu_mul(gu);
     }
     x = linear(act, weights, l, DOWN_W, kind[3], nk[6], nk[7]);
     lora.add(x, act, l, 3);
@@ -226,7 +238,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, int block_size, int max_context, float scale, Tensor?[] weights, "
         "int[] kinds, int[] shapes, int heads, int kv_heads, int head_dim, float eps, bool fused_norm, "
-        "bool qk_norm, Tensor[] lora_a, Tensor[] lora_bt, Tensor? lora_slots, int lora_segments) -> Tensor[]");
+        "bool qk_norm, Tensor[] lora_a, Tensor[] lora_bt, Tensor[] lora_spans, Tensor[] lora_packed, Tensor? lora_slots, int lora_segments) -> Tensor[]");
   m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
   // oneDNN-packed weights among the arguments make the dispatcher pick MkldnnCPU: the same function.
   m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, TORCH_FN(decode_layers));

@@ -33,10 +33,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx.h"
 
 #include <algorithm>
 #include <atomic>
@@ -63,20 +62,9 @@ bool has(const char* kind) {
   return base && (std::string(kind) == "bf16" || __builtin_cpu_supports("avx512vnni"));
 }
 
-// AMX (Sapphire Rapids and later): CPUID.(7, 0):EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), and Linux's
-// permission for this process to use the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM, once).
-// TOKENMILL_CPU_AMX=0 keeps the AVX-512 tiles for every row count (an A/B of the tile path).
-bool amx() {
-  static const bool ok = [] {
-    const char* env = std::getenv("TOKENMILL_CPU_AMX");
-    if (env != nullptr && std::string(env) == "0") return false;
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
+// Whether bf16 calls of 1..32 rows may take the tile unit (amx.h: CPUID, Linux's permission, and
+// TOKENMILL_CPU_AMX=0 to keep the AVX-512 tiles for every row count).
+bool amx() { return tokenmill::amx_usable(); }
 
 bool supported(const std::string& kind) {
   static const bool bf16 = has("bf16"), int8 = has("int8");
@@ -274,6 +262,18 @@ TM_AVX512 inline __m512 silu_mul(__m512 gate, __m512 up, bool bf16) {
   return bf16 ? _mm512_mul_ps(round_bf16(s), round_bf16(up)) : _mm512_mul_ps(s, up);
 }
 
+// One row of silu_mul_rows (below): out[c] = silu(gu[c]) * gu[half + c], rounded to bf16.
+TM_AVX512 void silu_mul_row(const uint16_t* gu, uint16_t* out, int64_t half) {
+  for (int64_t c = 0; c < half; c += 16) {
+    const __mmask16 m = half - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (half - c)) - 1);
+    auto widen16 = [&](const uint16_t* p) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+    };
+    const __m512 v = silu_mul(widen16(gu + c), widen16(gu + half + c), true);
+    _mm256_mask_storeu_epi16(out + c, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
+}
+
 template <int R>
 TM_AVX512 inline void store_tile(const Job& j, int64_t m0, int64_t b0, __m512 (&acc)[R][NB]) {
   for (int b = 0; b < NB; b += j.silu ? 2 : 1) {
@@ -333,11 +333,7 @@ TM_AVX512 void tile(const Job& j, int64_t m0, int64_t b0) {
 // where the AVX-512 tiles' one chain per output differs from them near cancellations.
 constexpr int64_t AMX_ROWS = 16;  // rows of x per A tile; the tile path takes calls of 1..2 x AMX_ROWS rows
 
-struct TileConfig {  // the 64-byte operand of ldtilecfg (palette 1)
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using tokenmill::TileConfig;
 
 using AmxSums = float[NB][2 * AMX_ROWS][16];  // a chunk's C tiles as stored: [block][row][output]
 
@@ -721,6 +717,30 @@ at::Tensor gemv_blocked(const at::Tensor& x, const at::Tensor& packed, int64_t n
 
 bool gemv_supported(c10::string_view kind) { return supported(std::string(kind)); }
 
+// silu(gate) * up of a bf16 [T, 2I] = [gate | up] product, with the fused product's arithmetic and
+// roundings (silu_mul above): a LoRA step's gate/up takes the adapters' delta between the product and
+// the activation, so the fused product cannot run there; this keeps its activation what the fused
+// product gives the same rows (and costs one pass, where PyTorch's silu and mul take two and an
+// intermediate). Off AVX512-BF16 CPUs: PyTorch's silu and mul.
+at::Tensor silu_mul_rows(const at::Tensor& gu) {
+  TORCH_CHECK(gu.device().is_cpu() && gu.scalar_type() == at::kBFloat16 && gu.dim() == 2 && gu.size(1) % 2 == 0 &&
+                  gu.stride(1) == 1,
+              "silu_mul: gu must be a bf16 CPU matrix [T, 2I] with contiguous rows");
+  const int64_t rows = gu.size(0), half = gu.size(1) / 2;
+  if (!has("bf16")) {
+    auto parts = gu.chunk(2, -1);
+    return at::silu(parts[0]) * parts[1];
+  }
+  at::Tensor out = at::empty({rows, half}, gu.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(gu.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t ld = gu.stride(0);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, half)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) silu_mul_row(src + r * ld, dst + r * half, half);
+  });
+  return out;
+}
+
 // Sums 64-bit words [b, e) in eight independent lanes (one AVX-512 register once vectorised).
 uint64_t sum_words(const uint64_t* p, int64_t b, int64_t e) {
   uint64_t lane[8] = {};
@@ -755,6 +775,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("gemv_split(Tensor x, Tensor packed, Tensor? scales, int n, int k, Tensor? bias) -> Tensor");
   m.def("gemv_unpack(Tensor packed, Tensor? scales, int n, int k, bool interleave, ScalarType dtype) -> Tensor");
   m.def("read_sum(Tensor buf) -> int");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul_rows));
   m.impl("gemv_supported", c10::DispatchKey::CatchAll, TORCH_FN(gemv_supported));
   m.impl("gemv_pack_bf16", c10::DispatchKey::CPU, TORCH_FN(gemv_pack_bf16));
   m.impl("gemv_pack_int8", c10::DispatchKey::CPU, TORCH_FN(gemv_pack_int8));

@@ -5,8 +5,8 @@
 // or (with bf16 rows) bf16, half the bytes a step reads: everything is widened on the fly, the delta
 // summed in float32 and added to y's row in float32, rounded to bf16 once (PyTorch's bf16 products
 // would round after each of the three ops). Registered as
-// torch.ops.tokenmill.lora_add_ (engine/lora/batch.py; called from the C++ decode loop too,
-// cpu_decode.cpp).
+// torch.ops.tokenmill.lora_add_ (engine/lora/batch.py) and called by the C++ decode loop directly
+// (lora.h, cpu_decode.cpp).
 //
 // Why: the PyTorch form costs four dispatched ops per adapter and linear (gather the adapter's rows,
 // two thin products, scatter-add): with 4 adapters on SmolLM2-135M's 30 layers, ~2,000 ops a decode
@@ -15,19 +15,51 @@
 // columns each row's R_s scaled rows of B^T added into y (blocks go to the threads, so a one-row
 // decode uses them all, and a block of B^T stays in L1 across one adapter's rows). A base-model row
 // costs nothing.
+//
+// Spans: a fused linear's B^T is block-diagonal (engine/lora/adapter.py: q/k/v or gate/up side by side,
+// each shard's ranks feeding only its own columns). Each segment may say where its B^T is non-zero,
+// as rows (c0, c1, r0, r1): output columns [c0, c1) take ranks [r0, r1); the kernel reads and
+// multiplies nothing else (columns outside every span get no delta), a third of qkv's and half of
+// gate/up's expand at equal ranks. An empty spans tensor: the whole B^T.
+//
+// AMX (Sapphire Rapids and later; bf16 rows and pairs, `in` a multiple of 32, AMX_MIN_ROWS+ rows per
+// adapter on average): 16 rows of one adapter at a time on the tile unit, each pair in tile layouts
+// (pack_pair: given per adapter as `packed`, made once when the adapter is placed by lora_pack_bf16,
+// else made here per call). Shrink: tmp [16 rows, 16 ranks] = x_rows A^T, the rows gathered as the A
+// operand against A re-laid in column pairs; tmp split exactly into three bf16 terms (hi + mid + lo =
+// the float32 sum: the expand's products keep float32 precision, as the AVX-512 path's). Expand: per
+// 16 output columns of a span and 16 of its ranks, (hi + mid + lo) x the B^T tile into a float32 C
+// tile, added to y's rows in float32, rounded once. TOKENMILL_CPU_AMX=0 keeps AVX-512.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "amx.h"
+#include "lora.h"
+
 #define TM_LORA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define TM_LORA_HAS_AMX 1
+#define TM_LORA_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#endif
 
 namespace {
+
+struct Span {  // B^T is non-zero only at output columns [c0, c1) from ranks [r0, r1)
+  int64_t c0, c1, r0, r1;
+};
+using Spans = std::vector<Span>;
 
 // ---- AVX-512 (most x86 servers): rows of one adapter in groups of up to 4, register tiles ------------
 // The portable loops below re-read an adapter's A and B^T for every row, ~15 GMAC/s on a 2-vCPU Xeon
@@ -84,18 +116,19 @@ TM_LORA_AVX512 void shrink_group(const T* xp, const int64_t* rows, int n, int64_
   }
 }
 
-// y[rows[i], o0:o0+w] += tmp[rows[i], :R] B^T[:, o0:o0+w] for n <= GROUP rows of one adapter, 64 columns
-// (4 registers) at a time: each output is y, then + tmp[r] * B^T[r] for r = 0..R-1 (fused), one store.
+// y[rows[i], o0:o0+w] += tmp[rows[i], r_lo:r_hi] B^T[r_lo:r_hi, o0:o0+w] for n <= GROUP rows of one
+// adapter, 64 columns (4 registers) at a time: each output is y, then + tmp[r] * B^T[r] for r in
+// order (fused), one store.
 template <typename T, typename W>
-TM_LORA_AVX512 void expand_group(T* yp, const int64_t* rows, int n, int64_t out, const W* bt, int64_t R,
-                                 int64_t max_rank, const float* tmp, int64_t o0, int64_t w) {
+TM_LORA_AVX512 void expand_group(T* yp, const int64_t* rows, int n, int64_t out, const W* bt, int64_t r_lo,
+                                 int64_t r_hi, int64_t max_rank, const float* tmp, int64_t o0, int64_t w) {
   for (int64_t o = o0; o < o0 + w; o += 64) {
     __mmask16 m[4];
     for (int v = 0; v < 4; ++v) m[v] = tail(std::max<int64_t>(0, o0 + w - (o + 16 * v)));
     __m512 acc[GROUP][4];
     for (int i = 0; i < n; ++i)
       for (int v = 0; v < 4; ++v) acc[i][v] = load16(yp + rows[i] * out + o + 16 * v, m[v]);
-    for (int64_t r = 0; r < R; ++r) {
+    for (int64_t r = r_lo; r < r_hi; ++r) {
       __m512 bv[4];
       for (int v = 0; v < 4; ++v) bv[v] = load16(bt + r * out + o + 16 * v, m[v]);
       for (int i = 0; i < GROUP; ++i) {
@@ -114,7 +147,7 @@ TM_LORA_AVX512 void expand_group(T* yp, const int64_t* rows, int n, int64_t out,
 template <typename T, typename W>
 void delta_avx512(T* yp, const T* xp, int64_t in, int64_t out, const std::vector<std::vector<int64_t>>& segments,
                   const std::vector<const W*>& ap, const std::vector<const W*>& bp,
-                  const std::vector<int64_t>& rank, int64_t max_rank, float* tmp) {
+                  const std::vector<int64_t>& rank, const std::vector<Spans>& spans, int64_t max_rank, float* tmp) {
   struct Group { int64_t s, first; int n; };
   std::vector<Group> groups;
   int64_t adapted = 0;
@@ -140,11 +173,261 @@ void delta_avx512(T* yp, const T* xp, int64_t in, int64_t out, const std::vector
                      for (int64_t b = b0; b < b1; ++b) {
                        const int64_t o0 = b * COLS_512, w = std::min(COLS_512, out - o0);
                        for (const Group& gr : groups)
-                         expand_group(yp, segments[gr.s].data() + gr.first, gr.n, out, bp[gr.s], rank[gr.s], max_rank,
-                                      tmp, o0, w);
+                         for (const Span& sp : spans[gr.s]) {  // the span's part of the block, its ranks only
+                           const int64_t c0 = std::max(o0, sp.c0), c1 = std::min(o0 + w, sp.c1);
+                           if (c0 < c1 && sp.r0 < sp.r1)
+                             expand_group(yp, segments[gr.s].data() + gr.first, gr.n, out, bp[gr.s], sp.r0, sp.r1,
+                                          max_rank, tmp, c0, c1 - c0);
+                         }
                      }
                    });
 }
+
+// ---- AMX (bf16 rows and pairs): 16 rows of one adapter per tile ------------------------------------
+
+constexpr int AMX_ROWS = 16;  // rows of one adapter per group (a tile's rows)
+constexpr int64_t AMX_MIN_ROWS = 2;  // the tile path's least average rows per adapter in a call
+using Bf = at::BFloat16;
+
+// The tile layouts of one adapter's pair (lora_pack_bf16, once per adapter placed; or per call):
+//   A: per 16 ranks (rt) and 32 input columns (kc), 512 elements [16 column pairs][16 ranks][2]:
+//      pa[(rt * KC + kc) * 512 + p * 32 + r * 2 + e] = A[16 rt + r][32 kc + 2p + e] (0 past R)
+//   B^T: span by span, per 16 ranks from the span's first multiple of 16 (step) and 16 output columns
+//      from c0 (block), 256 elements [8 rank pairs][16 columns][2], zero outside the span's ranks and
+//      columns: the B tile of the expand. A span's steps x blocks x 256 follow the previous span's.
+inline int64_t packed_a_size(int64_t R, int64_t in) { return (R + 15) / 16 * (in / 32) * 512; }
+inline int64_t span_steps(const Span& sp) { return (sp.r1 - (sp.r0 & ~int64_t{15}) + 15) / 16; }
+inline int64_t span_blocks(const Span& sp) { return (sp.c1 - sp.c0 + 15) / 16; }
+inline int64_t packed_b_size(const Spans& spans) {
+  int64_t n = 0;
+  for (const Span& sp : spans)
+    if (sp.c0 < sp.c1 && sp.r0 < sp.r1) n += span_steps(sp) * span_blocks(sp) * 256;
+  return n;
+}
+
+void pack_pair(const Bf* a, const Bf* bt, int64_t R, int64_t in, int64_t out, const Spans& spans, Bf* pa, Bf* pb) {
+  const int64_t kcs = in / 32;
+  for (int64_t rt = 0; rt < (R + 15) / 16; ++rt)
+    for (int64_t kc = 0; kc < kcs; ++kc) {
+      Bf* d = pa + (rt * kcs + kc) * 512;
+      for (int p = 0; p < 16; ++p)
+        for (int r = 0; r < 16; ++r)
+          for (int e = 0; e < 2; ++e) {
+            const int64_t rank = 16 * rt + r;
+            d[p * 32 + r * 2 + e] = rank < R ? a[rank * in + 32 * kc + 2 * p + e] : Bf(0.f);
+          }
+    }
+  for (const Span& sp : spans) {
+    if (sp.c0 >= sp.c1 || sp.r0 >= sp.r1) continue;
+    const int64_t rw = sp.r0 & ~int64_t{15}, steps = span_steps(sp), blocks = span_blocks(sp);
+    for (int64_t st = 0; st < steps; ++st)
+      for (int64_t b = 0; b < blocks; ++b) {
+        Bf* d = pb + (st * blocks + b) * 256;
+        for (int p = 0; p < 8; ++p)
+          for (int col = 0; col < 16; ++col)
+            for (int e = 0; e < 2; ++e) {
+              const int64_t rank = rw + 16 * st + 2 * p + e, o = sp.c0 + 16 * b + col;
+              d[p * 32 + col * 2 + e] = rank >= sp.r0 && rank < sp.r1 && o < sp.c1 ? bt[rank * out + o] : Bf(0.f);
+            }
+      }
+    pb += steps * blocks * 256;
+  }
+}
+
+#ifdef TM_LORA_HAS_AMX
+// The shrink's tiles: 0, 1: x rows (16 x 32 columns); 3, 4: A (16 column pairs x 16 ranks); 5, 6: C.
+TM_LORA_AMX void tiles_for_shrink() {
+  tokenmill::TileConfig cfg;
+  for (int t : {0, 1, 3, 4, 5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  asm volatile("" : : "r"(&cfg) : "memory");  // GCC drops the stores to cfg otherwise (ldtilecfg then faults)
+  _tile_loadconfig(&cfg);
+}
+// The expand's tiles: 0, 1, 2: hi, mid, lo (16 rows x 16 ranks); 3, 4: B (8 rank pairs x 16 columns);
+// 5, 6: C (16 rows x 16 columns float32).
+TM_LORA_AMX void tiles_for_expand() {
+  tokenmill::TileConfig cfg;
+  for (int t : {0, 1, 2}) cfg.rows[t] = 16, cfg.colsb[t] = 32;
+  for (int t : {3, 4}) cfg.rows[t] = 8, cfg.colsb[t] = 64;
+  for (int t : {5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  asm volatile("" : : "r"(&cfg) : "memory");  // as above
+  _tile_loadconfig(&cfg);
+}
+
+inline uint16_t bf16_rne(float v) {  // round to nearest even (finite values)
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+inline float widen(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// One group's shrink: for j < n and r < R, v = sum_c A[r][c] x[rows[j]][c], split exactly into three
+// bf16 terms v = hi + mid + lo (each remainder a float32 difference with no rounding), at
+// terms[q * 16 * rp + j * rp + r] (q = hi, mid, lo); the rest of terms stays as given (zero). xg: 16
+// x in, the group's rows gathered (rows n.. are left as they are: they only reach rows of C that
+// nobody reads).
+TM_LORA_AMX void amx_shrink(const Bf* xp, const int64_t* rows, int n, int64_t in, const Bf* pa, int64_t R,
+                            int64_t rp, Bf* xg, uint16_t* terms) {
+  for (int j = 0; j < n; ++j) std::memcpy(static_cast<void*>(xg + j * in), xp + rows[j] * in, in * sizeof(Bf));
+  const int64_t kcs = in / 32;
+  alignas(64) float c[16][16], c2[16][16];
+  for (int64_t rt = 0; rt < (R + 15) / 16; ++rt) {
+    const Bf* at = pa + rt * kcs * 512;
+    _tile_zero(5);
+    _tile_zero(6);
+    for (int64_t kc = 0; kc < kcs; kc += 2) {  // two chains of products (even and odd 32 columns)
+      _tile_loadd(0, xg + kc * 32, in * 2);
+      _tile_loadd(3, at + kc * 512, 64);
+      _tile_dpbf16ps(5, 0, 3);
+      if (kc + 1 < kcs) {
+        _tile_loadd(1, xg + kc * 32 + 32, in * 2);
+        _tile_loadd(4, at + kc * 512 + 512, 64);
+        _tile_dpbf16ps(6, 1, 4);
+      }
+    }
+    _tile_stored(5, c, 64);
+    _tile_stored(6, c2, 64);
+    const int nr = static_cast<int>(std::min<int64_t>(16, R - 16 * rt));
+    for (int j = 0; j < n; ++j)
+      for (int r = 0; r < nr; ++r) {
+        const float v = c[j][r] + c2[j][r];
+        const uint16_t hi = bf16_rne(v);
+        const float rest = v - widen(hi);
+        const uint16_t mid = bf16_rne(rest);
+        const uint16_t lo = bf16_rne(rest - widen(mid));
+        const int64_t at_ = j * rp + 16 * rt + r;
+        terms[at_] = hi, terms[16 * rp + at_] = mid, terms[32 * rp + at_] = lo;
+      }
+  }
+}
+
+// One adapter's delta for every group of its rows over output columns [q0, q1) (whole blocks of its
+// spans from c0), span by span, group by group across the columns (y swept row-major), two blocks of
+// 16 columns at a time (two C tiles: two chains of products at once): per step of 16 ranks,
+// C += hi x B + mid x B + lo x B, then y[row] += C[row] in float32, rounded once.
+TM_LORA_AMX void amx_expand(Bf* yp, const std::vector<int64_t>& seg, int64_t out, const Bf* pb, const Spans& spans,
+                            int64_t rp, const uint16_t* terms, int64_t q0, int64_t q1) {
+  const int64_t groups = (static_cast<int64_t>(seg.size()) + AMX_ROWS - 1) / AMX_ROWS;
+  alignas(64) float c[2][16][16];
+  for (const Span& sp : spans) {
+    if (sp.c0 >= sp.c1 || sp.r0 >= sp.r1) continue;
+    const int64_t rw = sp.r0 & ~int64_t{15}, steps = span_steps(sp), blocks = span_blocks(sp);
+    const Bf* span_pb = pb;
+    pb += steps * blocks * 256;
+    // this share's blocks: those whose first column lies in [q0, q1)
+    const int64_t b_lo = std::max<int64_t>(0, (q0 - sp.c0 + 15) / 16), b_hi = std::min(blocks, (q1 - sp.c0 + 15) / 16);
+    if (q1 <= sp.c0 || b_lo >= b_hi) continue;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* tg = terms + g * 48 * rp + rw;
+      const int n = static_cast<int>(std::min<int64_t>(AMX_ROWS, static_cast<int64_t>(seg.size()) - g * AMX_ROWS));
+      if (steps == 1) {  // the A tiles stay loaded across the columns
+        _tile_loadd(0, tg, rp * 2);
+        _tile_loadd(1, tg + 16 * rp, rp * 2);
+        _tile_loadd(2, tg + 32 * rp, rp * 2);
+      }
+      for (int64_t b = b_lo; b < b_hi; b += 2) {
+        const bool two = b + 1 < b_hi;
+        _tile_zero(5);
+        _tile_zero(6);
+        for (int64_t st = 0; st < steps; ++st) {
+          if (steps > 1) {
+            _tile_loadd(0, tg + 16 * st, rp * 2);
+            _tile_loadd(1, tg + 16 * rp + 16 * st, rp * 2);
+            _tile_loadd(2, tg + 32 * rp + 16 * st, rp * 2);
+          }
+          const Bf* bb = span_pb + (st * blocks + b) * 256;
+          _tile_loadd(3, bb, 64);
+          _tile_dpbf16ps(5, 0, 3);
+          if (two) {
+            _tile_loadd(4, bb + 256, 64);
+            _tile_dpbf16ps(6, 0, 4);
+            _tile_dpbf16ps(5, 1, 3);
+            _tile_dpbf16ps(6, 1, 4);
+            _tile_dpbf16ps(5, 2, 3);
+            _tile_dpbf16ps(6, 2, 4);
+          } else {
+            _tile_dpbf16ps(5, 1, 3);
+            _tile_dpbf16ps(5, 2, 3);
+          }
+        }
+        _tile_stored(5, c[0], 64);
+        if (two) _tile_stored(6, c[1], 64);
+        const int64_t o0 = sp.c0 + 16 * b;
+        const __mmask16 m0 = tail(sp.c1 - o0), m1 = two ? tail(sp.c1 - o0 - 16) : 0;
+        for (int j = 0; j < n; ++j) {
+          Bf* yr = yp + seg[g * AMX_ROWS + j] * out + o0;
+          store16(yr, _mm512_add_ps(load16(yr, m0), _mm512_load_ps(c[0][j])), m0);
+          if (two) store16(yr + 16, _mm512_add_ps(load16(yr + 16, m1), _mm512_load_ps(c[1][j])), m1);
+        }
+      }
+    }
+  }
+}
+
+// The AMX path of a call: each adapter's pair in the tile layouts (pa, pb: given, else packed here),
+// one parallel region (a decode step makes 120 of these calls: a second fork and join each would
+// cost more than a shrink): thread t shrinks groups t, t + nt, ..., then after a barrier expands its
+// share of the output columns for every adapter.
+void delta_amx(Bf* yp, const Bf* xp, int64_t in, int64_t out, const std::vector<std::vector<int64_t>>& segments,
+               std::vector<const Bf*> pa, std::vector<const Bf*> pb, const std::vector<const Bf*>& ap,
+               const std::vector<const Bf*>& bp, const std::vector<int64_t>& rank, const std::vector<Spans>& spans,
+               int64_t max_rank) {
+  std::vector<std::vector<Bf>> made;  // pairs packed for this call only
+  for (size_t s = 0; s < segments.size(); ++s) {
+    if (rank[s] == 0 || segments[s].empty() || (pa[s] != nullptr && pb[s] != nullptr)) continue;
+    made.emplace_back(static_cast<size_t>(packed_a_size(rank[s], in) + packed_b_size(spans[s])));
+    Bf* base = made.back().data();
+    pack_pair(ap[s], bp[s], rank[s], in, out, spans[s], base, base + packed_a_size(rank[s], in));
+    pa[s] = base, pb[s] = base + packed_a_size(rank[s], in);
+  }
+  const int64_t rp = (max_rank + 15) / 16 * 16;  // a group's terms: [3][16][rp]
+  struct Group { int64_t s, first; int n; };
+  std::vector<Group> groups;
+  std::vector<int64_t> first_group(segments.size(), -1);
+  for (int64_t s = 0; s < static_cast<int64_t>(segments.size()); ++s) {
+    if (rank[s] == 0) continue;
+    const int64_t k = static_cast<int64_t>(segments[s].size());
+    if (k > 0) first_group[s] = static_cast<int64_t>(groups.size());
+    for (int64_t i = 0; i < k; i += AMX_ROWS)
+      groups.push_back({s, i, static_cast<int>(std::min<int64_t>(AMX_ROWS, k - i))});
+  }
+  if (groups.empty()) return;
+  std::vector<uint16_t> terms(groups.size() * 48 * static_cast<size_t>(rp), 0);
+  constexpr int64_t COLS_AMX = 64;  // output columns per share of the expand
+  const int64_t blocks = (out + COLS_AMX - 1) / COLS_AMX;
+  const int threads = at::in_parallel_region() ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
+  auto work = [&](int t, int nt, auto&& barrier) {
+    std::unique_ptr<Bf[]> xg(new Bf[static_cast<size_t>(16 * in)]);  // not zeroed: see amx_shrink
+    tiles_for_shrink();
+    for (int64_t g = t; g < static_cast<int64_t>(groups.size()); g += nt) {
+      const Group& gr = groups[g];
+      amx_shrink(xp, segments[gr.s].data() + gr.first, gr.n, in, pa[gr.s], rank[gr.s], rp, xg.get(),
+                 terms.data() + g * 48 * rp);
+    }
+    barrier();
+    tiles_for_expand();
+    const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
+    for (int64_t s = 0; s < static_cast<int64_t>(segments.size()); ++s) {
+      if (first_group[s] < 0 || b0 >= b1) continue;
+      amx_expand(yp, segments[s], out, pb[s], spans[s], rp, terms.data() + first_group[s] * 48 * rp,
+                 b0 * COLS_AMX, std::min(out, b1 * COLS_AMX));
+    }
+    _tile_release();
+  };
+  if (threads <= 1) {
+    work(0, 1, [] {});
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  work(omp_get_thread_num(), omp_get_num_threads(), [] {
+#pragma omp barrier
+  });
+}
+#endif
 
 // ---- portable loops (CPUs without AVX-512) ----------------------------------------------------------
 
@@ -177,10 +460,10 @@ void shrink(const T* xp, int64_t rows, int64_t in, const int64_t* slot, const st
 // Phase 2, expand: y[t, cols] += tmp[t, :R_s] B_s^T[:, cols], parallel over blocks of COLS output
 // columns (so one row's expand uses every thread too); within a block the rows in order, so a run of
 // one adapter's rows reuses its B^T tile from L1. Each output element: y, then + tmp[r] * B^T[r] for
-// r = 0..R_s-1 in float32, one store (bf16: one rounding).
+// the ranks r of its span in order, in float32, one store (bf16: one rounding).
 template <typename T, typename W>
 void expand(T* yp, int64_t rows, int64_t out, const int64_t* slot, const std::vector<const W*>& bp,
-            const std::vector<int64_t>& rank, int64_t max_rank, const float* tmp) {
+            const std::vector<int64_t>& rank, const std::vector<Spans>& spans, int64_t max_rank, const float* tmp) {
   const int64_t blocks = (out + COLS - 1) / COLS;
   // at least ~32k multiply-adds a task: below that the parallel region costs more than the work
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, rows * max_rank * COLS));
@@ -191,14 +474,18 @@ void expand(T* yp, int64_t rows, int64_t out, const int64_t* slot, const std::ve
       for (int64_t t = 0; t < rows; ++t) {
         const int64_t s = slot[t];
         if (s < 0 || rank[s] == 0) continue;
-        T* __restrict yr = yp + t * out + o0;
-        for (int64_t o = 0; o < w; ++o) acc[o] = static_cast<float>(yr[o]);
-        for (int64_t r = 0; r < rank[s]; ++r) {
-          const float v = tmp[t * max_rank + r];
-          const W* __restrict br = bp[s] + r * out + o0;
-          for (int64_t o = 0; o < w; ++o) acc[o] += v * static_cast<float>(br[o]);
+        for (const Span& sp : spans[s]) {  // the span's part of the block, its ranks only
+          const int64_t c0 = std::max(o0, sp.c0), c1 = std::min(o0 + w, sp.c1);
+          if (c0 >= c1 || sp.r0 >= sp.r1) continue;
+          T* __restrict yr = yp + t * out + c0;
+          for (int64_t o = 0; o < c1 - c0; ++o) acc[o] = static_cast<float>(yr[o]);
+          for (int64_t r = sp.r0; r < sp.r1; ++r) {
+            const float v = tmp[t * max_rank + r];
+            const W* __restrict br = bp[s] + r * out + c0;
+            for (int64_t o = 0; o < c1 - c0; ++o) acc[o] += v * static_cast<float>(br[o]);
+          }
+          for (int64_t o = 0; o < c1 - c0; ++o) yr[o] = static_cast<T>(acc[o]);
         }
-        for (int64_t o = 0; o < w; ++o) yr[o] = static_cast<T>(acc[o]);
       }
     }
   });
@@ -207,21 +494,36 @@ void expand(T* yp, int64_t rows, int64_t out, const int64_t* slot, const std::ve
 template <typename T, typename W>
 void delta_rows(T* yp, const T* xp, int64_t rows, int64_t in, int64_t out, const int64_t* slot,
                 const std::vector<const W*>& ap, const std::vector<const W*>& bp,
-                const std::vector<int64_t>& rank, int64_t max_rank) {
+                const std::vector<int64_t>& rank, const std::vector<Spans>& spans, int64_t max_rank,
+                const std::vector<const at::BFloat16*>& pa, const std::vector<const at::BFloat16*>& pb) {
+  std::vector<std::vector<int64_t>> segments(ap.size());
+  for (int64_t t = 0; t < rows; ++t)
+    if (slot[t] >= 0) segments[slot[t]].push_back(t);
+#ifdef TM_LORA_HAS_AMX
+  if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<W, at::BFloat16>) {
+    // the tile unit for adapters of AMX_MIN_ROWS rows or more on average (a tile of 16 rows for one
+    // row costs more than the AVX-512 register tiles)
+    int64_t adapted = 0, used = 0;
+    for (size_t s = 0; s < segments.size(); ++s)
+      if (rank[s] > 0 && !segments[s].empty()) adapted += static_cast<int64_t>(segments[s].size()), ++used;
+    if (in % 32 == 0 && used > 0 && adapted >= AMX_MIN_ROWS * used && avx512() && tokenmill::amx_usable()) {
+      delta_amx(yp, xp, in, out, segments, pa, pb, ap, bp, rank, spans, max_rank);
+      return;
+    }
+  }
+#endif
   std::vector<float> tmp(static_cast<size_t>(rows * max_rank));
   if (avx512()) {
-    std::vector<std::vector<int64_t>> segments(ap.size());
-    for (int64_t t = 0; t < rows; ++t)
-      if (slot[t] >= 0) segments[slot[t]].push_back(t);
-    delta_avx512(yp, xp, in, out, segments, ap, bp, rank, max_rank, tmp.data());
+    delta_avx512(yp, xp, in, out, segments, ap, bp, rank, spans, max_rank, tmp.data());
     return;
   }
   shrink(xp, rows, in, slot, ap, rank, max_rank, tmp.data());
-  expand(yp, rows, out, slot, bp, rank, max_rank, tmp.data());
+  expand(yp, rows, out, slot, bp, rank, spans, max_rank, tmp.data());
 }
 
 void lora_add_(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt,
-               const at::Tensor& slots) {
+               const at::Tensor& slots, const c10::optional<std::vector<at::Tensor>>& spans_in,
+               const c10::optional<std::vector<at::Tensor>>& packed_in) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
               "lora_add_: x must be a contiguous float32 or bf16 CPU matrix [T, in]");
@@ -231,6 +533,8 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == x.size(0) && slots.is_contiguous(),
               "lora_add_: slots must be int64 [T]");
   TORCH_CHECK(a.size() == bt.size(), "lora_add_: one A and one B^T per adapter");
+  TORCH_CHECK(!spans_in || spans_in->size() == a.size(), "lora_add_: one spans tensor per adapter (or none)");
+  TORCH_CHECK(!packed_in || packed_in->size() == a.size(), "lora_add_: one packed tensor per adapter (or none)");
   const int64_t rows = x.size(0), in = x.size(1), out = y.size(1), n = static_cast<int64_t>(a.size());
   int64_t max_rank = 0;
   std::vector<int64_t> rank(n);
@@ -249,6 +553,39 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>
     rank[s] = a[s].size(0);
     max_rank = std::max(max_rank, rank[s]);
   }
+  std::vector<Spans> spans(n);
+  for (int64_t s = 0; s < n; ++s) {
+    if (rank[s] == 0) continue;
+    const at::Tensor* sp = spans_in && (*spans_in)[s].numel() > 0 ? &(*spans_in)[s] : nullptr;
+    if (sp == nullptr) {
+      spans[s].push_back({0, out, 0, rank[s]});
+      continue;
+    }
+    TORCH_CHECK(sp->scalar_type() == at::kLong && sp->dim() == 2 && sp->size(1) == 4 && sp->is_contiguous(),
+                "lora_add_: spans must be contiguous int64 [S, 4] rows (c0, c1, r0, r1)");
+    const int64_t* v = sp->data_ptr<int64_t>();
+    for (int64_t i = 0; i < sp->size(0); ++i) {
+      const Span q{v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]};
+      TORCH_CHECK(0 <= q.c0 && q.c0 <= q.c1 && q.c1 <= out && 0 <= q.r0 && q.r0 <= q.r1 && q.r1 <= rank[s],
+                  "lora_add_: span ", i, " of adapter ", s, " (", q.c0, ", ", q.c1, ", ", q.r0, ", ", q.r1,
+                  ") is outside B^T [", rank[s], ", ", out, "]");
+      TORCH_CHECK(i == 0 || q.c0 >= spans[s].back().c1, "lora_add_: spans of adapter ", s,
+                  " must be in column order without overlap");
+      spans[s].push_back(q);
+    }
+  }
+  // each adapter's pair in the tile layouts (lora_pack_bf16), where given: [A's, then B^T's]
+  std::vector<const at::BFloat16*> pa(n, nullptr), pb(n, nullptr);
+  for (int64_t s = 0; s < n && packed_in; ++s) {
+    const at::Tensor& pk = (*packed_in)[s];
+    if (rank[s] == 0 || pk.numel() == 0) continue;
+    const int64_t na = in % 32 == 0 ? packed_a_size(rank[s], in) : -1, nb = packed_b_size(spans[s]);
+    TORCH_CHECK(pk.scalar_type() == at::kBFloat16 && pk.dim() == 1 && pk.is_contiguous() && pk.numel() == na + nb,
+                "lora_add_: packed pair of adapter ", s, " must be lora_pack_bf16's bf16 vector for these shapes "
+                "and spans (", na + nb, " elements)");
+    pa[s] = pk.data_ptr<at::BFloat16>();
+    pb[s] = pa[s] + na;
+  }
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK(slot[t] >= -1 && slot[t] < n, "lora_add_: slot ", slot[t], " of row ", t, " is out of range");
@@ -262,9 +599,9 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>
       bp[s] = bt[s].data_ptr<W>();
     }
     if (bf16) {
-      delta_rows(y.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), rows, in, out, slot, ap, bp, rank, max_rank);
+      delta_rows(y.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), rows, in, out, slot, ap, bp, rank, spans, max_rank, pa, pb);
     } else {
-      delta_rows(y.data_ptr<float>(), x.data_ptr<float>(), rows, in, out, slot, ap, bp, rank, max_rank);
+      delta_rows(y.data_ptr<float>(), x.data_ptr<float>(), rows, in, out, slot, ap, bp, rank, spans, max_rank, pa, pb);
     }
   };
   if (*wtype == at::kBFloat16) {
@@ -274,9 +611,58 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>
   }
 }
 
+// One adapter's pair in the tile layouts of the AMX path (pack_pair), as one bf16 vector: A's, then
+// B^T's spans'. a: [R, in] bf16 with in a multiple of 32; bt: [R, out] bf16; spans as lora_add_'s.
+at::Tensor lora_pack_bf16(const at::Tensor& a, const at::Tensor& bt, const at::Tensor& spans_t) {
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16 && bt.scalar_type() == at::kBFloat16 && a.dim() == 2 && bt.dim() == 2 &&
+                  a.is_contiguous() && bt.is_contiguous() && a.size(0) == bt.size(0) && a.size(1) % 32 == 0,
+              "lora_pack_bf16: A [R, in] and B^T [R, out], contiguous bf16, in a multiple of 32");
+  const int64_t R = a.size(0), in = a.size(1), out = bt.size(1);
+  Spans spans;
+  if (spans_t.numel() == 0) {
+    spans.push_back({0, out, 0, R});
+  } else {
+    TORCH_CHECK(spans_t.scalar_type() == at::kLong && spans_t.dim() == 2 && spans_t.size(1) == 4 && spans_t.is_contiguous(),
+                "lora_pack_bf16: spans must be contiguous int64 [S, 4]");
+    const int64_t* v = spans_t.data_ptr<int64_t>();
+    for (int64_t i = 0; i < spans_t.size(0); ++i) {
+      const Span q{v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]};
+      TORCH_CHECK(0 <= q.c0 && q.c0 <= q.c1 && q.c1 <= out && 0 <= q.r0 && q.r0 <= q.r1 && q.r1 <= R,
+                  "lora_pack_bf16: span ", i, " is outside B^T");
+      spans.push_back(q);
+    }
+  }
+  at::Tensor packed = at::empty({packed_a_size(R, in) + packed_b_size(spans)}, a.options());
+  at::BFloat16* base = packed.data_ptr<at::BFloat16>();
+  pack_pair(a.data_ptr<at::BFloat16>(), bt.data_ptr<at::BFloat16>(), R, in, out, spans, base,
+            base + packed_a_size(R, in));
+  return packed;
+}
+
+// Whether bf16 deltas may run on the tile unit (so a prompt chunk's hundreds of rows beat PyTorch's
+// products too: engine/lora/batch.py).
+bool lora_amx() {
+#ifdef TM_LORA_HAS_AMX
+  return avx512() && tokenmill::amx_usable();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
+void tokenmill::lora_add_cpu(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a,
+                             const std::vector<at::Tensor>& bt, const at::Tensor& slots,
+                             const c10::optional<std::vector<at::Tensor>>& spans,
+                             const c10::optional<std::vector<at::Tensor>>& packed) {
+  lora_add_(y, x, a, bt, slots, spans, packed);
+}
+
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] bt, Tensor slots) -> ()");
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] bt, Tensor slots, Tensor[]? spans=None, "
+        "Tensor[]? packed=None) -> ()");
   m.impl("lora_add_", c10::DispatchKey::CPU, TORCH_FN(lora_add_));
+  m.def("lora_amx() -> bool", &lora_amx);
+  m.def("lora_pack_bf16(Tensor a, Tensor bt, Tensor spans) -> Tensor");
+  m.impl("lora_pack_bf16", c10::DispatchKey::CPU, TORCH_FN(lora_pack_bf16));
 }

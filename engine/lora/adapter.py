@@ -37,8 +37,22 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
 FIELD = "lora_path"
 
-# one fused module's pair: A [R, in], B [out, R] (scale folded into B)
-Pair = tuple[torch.Tensor, torch.Tensor]
+class Pair(tuple):
+    """One fused module's pair, unpacked as the 2-tuple (A [R, in], B [out, R]) (scale folded into B;
+    placed on a device: (A, B^T [R, out])), with `spans`: int64 [S, 4], a row (c0, c1, r0, r1) per
+    shard: output features [c0, c1) take ranks [r0, r1), B being zero elsewhere (block-diagonal);
+    tokenmill::lora_add_ reads and multiplies only the spans (engine/csrc/cpu_lora.cpp). `packed`: the
+    pair in the tile layouts of lora_add_'s AMX path (bf16 on a CPU with AMX, made once when placed),
+    else None."""
+
+    spans: torch.Tensor
+    packed: torch.Tensor | None
+
+    def __new__(cls, a: torch.Tensor, b: torch.Tensor, spans: torch.Tensor, packed: torch.Tensor | None = None) -> Pair:
+        pair = super().__new__(cls, (a, b))
+        pair.spans = spans
+        pair.packed = packed
+        return pair
 
 
 @dataclass
@@ -61,8 +75,19 @@ class LoraAdapter:
     def to(self, device: torch.device, dtype: torch.dtype) -> list[dict[str, Pair]]:
         """The pairs as a step uses them, on `device` in `dtype`: (A [R, in], B^T [R, out]), both
         contiguous (B transposed once here, so the delta adds whole rows of B^T: engine/lora/batch.py)."""
-        return [{m: (a.to(device, dtype).contiguous(), b.to(device, dtype).t().contiguous()) for m, (a, b) in layer.items()}
-                for layer in self.layers]  # fmt: skip
+        return [{m: _placed(p, device, dtype) for m, p in layer.items()} for layer in self.layers]
+
+
+def _placed(pair: Pair, device: torch.device, dtype: torch.dtype) -> Pair:
+    """(A, B^T) on `device` in `dtype`, and on a CPU whose bf16 deltas run on the tile unit, the pair in
+    its tile layouts too (a vector about A's and the spans' size: placed adapters take ~2x the memory)."""
+    from engine.lora.batch import tile_unit
+
+    a, bt = pair[0].to(device, dtype).contiguous(), pair[1].to(device, dtype).t().contiguous()
+    packed = None
+    if device.type == "cpu" and dtype == torch.bfloat16 and a.shape[1] % 32 == 0 and tile_unit():
+        packed = torch.ops.tokenmill.lora_pack_bf16(a, bt, pair.spans)
+    return Pair(a, bt, pair.spans, packed)
 
 
 def read_adapter(name: str, path: str, shapes: BaseShapes, max_rank: int) -> LoraAdapter:
@@ -186,11 +211,12 @@ def _fuse(layer: int, fused: str, shards: dict[str, dict[str, torch.Tensor]], cf
         row += out_size
     a_fused = torch.cat(a_rows, dim=0)  # [R, in]
     b_fused = torch.zeros(out_f, a_fused.shape[0])  # [out, R], block-diagonal
-    col = 0
+    spans, col = [], 0
     for row, size, b in placed:
         b_fused[row : row + size, col : col + b.shape[1]] = b
+        spans.append((row, row + size, col, col + b.shape[1]))
         col += b.shape[1]
-    return (a_fused.contiguous(), b_fused), ranks
+    return Pair(a_fused.contiguous(), b_fused, torch.tensor(spans, dtype=torch.long)), ranks
 
 
 def _check_pair(layer: int, module: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, int],

@@ -26,16 +26,18 @@ import torch
 
 log = logging.getLogger("tokenmill.engine")
 
-Pair = tuple[torch.Tensor, torch.Tensor]  # (A [R, in], B^T [R, out]): LoraAdapter.to
+Pair = tuple[torch.Tensor, torch.Tensor]  # (A [R, in], B^T [R, out]): LoraAdapter.to (adapter.Pair, with spans)
 
 
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # triton_lora.DTYPES, without importing triton
 CPP_DTYPES = (torch.float32, torch.bfloat16)  # x, y and the pairs of tokenmill::lora_add_
-# Most rows a step gives tokenmill::lora_add_ (decode steps, short chunks): it runs each adapter's rows
-# in register tiles (~25 GMAC/s on a 2-vCPU Xeon), where a prompt chunk's hundreds of rows go faster
-# as PyTorch's two products per adapter (AMX/MKL).
+# Most rows a step gives tokenmill::lora_add_ (decode steps, short chunks) off the tile unit: it runs
+# each adapter's rows in register tiles (~25 GMAC/s on a 2-vCPU Xeon), where a prompt chunk's hundreds
+# of rows go faster as PyTorch's two products per adapter (AMX/MKL). bf16 on the tile unit takes any
+# rows (SmolLM2's layer at 512 rows: 1.0 ms, PyTorch's products 1.2 ms with one adapter, 2.2 with four).
 CPP_MAX_ROWS = 64
 _EMPTY = torch.empty(0)  # a segment's operands for a linear its adapter does not target
+_NO_SPANS = torch.empty(0, 4, dtype=torch.long)  # a pair without spans: the whole of B^T
 
 
 def kernel_available() -> bool:
@@ -60,6 +62,12 @@ def triton_ready(device: torch.device) -> bool:
     return reason is None
 
 
+@functools.cache
+def tile_unit() -> bool:
+    """Whether tokenmill::lora_add_ runs bf16 deltas on the AMX tile unit (cpu_lora.cpp)."""
+    return kernel_available() and bool(torch.ops.tokenmill.lora_amx())
+
+
 def delta_path(device_type: str, dtype: torch.dtype, cpp_available: bool, triton_available: bool) -> str:
     """Which delta LayerLora.add runs for x of `dtype` on `device_type`: "cpp" (tokenmill::lora_add_,
     float32 or bf16 on the CPU), "triton" (triton_lora.lora_add_triton, CUDA) or "torch" (per segment in
@@ -70,6 +78,16 @@ def delta_path(device_type: str, dtype: torch.dtype, cpp_available: bool, triton
     if device_type == "cuda" and triton_available and dtype in TRITON_DTYPES:
         return "triton"
     return "torch"
+
+
+@dataclass
+class KernelOperands:
+    """tokenmill::lora_add_'s per-segment lists for one linear (LayerLora.pairs_of)."""
+
+    a: list[torch.Tensor]
+    bt: list[torch.Tensor]
+    spans: list[torch.Tensor]
+    packed: list[torch.Tensor]
 
 
 @dataclass
@@ -104,7 +122,7 @@ class LayerLora:
         x: [T, in]. module: qkv, o, gate_up or down."""
         on_cuda = x.device.type == "cuda"
         path = delta_path(x.device.type, x.dtype, kernel_available(), on_cuda and triton_ready(x.device))
-        if path == "cpp" and x.shape[0] > CPP_MAX_ROWS:
+        if path == "cpp" and x.shape[0] > CPP_MAX_ROWS and not (x.dtype == torch.bfloat16 and tile_unit()):
             path = "torch"  # a prompt chunk: each adapter's rows as two products (oneDNN/MKL) beat the row loop
         if path == "cpp":
             return self._add_kernel(module, x, y)
@@ -121,20 +139,25 @@ class LayerLora:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ bt)
         return y
 
-    def pairs_of(self, module: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The kernel's operands for one linear: A and B^T per segment, in segment order (the slots
-        index them), two empty tensors where a segment's adapter does not target `module`."""
-        a_list, bt_list = [], []
+    def pairs_of(self, module: str) -> KernelOperands:
+        """The kernel's operands for one linear: A, B^T, the non-zero spans of B^T and the tile-layout
+        copy per segment, in segment order (the slots index them); empty tensors where a segment's
+        adapter does not target `module`, an empty spans tensor for a pair without spans (the whole of
+        B^T) and an empty packed one for a pair without a tile-layout copy."""
+        ops = KernelOperands([], [], [], [])
         for pairs, _ in self.parts:
-            a, bt = pairs.get(module, (_EMPTY, _EMPTY))
-            a_list.append(a)
-            bt_list.append(bt)
-        return a_list, bt_list
+            pair = pairs.get(module, (_EMPTY, _EMPTY))
+            ops.a.append(pair[0])
+            ops.bt.append(pair[1])
+            ops.spans.append(getattr(pair, "spans", _NO_SPANS))
+            packed = getattr(pair, "packed", None)
+            ops.packed.append(_EMPTY if packed is None else packed)
+        return ops
 
     def _add_kernel(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        a_list, bt_list = self.pairs_of(module)
+        ops = self.pairs_of(module)
         out = y if y.is_contiguous() else y.contiguous()
-        torch.ops.tokenmill.lora_add_(out, x.contiguous(), a_list, bt_list, self.slots)
+        torch.ops.tokenmill.lora_add_(out, x.contiguous(), ops.a, ops.bt, self.slots, ops.spans, ops.packed)
         if out is not y:
             y.copy_(out)
         return y
@@ -142,8 +165,8 @@ class LayerLora:
     def _add_triton(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         from engine.lora.triton_lora import lora_add_triton
 
-        a_list, bt_list = self.pairs_of(module)
-        lora_add_triton(y, x, a_list, bt_list, self.slots)  # takes a strided y (a fused product's split)
+        ops = self.pairs_of(module)  # B^T is zero outside the spans: the same sums
+        lora_add_triton(y, x, ops.a, ops.bt, self.slots)  # takes a strided y (a fused product's split)
         return y
 
 
@@ -160,13 +183,14 @@ def build_batch(row_adapters: list[tuple[int, int, list[dict[str, Pair]] | None]
     if not runs:
         return None
     segments = []
-    slots = torch.full((total,), -1, dtype=torch.long)
+    slots = [-1] * total
     for index, (pairs, spans) in enumerate(runs.values()):
         for a, b in spans:
-            slots[a:b] = index
+            slots[a:b] = [index] * (b - a)
         if len(spans) == 1 and spans[0] == (0, total):
             segments.append(LoraSegment(pairs, None))
             continue
-        rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
-        segments.append(LoraSegment(pairs, rows))
+        rows = torch.tensor([r for a, b in spans for r in range(a, b)], dtype=torch.long)
+        segments.append(LoraSegment(pairs, rows.to(device)))
+    slots = torch.tensor(slots, dtype=torch.long)
     return LoraBatch(segments, slots.to(device))

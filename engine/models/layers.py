@@ -101,6 +101,16 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) 
     return x
 
 
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gu = [gate | up] ([T, 2I]): bf16 on the CPU through tokenmill::silu_mul where
+    the small-batch kernels built (the fused gate/up product's arithmetic, as the C++ decode loop's
+    LoRA steps: engine/csrc/cpu_decode.cpp makes the same choice), else PyTorch's silu and mul."""
+    if gu.device.type == "cpu" and gu.dtype == torch.bfloat16 and gu.stride(-1) == 1 and hasattr(torch.ops.tokenmill, "silu_mul"):
+        return torch.ops.tokenmill.silu_mul(gu.reshape(-1, gu.shape[-1])).view(*gu.shape[:-1], gu.shape[-1] // 2)
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -126,6 +136,5 @@ class GatedMLP(nn.Module):
                 return self.down_proj(self.gate_up_proj.silu_mul(x))
             gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
             return self.down_proj(F.silu(gate) * up)
-        gate, up = lora.add("gate_up", x, self.gate_up_proj(x)).split(self.intermediate, dim=-1)
-        h = F.silu(gate) * up
+        h = silu_mul(lora.add("gate_up", x, self.gate_up_proj(x)))
         return lora.add("down", h, self.down_proj(h))

@@ -93,3 +93,89 @@ def test_mixed_pair_dtypes_are_refused():
         op(y, x, [a, a.bfloat16()], [bt, bt.bfloat16()], torch.tensor([0, 1]))
     with pytest.raises(RuntimeError, match="or bf16 with bf16 rows"):
         op(y.float(), x.float(), [a.bfloat16()], [bt.bfloat16()], torch.tensor([0, 0]))
+
+
+def _reference(y, x, a, bt, slots, spans):
+    """y + each row's delta in float64, only within its adapter's spans (rows (c0, c1, r0, r1))."""
+    want = y.double().clone()
+    for t, s in enumerate(slots.tolist()):
+        if s < 0 or a[s].numel() == 0:
+            continue
+        tmp = x[t].double() @ a[s].double().t()
+        for c0, c1, r0, r1 in spans[s].tolist():
+            want[t, c0:c1] += tmp[r0:r1] @ bt[s].double()[r0:r1, c0:c1]
+    return want
+
+
+# (in, out, ranks, rows per adapter): `in` a multiple of 32 takes the AMX path on AMX CPUs where an
+# adapter has 4+ rows on average (groups of 16 rows: 17 and 20 make two); 40 never does (AVX-512)
+CASES = [(64, 48, [4, 16, 17, 40], 8), (576, 960, [48, 16], 8), (64, 80, [8, 24], 1), (96, 30, [70], 20),
+         (40, 56, [16, 5], 6), (32, 16, [16, 16, 16], 17)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_spans_are_all_the_kernel_reads(dtype, case):
+    """Each adapter's B^T non-zero everywhere, but only its spans (two per adapter, one with an odd
+    start rank, columns not multiples of 16) count: every path (the AMX tiles for bf16 where they run,
+    with the pair packed once or on the fly; AVX-512 register tiles; float32) adds exactly those
+    blocks' products, within one rounding of float32 sums; base rows untouched."""
+    in_f, out_f, ranks, per = case
+    g = torch.Generator().manual_seed(in_f + out_f + per)
+    a = [torch.randn(r, in_f, generator=g).to(dtype) for r in ranks]
+    bt = [torch.randn(r, out_f, generator=g).to(dtype) for r in ranks]
+    spans = []
+    for r in ranks:
+        c, q = out_f // 3 + 1, max(1, r // 2) | 1
+        spans.append(torch.tensor([[0, c, 0, q], [c + 2, out_f, q, r]], dtype=torch.long))
+    slots = torch.tensor([s for s in range(len(ranks)) for _ in range(per)] + [-1, -1])
+    slots = slots[torch.randperm(len(slots), generator=g)]
+    x = torch.randn(len(slots), in_f, generator=g).to(dtype)
+    y = torch.randn(len(slots), out_f, generator=g).to(dtype)
+    want = _reference(y, x, a, bt, slots, spans)
+    op = torch.ops.tokenmill.lora_add_
+    got = y.clone()
+    op(got, x, a, bt, slots, spans)
+    bound = want.abs() * (2**-8 if dtype == torch.bfloat16 else 1e-6) + 1e-4
+    assert ((got.double() - want).abs() <= bound).all()
+    assert torch.equal(got[slots < 0], y[slots < 0])
+    if dtype == torch.bfloat16 and in_f % 32 == 0:  # the pair in its tile layouts, made once: the same bits
+        packed = [torch.ops.tokenmill.lora_pack_bf16(ai, bi, si) for ai, bi, si in zip(a, bt, spans, strict=True)]
+        again = y.clone()
+        op(again, x, a, bt, slots, spans, packed)
+        assert torch.equal(again, got)
+
+
+def test_bad_spans_and_packed_pairs_are_refused():
+    op = torch.ops.tokenmill.lora_add_
+    x, y = torch.randn(2, 64).bfloat16(), torch.randn(2, 48).bfloat16()
+    a, bt = torch.randn(4, 64).bfloat16(), torch.randn(4, 48).bfloat16()
+    slots = torch.tensor([0, 0])
+    with pytest.raises(RuntimeError, match="outside B"):
+        op(y, x, [a], [bt], slots, [torch.tensor([[0, 49, 0, 4]])])
+    with pytest.raises(RuntimeError, match="outside B"):
+        op(y, x, [a], [bt], slots, [torch.tensor([[0, 48, 0, 5]])])
+    with pytest.raises(RuntimeError, match="without overlap"):
+        op(y, x, [a], [bt], slots, [torch.tensor([[0, 30, 0, 2], [20, 48, 2, 4]])])
+    with pytest.raises(RuntimeError, match="int64 \\[S, 4\\]"):
+        op(y, x, [a], [bt], slots, [torch.tensor([0, 48, 0, 4])])
+    with pytest.raises(RuntimeError, match="lora_pack_bf16's bf16 vector"):
+        op(y, x, [a], [bt], slots, None, [torch.zeros(7, dtype=torch.bfloat16)])
+    with pytest.raises(RuntimeError, match="in a multiple of 32"):
+        torch.ops.tokenmill.lora_pack_bf16(torch.randn(4, 40).bfloat16(), torch.randn(4, 48).bfloat16(), torch.empty(0))
+
+
+def test_placed_adapters_carry_their_spans_and_tile_layouts():
+    """A fused module's pair knows its block-diagonal spans (q/k/v side by side), and placed in bf16 on
+    a CPU whose deltas run on the tile unit it carries its packed copy (else none)."""
+    from engine.lora.adapter import Pair, _placed
+
+    a = torch.randn(8, 64)
+    b = torch.zeros(48, 8)
+    b[:32, :4], b[32:, 4:] = torch.randn(32, 4), torch.randn(16, 4)
+    pair = Pair(a, b, torch.tensor([[0, 32, 0, 4], [32, 48, 4, 8]]))
+    placed = _placed(pair, torch.device("cpu"), torch.bfloat16)
+    pa, pbt = placed
+    assert pbt.shape == (8, 48) and torch.equal(placed.spans, pair.spans)
+    assert (placed.packed is not None) == lora_batch.tile_unit()
+    assert _placed(pair, torch.device("cpu"), torch.float32).packed is None
