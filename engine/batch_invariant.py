@@ -27,6 +27,8 @@ mode every kernel of a step reduces each row in one fixed order:
   value sums run over the row's own context in cache order, whatever the chunk size or cached prefix.
 - Norms and residual adds: the C++ per-row kernel (cpu_layers.cpp) in every dtype.
 - Sampling: per-row already (engine/sampler.py: each row's draw from its request's own generator).
+- LoRA deltas: tokenmill::lora_add_ at every row count (LoraBatch.invariant: no PyTorch products for
+  prompt chunks), each row summed in a fixed order on every path of engine/csrc/cpu_lora.cpp.
 
 The bf16 results do not depend on the thread count either (no reduction is split across threads);
 float32's one-row products are MKL's, split as MKL decides for the thread count, which is fixed for the

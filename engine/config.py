@@ -111,8 +111,6 @@ class EngineConfig:
                 raise ValueError(f"quantization_group_size must be even, got {self.quantization_group_size}")
         if self.cpu_gemv not in CPU_GEMV:
             raise ValueError(f"cpu_gemv must be one of {CPU_GEMV}, got {self.cpu_gemv!r}")
-        if self.deterministic and self.lora is not None:  # the adapters' delta runs per adapter segment
-            raise ValueError("deterministic: LoRA adapters are not batch-invariant yet; serve them without the mode")
         for name in ("enforce_eager", "pack_weights", "fused_decode", "grammar_compile_processes", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -76,7 +76,7 @@ class ModelRunner:
             return None
         runs = [(s.num_tokens, s.request.lora_id,
                  self.loras.resident(s.request.lora_id) if s.request.lora_id else None) for s in items]  # fmt: skip
-        return build_batch(runs, self.device)
+        return build_batch(runs, self.device, invariant=self.one_row_attention)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
                  lora: LoraBatch | None = None) -> torch.Tensor:  # fmt: skip

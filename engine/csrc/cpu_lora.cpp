@@ -22,8 +22,7 @@
 // multiplies nothing else (columns outside every span get no delta), a third of qkv's and half of
 // gate/up's expand at equal ranks. An empty spans tensor: the whole B^T.
 //
-// AMX (Sapphire Rapids and later; bf16 rows and pairs, `in` a multiple of 32, AMX_MIN_ROWS+ rows per
-// adapter on average): 16 rows of one adapter at a time on the tile unit, each pair in tile layouts
+// AMX (Sapphire Rapids and later; bf16 rows and pairs, `in` a multiple of 32): 16 rows of one adapter at a time on the tile unit, each pair in tile layouts
 // (pack_pair: given per adapter as `packed`, made once when the adapter is placed by lora_pack_bf16,
 // else made here per call). Shrink: tmp [16 rows, 16 ranks] = x_rows A^T, the rows gathered as the A
 // operand against A re-laid in column pairs; tmp split exactly into three bf16 terms (hi + mid + lo =
@@ -186,7 +185,6 @@ void delta_avx512(T* yp, const T* xp, int64_t in, int64_t out, const std::vector
 // ---- AMX (bf16 rows and pairs): 16 rows of one adapter per tile ------------------------------------
 
 constexpr int AMX_ROWS = 16;  // rows of one adapter per group (a tile's rows)
-constexpr int64_t AMX_MIN_ROWS = 2;  // the tile path's least average rows per adapter in a call
 using Bf = at::BFloat16;
 
 // The tile layouts of one adapter's pair (lora_pack_bf16, once per adapter placed; or per call):
@@ -501,12 +499,10 @@ void delta_rows(T* yp, const T* xp, int64_t rows, int64_t in, int64_t out, const
     if (slot[t] >= 0) segments[slot[t]].push_back(t);
 #ifdef TM_LORA_HAS_AMX
   if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<W, at::BFloat16>) {
-    // the tile unit for adapters of AMX_MIN_ROWS rows or more on average (a tile of 16 rows for one
-    // row costs more than the AVX-512 register tiles)
-    int64_t adapted = 0, used = 0;
-    for (size_t s = 0; s < segments.size(); ++s)
-      if (rank[s] > 0 && !segments[s].empty()) adapted += static_cast<int64_t>(segments[s].size()), ++used;
-    if (in % 32 == 0 && used > 0 && adapted >= AMX_MIN_ROWS * used && avx512() && tokenmill::amx_usable()) {
+    // the tile unit whatever the rows (one row on one adapter costs ~10% more than on the AVX-512
+    // tiles, two rows or more adapters less), so a row's delta never depends on its neighbours
+    // (batch-invariant mode): every path sums each row in its own fixed order
+    if (in % 32 == 0 && avx512() && tokenmill::amx_usable()) {
       delta_amx(yp, xp, in, out, segments, pa, pb, ap, bp, rank, spans, max_rank);
       return;
     }

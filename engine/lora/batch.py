@@ -100,29 +100,34 @@ class LoraSegment:
 
 class LoraBatch:
     """The step's segments (ForwardContext.lora). Valid for one forward.
-    slots: [T] int64, each packed row's segment index (-1: the base model), for the C++ kernel."""
+    slots: [T] int64, each packed row's segment index (-1: the base model), for the C++ kernel.
+    invariant: the batch-invariant mode's (the C++ kernel at every row count: it sums each row in a
+    fixed order, where PyTorch's products would change with the chunk)."""
 
-    def __init__(self, segments: list[LoraSegment], slots: torch.Tensor) -> None:
+    def __init__(self, segments: list[LoraSegment], slots: torch.Tensor, invariant: bool = False) -> None:
         self.segments = segments
         self.slots = slots
+        self.invariant = invariant
 
     def layer(self, index: int) -> LayerLora:
-        return LayerLora([(s.layers[index], s.rows) for s in self.segments], self.slots)
+        return LayerLora([(s.layers[index], s.rows) for s in self.segments], self.slots, self.invariant)
 
 
 class LayerLora:
     """The segments' pairs of one decoder layer."""
 
-    def __init__(self, parts: list[tuple[dict[str, Pair], torch.Tensor | None]], slots: torch.Tensor) -> None:
+    def __init__(self, parts: list[tuple[dict[str, Pair], torch.Tensor | None]], slots: torch.Tensor,
+                 invariant: bool = False) -> None:  # fmt: skip
         self.parts = parts
         self.slots = slots
+        self.invariant = invariant
 
     def add(self, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base product of x, [T, out]) plus each segment's delta on its rows, in place.
         x: [T, in]. module: qkv, o, gate_up or down."""
         on_cuda = x.device.type == "cuda"
         path = delta_path(x.device.type, x.dtype, kernel_available(), on_cuda and triton_ready(x.device))
-        if path == "cpp" and x.shape[0] > CPP_MAX_ROWS and not (x.dtype == torch.bfloat16 and tile_unit()):
+        if path == "cpp" and x.shape[0] > CPP_MAX_ROWS and not (x.dtype == torch.bfloat16 and tile_unit()) and not self.invariant:
             path = "torch"  # a prompt chunk: each adapter's rows as two products (oneDNN/MKL) beat the row loop
         if path == "cpp":
             return self._add_kernel(module, x, y)
@@ -170,9 +175,10 @@ class LayerLora:
         return y
 
 
-def build_batch(row_adapters: list[tuple[int, int, list[dict[str, Pair]] | None]], device: torch.device) -> LoraBatch | None:
+def build_batch(row_adapters: list[tuple[int, int, list[dict[str, Pair]] | None]], device: torch.device,
+                invariant: bool = False) -> LoraBatch | None:  # fmt: skip
     """The batch for a step whose packed rows are given as consecutive (num_rows, lora_id, pairs) runs
-    (pairs None: the base model). None when no row uses an adapter."""
+    (pairs None: the base model). None when no row uses an adapter. invariant: LoraBatch's."""
     runs: dict[int, tuple[list[dict[str, Pair]], list[tuple[int, int]]]] = {}
     total = start = 0
     for n, lora_id, pairs in row_adapters:
@@ -193,4 +199,4 @@ def build_batch(row_adapters: list[tuple[int, int, list[dict[str, Pair]] | None]
         rows = torch.tensor([r for a, b in spans for r in range(a, b)], dtype=torch.long)
         segments.append(LoraSegment(pairs, rows.to(device)))
     slots = torch.tensor(slots, dtype=torch.long)
-    return LoraBatch(segments, slots.to(device))
+    return LoraBatch(segments, slots.to(device), invariant)

@@ -134,7 +134,6 @@ class GatedMLP(nn.Module):
         if lora is None:
             if self.fused_act:
                 return self.down_proj(self.gate_up_proj.silu_mul(x))
-            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
         h = silu_mul(lora.add("gate_up", x, self.gate_up_proj(x)))
         return lora.add("down", h, self.down_proj(h))

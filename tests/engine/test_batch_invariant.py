@@ -316,7 +316,59 @@ def test_the_mode_refuses_what_it_cannot_keep(tiny):
         make_engine(tiny, dtype="float32", deterministic=True, attention_backend="torch")
     with pytest.raises(ValueError, match="deterministic must be a bool"):
         make_engine(tiny, deterministic="yes")
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny, tmp_path_factory):
+    from .lora_helpers import SPECS, make_adapter
+
+    root = tmp_path_factory.mktemp("invariant-lora")
+    return {name: make_adapter(tiny, root / name, spec) for name, spec in list(SPECS.items())[:2]}
+
+
+def _lora_engine(tiny, adapters, dtype: str, **kw) -> Engine:
     from engine.lora.config import LoraConfig
 
-    with pytest.raises(ValueError, match="LoRA adapters are not batch-invariant"):
-        EngineConfig(model=str(tiny), deterministic=True, lora=LoraConfig())
+    lora = LoraConfig(max_loras=len(adapters), max_lora_rank=16, modules=tuple((n, str(p)) for n, p in adapters.items()))
+    return _engine(tiny, dtype, lora=lora, **kw)
+
+
+def _on_adapters(params: list[SamplingParams], names: list, seed: int) -> list[SamplingParams]:
+    rng = random.Random(seed)
+    return [SamplingParams(**{**{k: getattr(p, k) for k in ("max_tokens", "temperature", "seed", "top_p")},
+                              "lora_name": rng.choice(names)}) for p in params]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_adapter_batches_match_one_request_runs(tiny, references, adapters, dtype):
+    """LoRA in the mode: the prompt set on the base model and two adapters, alone, then in batches of 8
+    and 32 whose neighbours are on random adapters too, with prefix-cache hits and 16-token prefill
+    chunks: every request's tokens equal its one-request run (the delta sums each row in a fixed
+    order on every row count: engine/csrc/cpu_lora.cpp; the kernel at every chunk size)."""
+    prompts, base_params, base_alone = references(dtype)
+    names = [None, *adapters]
+    params = _on_adapters(base_params, names, seed=7)
+    engine = _lora_engine(tiny, adapters, dtype, enable_prefix_caching=False)
+    want = _alone(engine, prompts, params)
+    on_base = [i for i, p in enumerate(params) if p.lora_name is None]
+    assert [want[i] for i in on_base] == [base_alone[i] for i in on_base]  # adapters loaded change no base row
+    assert any(want[i] != base_alone[i] for i in range(len(prompts)) if params[i].lora_name)  # they matter
+
+    def batched(eng: Engine, batch: int, seed: int) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in prompts]
+        for start in range(0, len(prompts), batch):
+            idx = list(range(start, min(start + batch, len(prompts))))
+            fill_p, fill_s = _neighbours(eng.vocab_size, batch - len(idx), seed + start)
+            fill_s = _on_adapters(fill_s, names, seed + start)
+            jobs = [(i, prompts[i], params[i]) for i in idx] + [(None, p, q) for p, q in zip(fill_p, fill_s, strict=True)]
+            random.Random(seed + start).shuffle(jobs)
+            for (i, _, _), r in zip(jobs, eng.generate([j[1] for j in jobs], [j[2] for j in jobs]), strict=True):
+                if i is not None:
+                    out[i] = r.token_ids
+        return out
+
+    assert batched(engine, 8, seed=8) == want
+    assert batched(engine, 32, seed=32) == want
+    cached = _lora_engine(tiny, adapters, dtype, enable_prefix_caching=True, max_num_batched_tokens=16)
+    assert batched(cached, 8, seed=9) == want  # 16-token chunks
+    assert batched(cached, 8, seed=10) == want  # the prompts' blocks now cached under their adapters

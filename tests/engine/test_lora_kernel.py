@@ -179,3 +179,42 @@ def test_placed_adapters_carry_their_spans_and_tile_layouts():
     assert pbt.shape == (8, 48) and torch.equal(placed.spans, pair.spans)
     assert (placed.packed is not None) == lora_batch.tile_unit()
     assert _placed(pair, torch.device("cpu"), torch.float32).packed is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_delta_does_not_depend_on_its_neighbours(dtype):
+    """The batch-invariant mode's contract for the delta: the same rows (on two adapters) give the same
+    bits alone, beside base rows, beside many rows of other adapters, and inside a prompt-sized call of
+    200 rows, whatever path (tile unit, register tiles) and thread split each call takes; the rows
+    cancel, so a sum taken in another order would show (checked: choosing the path by rows per adapter
+    fails this)."""
+    g = torch.Generator().manual_seed(11)
+    in_f, out_f, ranks = 128, 960, [16, 8, 48]
+    a = [(torch.randn(r, in_f, generator=g) / in_f**0.5).to(dtype) for r in ranks]
+    bt = [torch.randn(r, out_f, generator=g).to(dtype) for r in ranks]
+    spans = [torch.tensor([[0, 500, 0, r // 2], [500, out_f, r // 2, r]]) for r in ranks]
+    # cancelling rows (+-2^24 among ones, A of +-1): any change in a sum's order changes its bits
+    mine_x = torch.ones(3, in_f)
+    for k in range(3):
+        cols = torch.randperm(in_f, generator=g)[:4]
+        mine_x[k, cols] = torch.tensor([2.0**24, -(2.0**24), 2.0**23, -(2.0**23)])
+    mine_x = mine_x.to(dtype)
+    a[0] = torch.randint(0, 2, (ranks[0], in_f), generator=g).mul(2).sub(1).to(dtype)
+    a[1] = torch.randint(0, 2, (ranks[1], in_f), generator=g).mul(2).sub(1).to(dtype)
+    mine_y = torch.randn(3, out_f, generator=g).to(dtype)
+    mine_slots = [0, 1, 0]
+    op = torch.ops.tokenmill.lora_add_
+
+    def run(n_others: int, other_slots: list[int]) -> torch.Tensor:
+        x = torch.cat([torch.randn(n_others, in_f, generator=g).to(dtype), mine_x])
+        y = torch.cat([torch.randn(n_others, out_f, generator=g).to(dtype), mine_y])
+        slots = torch.tensor([other_slots[i % len(other_slots)] for i in range(n_others)] + mine_slots)
+        perm = torch.randperm(len(slots), generator=g)
+        x, y, slots = x[perm].contiguous(), y[perm].contiguous(), slots[perm].contiguous()
+        op(y, x, a, bt, slots, spans)
+        where = [int((perm == n_others + k).nonzero()) for k in range(3)]
+        return y[where]
+
+    alone = run(0, [0])
+    for n_others, other_slots in [(1, [-1]), (5, [2]), (29, [0, 1, 2, -1]), (197, [2, 2, 0, -1])]:
+        assert torch.equal(run(n_others, other_slots), alone), (n_others, other_slots)
