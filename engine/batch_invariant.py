@@ -11,14 +11,14 @@ mode every kernel of a step reduces each row in one fixed order:
 - Linears, bf16: oneDNN's packed product in calls of at most CALL_ROWS (32) rows (`TiledLinear`). Up
   to 32 rows oneDNN (3.12, AMX) computes each row exactly as it computes that row alone; from 33 rows
   on it switches to another blocking and rows change (measured: docs/BENCHMARKS.md). That is checked
-  per weight shape at start-up (`rows_agree`); a shape that fails it takes the C++ small-batch kernel
-  (engine/csrc/cpu_gemv.cpp) at every row count instead, invariant by construction: each output
-  element is one float32 chain of vdpbf16ps over the input columns in order, whatever row tile,
-  column block or thread computes it. Below oneDNN, for the few rows of a decode step, the C++ kernel
-  that sums in oneDNN's own order (`tokenmill::gemv_blocked`: per 32 columns an even and an odd chain,
-  as AMX's tdpbf16ps sums them) where `kernel_agrees` finds its bits equal to oneDNN's for the shape
-  (on random and on cancelling inputs): as fast as the default's kernel for a one-row step, and the
-  same bits as oneDNN gives the row in any batch. INT8 weights: their C++ kernel at every row count (the same
+  per weight shape at start-up (`rows_agree`); a shape that fails it takes the C++ kernel in oneDNN's
+  order (below) at every row count instead (cpu_weights._kernel_everywhere: one summation order
+  whatever the rows, checked on cancelling inputs at start-up). Below oneDNN, for the few rows of a
+  decode step, the C++ kernel that sums in oneDNN's own order (`tokenmill::gemv_blocked`: per 32
+  columns an even and an odd chain, as AMX's tdpbf16ps sums them; on an AMX CPU its calls of up to 32
+  rows run on the tile unit) where `kernel_agrees` finds its bits equal to oneDNN's for the shape (on
+  random and on cancelling inputs): as fast as the default's kernel, and the same bits as oneDNN
+  gives the row in any batch. INT8 weights: their C++ kernel at every row count (the same
   argument, vpdpwssd). float32 weights: `F.linear` one row at a time (`RowLinear`; MKL's float32
   products change rows with the batch too).
 - Attention: every query row, prefill or decode, through the paged decode kernel

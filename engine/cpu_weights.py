@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from engine.batch_invariant import CALL_ROWS, RowLinear, TiledLinear, kernel_agrees, row_linears, rows_agree
+from engine.models.invariant_linear import cancelling_inputs
 from engine.config import EngineConfig
 from engine.models.cpu_linear import (
     ALWAYS,
@@ -123,7 +124,8 @@ def _invariant(model: LlamaForCausalLM, config: EngineConfig, device: torch.devi
 def _tiled(model: LlamaForCausalLM, config: EngineConfig, gemv_reason: str | None) -> WeightsReport:
     """bf16 in the mode: oneDNN in calls of at most CALL_ROWS rows where the start-up check finds rows
     unchanged by the batch for the weight's shape (and below them the C++ kernel that sums in oneDNN's
-    order, where its bits are oneDNN's: small_rows), else the C++ kernel at every row count."""
+    order, where its bits are oneDNN's: small_rows), else that kernel at every row count
+    (_kernel_everywhere)."""
     agree: dict[tuple, bool] = {}
     small: dict[tuple, int] = {}
 
@@ -144,7 +146,7 @@ def _tiled(model: LlamaForCausalLM, config: EngineConfig, gemv_reason: str | Non
         if gemv_reason is not None:
             raise ValueError(f"deterministic: oneDNN's rows change with the batch for a {tuple(weight.shape)} "
                              f"weight and the C++ linear kernels cannot replace it: {gemv_reason}")
-        return GemvLinear(weight, bias, ALWAYS, CALL_ROWS, role == "gate_up", onednn=False)
+        return _kernel_everywhere(weight, bias)
 
     model.replace_linears(make)
 
@@ -157,6 +159,27 @@ def _tiled(model: LlamaForCausalLM, config: EngineConfig, gemv_reason: str | Non
 
     plan = "; ".join(describe(key, ok) for key, ok in agree.items())
     return WeightsReport(True, None, f"deterministic ({plan})", _weight_bytes(model))
+
+
+def _kernel_everywhere(weight: torch.Tensor, bias: torch.Tensor | None) -> TiledLinear:
+    """The mode's linear for a shape where oneDNN's rows change with the batch: gemv_blocked at every row
+    count, one summation order whatever the rows (the tile unit's up to 32 rows on an AMX CPU, the
+    AVX-512 tiles' emulation of that order beyond), checked on cancelling inputs: a row alone and
+    inside calls of 5 and 40 rows must have the same bits, else the mode is refused."""
+    lin = TiledLinear(weight, bias)
+    lin.use_kernel(weight)
+    lin.kernel_rows = 1 << 62
+    n, k = weight.shape
+    x, w = cancelling_inputs(40, k, n, seed=2)
+    probe = TiledLinear(w, None)
+    probe.use_kernel(w)
+    probe.kernel_rows = lin.kernel_rows
+    with torch.inference_mode():
+        alone = torch.cat([probe(x[i : i + 1]) for i in range(40)])
+        if not all(torch.equal(probe(x[:m]), alone[:m]) for m in (5, 40)):
+            raise ValueError(f"deterministic: neither oneDNN nor the C++ kernel keeps a {tuple(weight.shape)} "
+                             "weight's rows independent of the batch on this CPU")  # fmt: skip
+    return lin
 
 
 def _small_rows(lin: TiledLinear, weight: torch.Tensor, config: EngineConfig, gemv_reason: str | None) -> int:

@@ -346,8 +346,11 @@ TM_AVX512 inline void store_sums(const Job& j, int64_t b0, const AmxSums& c) {
   }
 }
 
+// gemv_blocked's calls too: the tile unit sums in the order tile_bf16_blocked emulates (oneDNN's), so
+// the batch-invariant mode's kernel runs at the tile unit's speed up to 32 rows with the same bits
+// (its start-up check, kernel_agrees, compares them with oneDNN's at 1 and 32 rows).
 bool amx_applies(const Job& j) {
-  return j.w_scale == nullptr && !j.blocked && j.m >= 1 && j.m <= 2 * AMX_ROWS && j.g.k2 % 32 == 0 && amx();
+  return j.w_scale == nullptr && j.m >= 1 && j.m <= 2 * AMX_ROWS && j.g.k2 % 32 == 0 && amx();
 }
 
 TM_AMX void run_chunks_amx(const Job& j, int64_t c0, int64_t c1) {

@@ -159,20 +159,26 @@ def test_speculative_verification_matches(tiny, references, dtype):
 
 # ---- the kernels, row by row ------------------------------------------------------------------------
 @needs_bf16
-@pytest.mark.parametrize("silu", [False, True])
-def test_linear_kernel_rows_do_not_depend_on_the_batch(silu):
-    """A row's product is bit-identical alone and at any position among 5, 37 or 300 other rows."""
-    from engine.models.cpu_linear import ALWAYS, GemvLinear
+def test_the_kernel_everywhere_keeps_rows_independent_of_the_batch(tiny, monkeypatch):
+    """Where oneDNN's rows would change with the batch, the mode runs gemv_blocked at every row count:
+    on cancelling inputs (any change of summation order shows) a row has the same bits alone and at
+    any position among 5, 37 or 300 rows (the tile unit up to 32 rows, the AVX-512 tiles beyond, one
+    order); and an engine built that way keeps the one-request tokens."""
+    from engine import cpu_weights
+    from engine.models.invariant_linear import cancelling_inputs
 
-    g = torch.Generator().manual_seed(0)
-    w = (torch.randn(400, 192, generator=g) * 0.05).bfloat16()
-    lin = GemvLinear(w, torch.randn(400, generator=g).bfloat16(), ALWAYS, 32, interleave=silu, onednn=False)
-    fn = lin.silu_mul if silu else lin
-    x = torch.randn(300, 192, generator=g).bfloat16()
+    x, w = cancelling_inputs(300, 192, 400, seed=5)
+    lin = cpu_weights._kernel_everywhere(w, None)
     for m in (5, 37, 300):
-        batch = fn(x[:m])
+        batch = lin(x[:m])
         for i in sorted({0, m // 2, m - 1}):
-            assert torch.equal(batch[i], fn(x[i : i + 1])[0])
+            assert torch.equal(batch[i], lin(x[i : i + 1])[0])
+    monkeypatch.setattr(cpu_weights, "rows_agree", lambda *a, **k: False)
+    engine = _engine(tiny, "bfloat16", enable_prefix_caching=False)
+    assert "kernel, all rows" in engine.weights.gemv
+    prompts, params = _prompt_set(engine)
+    prompts, params = prompts[:8], params[:8]
+    assert _batched(engine, prompts, params, 8, seed=3) == _alone(engine, prompts, params)
 
 
 @pytest.mark.skipif(not BF16, reason="oneDNN's bf16 path needs AVX-512 BF16 / AMX")
