@@ -128,6 +128,7 @@ def _tiled(model: LlamaForCausalLM, config: EngineConfig, gemv_reason: str | Non
     (_kernel_everywhere)."""
     agree: dict[tuple, bool] = {}
     small: dict[tuple, int] = {}
+    everywhere: dict[tuple, bool] = {}  # _kernel_keeps_rows per shape where agree is False
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None, role: str) -> nn.Module:
         lin = TiledLinear(weight, bias)
@@ -146,6 +147,11 @@ def _tiled(model: LlamaForCausalLM, config: EngineConfig, gemv_reason: str | Non
         if gemv_reason is not None:
             raise ValueError(f"deterministic: oneDNN's rows change with the batch for a {tuple(weight.shape)} "
                              f"weight and the C++ linear kernels cannot replace it: {gemv_reason}")
+        if key not in everywhere:
+            everywhere[key] = _kernel_keeps_rows(weight.shape)
+        if not everywhere[key]:
+            raise ValueError(f"deterministic: neither oneDNN nor the C++ kernel keeps a {tuple(weight.shape)} "
+                             "weight's rows independent of the batch on this CPU")  # fmt: skip
         return _kernel_everywhere(weight, bias)
 
     model.replace_linears(make)
@@ -164,22 +170,22 @@ def _tiled(model: LlamaForCausalLM, config: EngineConfig, gemv_reason: str | Non
 def _kernel_everywhere(weight: torch.Tensor, bias: torch.Tensor | None) -> TiledLinear:
     """The mode's linear for a shape where oneDNN's rows change with the batch: gemv_blocked at every row
     count, one summation order whatever the rows (the tile unit's up to 32 rows on an AMX CPU, the
-    AVX-512 tiles' emulation of that order beyond), checked on cancelling inputs: a row alone and
-    inside calls of 5 and 40 rows must have the same bits, else the mode is refused."""
+    AVX-512 tiles' emulation of that order beyond), where _kernel_keeps_rows passed for the shape."""
     lin = TiledLinear(weight, bias)
     lin.use_kernel(weight)
     lin.kernel_rows = 1 << 62
-    n, k = weight.shape
+    return lin
+
+
+def _kernel_keeps_rows(shape: torch.Size) -> bool:
+    """The start-up check of _kernel_everywhere for a weight shape, on cancelling inputs: a row alone
+    and inside calls of 5 and 40 rows must have the same bits."""
+    n, k = shape
     x, w = cancelling_inputs(40, k, n, seed=2)
-    probe = TiledLinear(w, None)
-    probe.use_kernel(w)
-    probe.kernel_rows = lin.kernel_rows
+    probe = _kernel_everywhere(w, None)
     with torch.inference_mode():
         alone = torch.cat([probe(x[i : i + 1]) for i in range(40)])
-        if not all(torch.equal(probe(x[:m]), alone[:m]) for m in (5, 40)):
-            raise ValueError(f"deterministic: neither oneDNN nor the C++ kernel keeps a {tuple(weight.shape)} "
-                             "weight's rows independent of the batch on this CPU")  # fmt: skip
-    return lin
+        return all(torch.equal(probe(x[:m]), alone[:m]) for m in (5, 40))
 
 
 def _small_rows(lin: TiledLinear, weight: torch.Tensor, config: EngineConfig, gemv_reason: str | None) -> int:

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cpuid.h>
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -31,5 +32,13 @@ struct TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// ldtilecfg of cfg. The empty asm tells the compiler cfg's bytes are read here: GCC otherwise treats
+// the stores that fill a local TileConfig as dead (seen: only the palette byte stored, and ldtilecfg
+// then faulting on the garbage rows and columns).
+__attribute__((target("amx-tile"))) inline void load_tile_config(const TileConfig& cfg) {
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
 
 }  // namespace tokenmill

@@ -360,7 +360,7 @@ TM_AMX void run_chunks_amx(const Job& j, int64_t c0, int64_t c1) {
   cfg.rows[1] = 16, cfg.colsb[1] = 64;  // B: 16 pairs of 16 outputs
   cfg.rows[2] = 16, cfg.colsb[2] = 64;
   for (int t = 4; t < 8; ++t) cfg.rows[t] = m, cfg.colsb[t] = 64;  // C: m rows of 16 float32
-  _tile_loadconfig(&cfg);
+  tokenmill::load_tile_config(cfg);
   const int64_t kp = j.g.k2 / 2;
   const uint16_t* w = static_cast<const uint16_t*>(j.w);
   alignas(64) AmxSums c;
@@ -403,7 +403,7 @@ TM_AMX void run_chunks_amx2(const Job& j, int64_t c0, int64_t c1) {
   cfg.rows[2] = cfg.rows[3] = 16;  // B: two blocks
   cfg.rows[4] = cfg.rows[5] = 16;  // C: A0 with each block
   cfg.rows[6] = cfg.rows[7] = m1;  // C: A1 with each block
-  _tile_loadconfig(&cfg);
+  tokenmill::load_tile_config(cfg);
   const int64_t kp = j.g.k2 / 2;
   const uint16_t* w = static_cast<const uint16_t*>(j.w);
   const uint16_t* x1 = j.x + AMX_ROWS * j.g.k2;

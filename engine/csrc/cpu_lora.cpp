@@ -237,8 +237,7 @@ void pack_pair(const Bf* a, const Bf* bt, int64_t R, int64_t in, int64_t out, co
 TM_LORA_AMX void tiles_for_shrink() {
   tokenmill::TileConfig cfg;
   for (int t : {0, 1, 3, 4, 5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  asm volatile("" : : "r"(&cfg) : "memory");  // GCC drops the stores to cfg otherwise (ldtilecfg then faults)
-  _tile_loadconfig(&cfg);
+  tokenmill::load_tile_config(cfg);
 }
 // The expand's tiles: 0, 1, 2: hi, mid, lo (16 rows x 16 ranks); 3, 4: B (8 rank pairs x 16 columns);
 // 5, 6: C (16 rows x 16 columns float32).
@@ -247,8 +246,7 @@ TM_LORA_AMX void tiles_for_expand() {
   for (int t : {0, 1, 2}) cfg.rows[t] = 16, cfg.colsb[t] = 32;
   for (int t : {3, 4}) cfg.rows[t] = 8, cfg.colsb[t] = 64;
   for (int t : {5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  asm volatile("" : : "r"(&cfg) : "memory");  // as above
-  _tile_loadconfig(&cfg);
+  tokenmill::load_tile_config(cfg);
 }
 
 inline uint16_t bf16_rne(float v) {  // round to nearest even (finite values)

@@ -168,6 +168,7 @@ def test_the_kernel_everywhere_keeps_rows_independent_of_the_batch(tiny, monkeyp
     from engine.models.invariant_linear import cancelling_inputs
 
     x, w = cancelling_inputs(300, 192, 400, seed=5)
+    assert cpu_weights._kernel_keeps_rows(w.shape)
     lin = cpu_weights._kernel_everywhere(w, None)
     for m in (5, 37, 300):
         batch = lin(x[:m])
