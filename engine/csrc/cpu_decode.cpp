@@ -149,15 +149,18 @@ struct Lora {
   const c10::optional<at::Tensor>& slots;
   int64_t segments;
 
+  // linear `which` of layer l's operands, one per segment (a view: no copies)
+  c10::ArrayRef<at::Tensor> part(const std::vector<at::Tensor>& all, int64_t l, int64_t which) const {
+    const size_t base = static_cast<size_t>((l * LINEARS + which) * segments);
+    return c10::ArrayRef<at::Tensor>(all.data() + base, static_cast<size_t>(segments));
+  }
+
   // y += the adapters' delta of linear `which` of layer l on its input x (tokenmill::lora_add_).
   void add(const at::Tensor& y, const at::Tensor& x, int64_t l, int64_t which) const {
     if (segments == 0) return;
-    const size_t base = static_cast<size_t>((l * LINEARS + which) * segments);
-    auto part = [&](const std::vector<at::Tensor>& all) {
-      return std::vector<at::Tensor>(all.begin() + base, all.begin() + base + segments);
-    };
     at::Tensor out = y;
-    tokenmill::lora_add_cpu(out, x, part(a), part(bt), *slots, part(spans), part(packed));
+    tokenmill::lora_add_cpu(out, x, part(a, l, which), part(bt, l, which), *slots, part(spans, l, which),
+                            part(packed, l, which));
   }
 };
 

@@ -60,6 +60,38 @@ struct Span {  // B^T is non-zero only at output columns [c0, c1) from ranks [r0
 };
 using Spans = std::vector<Span>;
 
+struct Group {  // rows [first, first + n) of adapter s's rows
+  int64_t s, first;
+  int n;
+};
+
+// Every per-call list of lora_add_, kept per thread across calls: a decode step makes 120
+// calls, and their ~50 small allocations each cost ~1 ms a step of the master thread's time (the
+// other threads waiting).
+struct Scratch {
+  std::vector<int64_t> rank;
+  std::vector<Spans> spans;
+  std::vector<const at::BFloat16*> pa, pb;  // pairs in the tile layouts, where given
+  std::vector<const void*> ap, bp;  // A and B^T data
+  std::vector<std::vector<int64_t>> segments;  // each adapter's rows, in order
+  std::vector<Group> groups;
+  std::vector<int64_t> first_group;
+  std::vector<uint16_t> terms;
+  std::vector<float> tmp;
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+// v's first n lists, each emptied (their capacity kept)
+template <typename V>
+void reset_lists(std::vector<V>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  for (size_t i = 0; i < n; ++i) v[i].clear();
+}
+
 // ---- AVX-512 (most x86 servers): rows of one adapter in groups of up to 4, register tiles ------------
 // The portable loops below re-read an adapter's A and B^T for every row, ~15 GMAC/s on a 2-vCPU Xeon
 // at 32 rows; here 4 rows of one adapter share each load: 16 accumulators (4 ranks or 64 columns x 4
@@ -144,13 +176,16 @@ TM_LORA_AVX512 void expand_group(T* yp, const int64_t* rows, int n, int64_t out,
 // Every adapter's rows (segments[s]: row indices in order) in groups of GROUP: the shrink over groups,
 // the expand over blocks of COLS_512 output columns, both spread over the threads.
 template <typename T, typename W>
-void delta_avx512(T* yp, const T* xp, int64_t in, int64_t out, const std::vector<std::vector<int64_t>>& segments,
-                  const std::vector<const W*>& ap, const std::vector<const W*>& bp,
-                  const std::vector<int64_t>& rank, const std::vector<Spans>& spans, int64_t max_rank, float* tmp) {
-  struct Group { int64_t s, first; int n; };
-  std::vector<Group> groups;
+void delta_avx512(T* yp, const T* xp, int64_t in, int64_t out, int64_t n_ad, const W* const* ap, const W* const* bp,
+                  int64_t max_rank, Scratch& sc) {
+  const std::vector<std::vector<int64_t>>& segments = sc.segments;
+  const std::vector<int64_t>& rank = sc.rank;
+  const std::vector<Spans>& spans = sc.spans;
+  float* tmp = sc.tmp.data();
+  std::vector<Group>& groups = sc.groups;
+  groups.clear();
   int64_t adapted = 0;
-  for (int64_t s = 0; s < static_cast<int64_t>(segments.size()); ++s) {
+  for (int64_t s = 0; s < n_ad; ++s) {
     if (rank[s] == 0) continue;
     const int64_t k = static_cast<int64_t>(segments[s].size());
     adapted += k;
@@ -233,33 +268,33 @@ void pack_pair(const Bf* a, const Bf* bt, int64_t R, int64_t in, int64_t out, co
 }
 
 #ifdef TM_LORA_HAS_AMX
-// The shrink's tiles: 0, 1: x rows (16 x 32 columns); 3, 4: A (16 column pairs x 16 ranks); 5, 6: C.
-TM_LORA_AMX void tiles_for_shrink() {
+// The tiles of a group of n rows (a tile's rows are the group's: a tdpbf16ps, and a tile store, cost
+// in proportion to them; ldtilecfg zeroes every tile). The shrink's: 0, 1: x rows (n x 32 columns);
+// 3, 4: A (16 column pairs x 16 ranks); 5, 6: C (n x 16 ranks).
+TM_LORA_AMX void tiles_for_shrink(int n) {
   tokenmill::TileConfig cfg;
-  for (int t : {0, 1, 3, 4, 5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {0, 1, 5, 6}) cfg.rows[t] = static_cast<uint8_t>(n), cfg.colsb[t] = 64;
+  for (int t : {3, 4}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   tokenmill::load_tile_config(cfg);
 }
-// The expand's tiles: 0, 1, 2: hi, mid, lo (16 rows x 16 ranks); 3, 4: B (8 rank pairs x 16 columns);
-// 5, 6: C (16 rows x 16 columns float32).
-TM_LORA_AMX void tiles_for_expand() {
+// The expand's: 0, 1, 2: hi, mid, lo (n x 16 ranks); 3, 4: B (8 rank pairs x 16 columns); 5, 6: C
+// (n x 16 columns float32).
+TM_LORA_AMX void tiles_for_expand(int n) {
   tokenmill::TileConfig cfg;
-  for (int t : {0, 1, 2}) cfg.rows[t] = 16, cfg.colsb[t] = 32;
+  for (int t : {0, 1, 2}) cfg.rows[t] = static_cast<uint8_t>(n), cfg.colsb[t] = 32;
   for (int t : {3, 4}) cfg.rows[t] = 8, cfg.colsb[t] = 64;
-  for (int t : {5, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {5, 6}) cfg.rows[t] = static_cast<uint8_t>(n), cfg.colsb[t] = 64;
   tokenmill::load_tile_config(cfg);
 }
 
-inline uint16_t bf16_rne(float v) {  // round to nearest even (finite values)
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+// bf16 bits (round to nearest even, finite values) of each float32 lane, in the lane's low 16 bits, and
+// back: the split of the shrink's sums into hi + mid + lo, 16 ranks at once.
+TM_LORA_AMX inline __m512i rne16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
 }
-inline float widen(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+TM_LORA_AMX inline __m512 widen16(__m512i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)); }
 
 // One group's shrink: for j < n and r < R, v = sum_c A[r][c] x[rows[j]][c], split exactly into three
 // bf16 terms v = hi + mid + lo (each remainder a float32 difference with no rounding), at
@@ -287,17 +322,18 @@ TM_LORA_AMX void amx_shrink(const Bf* xp, const int64_t* rows, int n, int64_t in
     }
     _tile_stored(5, c, 64);
     _tile_stored(6, c2, 64);
-    const int nr = static_cast<int>(std::min<int64_t>(16, R - 16 * rt));
-    for (int j = 0; j < n; ++j)
-      for (int r = 0; r < nr; ++r) {
-        const float v = c[j][r] + c2[j][r];
-        const uint16_t hi = bf16_rne(v);
-        const float rest = v - widen(hi);
-        const uint16_t mid = bf16_rne(rest);
-        const uint16_t lo = bf16_rne(rest - widen(mid));
-        const int64_t at_ = j * rp + 16 * rt + r;
-        terms[at_] = hi, terms[16 * rp + at_] = mid, terms[32 * rp + at_] = lo;
-      }
+    const __mmask16 m = tail(R - 16 * rt);
+    for (int j = 0; j < n; ++j) {  // a row's 16 ranks at once, as the scalar bf16_rne / widen would
+      const __m512 v = _mm512_add_ps(_mm512_load_ps(c[j]), _mm512_load_ps(c2[j]));
+      const __m512i hi = rne16(v);
+      const __m512 rest = _mm512_sub_ps(v, widen16(hi));
+      const __m512i mid = rne16(rest);
+      const __m512i lo = rne16(_mm512_sub_ps(rest, widen16(mid)));
+      uint16_t* t = terms + j * rp + 16 * rt;
+      _mm256_mask_storeu_epi16(t, m, _mm512_cvtepi32_epi16(hi));
+      _mm256_mask_storeu_epi16(t + 16 * rp, m, _mm512_cvtepi32_epi16(mid));
+      _mm256_mask_storeu_epi16(t + 32 * rp, m, _mm512_cvtepi32_epi16(lo));
+    }
   }
 }
 
@@ -305,10 +341,12 @@ TM_LORA_AMX void amx_shrink(const Bf* xp, const int64_t* rows, int n, int64_t in
 // spans from c0), span by span, group by group across the columns (y swept row-major), two blocks of
 // 16 columns at a time (two C tiles: two chains of products at once): per step of 16 ranks,
 // C += hi x B + mid x B + lo x B, then y[row] += C[row] in float32, rounded once.
-TM_LORA_AMX void amx_expand(Bf* yp, const std::vector<int64_t>& seg, int64_t out, const Bf* pb, const Spans& spans,
-                            int64_t rp, const uint16_t* terms, int64_t q0, int64_t q1) {
-  const int64_t groups = (static_cast<int64_t>(seg.size()) + AMX_ROWS - 1) / AMX_ROWS;
-  alignas(64) float c[2][16][16];
+// cfg: the rows the tiles are configured for (tiles_for_expand), kept across calls.
+TM_LORA_AMX void amx_expand(Bf* yp, const std::vector<int64_t>& seg, int64_t g_lo, int64_t g_hi,
+                            int64_t out, const Bf* pb, const Spans& spans, int64_t rp, const uint16_t* terms, int64_t q0,
+                            int64_t q1, int& cfg) {
+  constexpr int64_t CHUNK = 8;  // blocks of 16 columns per pass over y
+  alignas(64) float cb[16 * CHUNK * 16];
   for (const Span& sp : spans) {
     if (sp.c0 >= sp.c1 || sp.r0 >= sp.r1) continue;
     const int64_t rw = sp.r0 & ~int64_t{15}, steps = span_steps(sp), blocks = span_blocks(sp);
@@ -317,47 +355,56 @@ TM_LORA_AMX void amx_expand(Bf* yp, const std::vector<int64_t>& seg, int64_t out
     // this share's blocks: those whose first column lies in [q0, q1)
     const int64_t b_lo = std::max<int64_t>(0, (q0 - sp.c0 + 15) / 16), b_hi = std::min(blocks, (q1 - sp.c0 + 15) / 16);
     if (q1 <= sp.c0 || b_lo >= b_hi) continue;
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t g = g_lo; g < g_hi; ++g) {
       const uint16_t* tg = terms + g * 48 * rp + rw;
       const int n = static_cast<int>(std::min<int64_t>(AMX_ROWS, static_cast<int64_t>(seg.size()) - g * AMX_ROWS));
+      if (n != cfg) tiles_for_expand(cfg = n);
       if (steps == 1) {  // the A tiles stay loaded across the columns
         _tile_loadd(0, tg, rp * 2);
         _tile_loadd(1, tg + 16 * rp, rp * 2);
         _tile_loadd(2, tg + 32 * rp, rp * 2);
       }
-      for (int64_t b = b_lo; b < b_hi; b += 2) {
-        const bool two = b + 1 < b_hi;
-        _tile_zero(5);
-        _tile_zero(6);
-        for (int64_t st = 0; st < steps; ++st) {
-          if (steps > 1) {
-            _tile_loadd(0, tg + 16 * st, rp * 2);
-            _tile_loadd(1, tg + 16 * rp + 16 * st, rp * 2);
-            _tile_loadd(2, tg + 32 * rp + 16 * st, rp * 2);
+      // CHUNK blocks at a time: their C tiles stored side by side (cb: 16 rows x CHUNK * 16 columns),
+      // then added to y's rows, so no tile store is read back at once (that stall cost more than the
+      // products)
+      for (int64_t bc = b_lo; bc < b_hi; bc += CHUNK) {
+        const int64_t be = std::min(b_hi, bc + CHUNK);
+        for (int64_t b = bc; b < be; b += 2) {
+          const bool two = b + 1 < be;
+          _tile_zero(5);
+          _tile_zero(6);
+          for (int64_t st = 0; st < steps; ++st) {
+            if (steps > 1) {
+              _tile_loadd(0, tg + 16 * st, rp * 2);
+              _tile_loadd(1, tg + 16 * rp + 16 * st, rp * 2);
+              _tile_loadd(2, tg + 32 * rp + 16 * st, rp * 2);
+            }
+            const Bf* bb = span_pb + (st * blocks + b) * 256;
+            _tile_loadd(3, bb, 64);
+            _tile_dpbf16ps(5, 0, 3);
+            if (two) {
+              _tile_loadd(4, bb + 256, 64);
+              _tile_dpbf16ps(6, 0, 4);
+              _tile_dpbf16ps(5, 1, 3);
+              _tile_dpbf16ps(6, 1, 4);
+              _tile_dpbf16ps(5, 2, 3);
+              _tile_dpbf16ps(6, 2, 4);
+            } else {
+              _tile_dpbf16ps(5, 1, 3);
+              _tile_dpbf16ps(5, 2, 3);
+            }
           }
-          const Bf* bb = span_pb + (st * blocks + b) * 256;
-          _tile_loadd(3, bb, 64);
-          _tile_dpbf16ps(5, 0, 3);
-          if (two) {
-            _tile_loadd(4, bb + 256, 64);
-            _tile_dpbf16ps(6, 0, 4);
-            _tile_dpbf16ps(5, 1, 3);
-            _tile_dpbf16ps(6, 1, 4);
-            _tile_dpbf16ps(5, 2, 3);
-            _tile_dpbf16ps(6, 2, 4);
-          } else {
-            _tile_dpbf16ps(5, 1, 3);
-            _tile_dpbf16ps(5, 2, 3);
-          }
+          _tile_stored(5, cb + (b - bc) * 16, CHUNK * 64);
+          if (two) _tile_stored(6, cb + (b - bc + 1) * 16, CHUNK * 64);
         }
-        _tile_stored(5, c[0], 64);
-        if (two) _tile_stored(6, c[1], 64);
-        const int64_t o0 = sp.c0 + 16 * b;
-        const __mmask16 m0 = tail(sp.c1 - o0), m1 = two ? tail(sp.c1 - o0 - 16) : 0;
+        const int64_t o0 = sp.c0 + 16 * bc, cols = std::min(sp.c1, sp.c0 + 16 * be) - o0;
         for (int j = 0; j < n; ++j) {
+          const float* cr = cb + j * CHUNK * 16;
           Bf* yr = yp + seg[g * AMX_ROWS + j] * out + o0;
-          store16(yr, _mm512_add_ps(load16(yr, m0), _mm512_load_ps(c[0][j])), m0);
-          if (two) store16(yr + 16, _mm512_add_ps(load16(yr + 16, m1), _mm512_load_ps(c[1][j])), m1);
+          for (int64_t o = 0; o < cols; o += 16) {
+            const __mmask16 m = tail(cols - o);
+            store16(yr + o, _mm512_add_ps(load16(yr + o, m), _mm512_load_ps(cr + o)), m);
+          }
         }
       }
     }
@@ -368,12 +415,15 @@ TM_LORA_AMX void amx_expand(Bf* yp, const std::vector<int64_t>& seg, int64_t out
 // one parallel region (a decode step makes 120 of these calls: a second fork and join each would
 // cost more than a shrink): thread t shrinks groups t, t + nt, ..., then after a barrier expands its
 // share of the output columns for every adapter.
-void delta_amx(Bf* yp, const Bf* xp, int64_t in, int64_t out, const std::vector<std::vector<int64_t>>& segments,
-               std::vector<const Bf*> pa, std::vector<const Bf*> pb, const std::vector<const Bf*>& ap,
-               const std::vector<const Bf*>& bp, const std::vector<int64_t>& rank, const std::vector<Spans>& spans,
-               int64_t max_rank) {
+void delta_amx(Bf* yp, const Bf* xp, int64_t in, int64_t out, int64_t n_ad, const Bf* const* ap,
+               const Bf* const* bp, int64_t max_rank, Scratch& sc) {
+  const std::vector<std::vector<int64_t>>& segments = sc.segments;
+  const std::vector<int64_t>& rank = sc.rank;
+  const std::vector<Spans>& spans = sc.spans;
+  std::vector<const Bf*>& pa = sc.pa;
+  std::vector<const Bf*>& pb = sc.pb;
   std::vector<std::vector<Bf>> made;  // pairs packed for this call only
-  for (size_t s = 0; s < segments.size(); ++s) {
+  for (int64_t s = 0; s < n_ad; ++s) {
     if (rank[s] == 0 || segments[s].empty() || (pa[s] != nullptr && pb[s] != nullptr)) continue;
     made.emplace_back(static_cast<size_t>(packed_a_size(rank[s], in) + packed_b_size(spans[s])));
     Bf* base = made.back().data();
@@ -381,10 +431,11 @@ void delta_amx(Bf* yp, const Bf* xp, int64_t in, int64_t out, const std::vector<
     pa[s] = base, pb[s] = base + packed_a_size(rank[s], in);
   }
   const int64_t rp = (max_rank + 15) / 16 * 16;  // a group's terms: [3][16][rp]
-  struct Group { int64_t s, first; int n; };
-  std::vector<Group> groups;
-  std::vector<int64_t> first_group(segments.size(), -1);
-  for (int64_t s = 0; s < static_cast<int64_t>(segments.size()); ++s) {
+  std::vector<Group>& groups = sc.groups;
+  std::vector<int64_t>& first_group = sc.first_group;
+  groups.clear();
+  first_group.assign(static_cast<size_t>(n_ad), -1);
+  for (int64_t s = 0; s < n_ad; ++s) {
     if (rank[s] == 0) continue;
     const int64_t k = static_cast<int64_t>(segments[s].size());
     if (k > 0) first_group[s] = static_cast<int64_t>(groups.size());
@@ -392,25 +443,44 @@ void delta_amx(Bf* yp, const Bf* xp, int64_t in, int64_t out, const std::vector<
       groups.push_back({s, i, static_cast<int>(std::min<int64_t>(AMX_ROWS, k - i))});
   }
   if (groups.empty()) return;
-  std::vector<uint16_t> terms(groups.size() * 48 * static_cast<size_t>(rp), 0);
+  std::vector<uint16_t>& terms = sc.terms;  // zero: ranks past an adapter's own multiply zero rows of B
+  terms.assign(groups.size() * 48 * static_cast<size_t>(rp), 0);
   constexpr int64_t COLS_AMX = 64;  // output columns per share of the expand
   const int64_t blocks = (out + COLS_AMX - 1) / COLS_AMX;
   const int threads = at::in_parallel_region() ? 1 : static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
+  const int64_t ng = static_cast<int64_t>(groups.size());
+  // Enough groups to share evenly (4 adapters in a step, or one with 32 rows): each thread takes whole
+  // groups, shrink then expand over every column, with no barrier (a group's rows are its thread's
+  // alone; waiting at a barrier cost more than the imbalance of unequal groups). Else the threads share
+  // the shrink's groups, then after a barrier the expand's columns.
+  const bool by_group = threads > 1 && ng >= threads && (ng % threads == 0 || ng >= 3 * threads);
   auto work = [&](int t, int nt, auto&& barrier) {
-    std::unique_ptr<Bf[]> xg(new Bf[static_cast<size_t>(16 * in)]);  // not zeroed: see amx_shrink
-    tiles_for_shrink();
-    for (int64_t g = t; g < static_cast<int64_t>(groups.size()); g += nt) {
+    thread_local std::vector<Bf> xg;  // a group's rows gathered (not zeroed: see amx_shrink)
+    if (xg.size() < static_cast<size_t>(16 * in)) xg.resize(static_cast<size_t>(16 * in));
+    int cfg = 0;
+    for (int64_t g = t; g < ng; g += nt) {
       const Group& gr = groups[g];
-      amx_shrink(xp, segments[gr.s].data() + gr.first, gr.n, in, pa[gr.s], rank[gr.s], rp, xg.get(),
+      if (gr.n != cfg) tiles_for_shrink(cfg = gr.n);
+      amx_shrink(xp, segments[gr.s].data() + gr.first, gr.n, in, pa[gr.s], rank[gr.s], rp, xg.data(),
                  terms.data() + g * 48 * rp);
     }
+    cfg = 0;
+    if (by_group) {
+      for (int64_t g = t; g < ng; g += nt) {
+        const Group& gr = groups[g];
+        amx_expand(yp, segments[gr.s], gr.first / AMX_ROWS, gr.first / AMX_ROWS + 1, out, pb[gr.s], spans[gr.s], rp,
+                   terms.data() + first_group[gr.s] * 48 * rp, 0, out, cfg);
+      }
+      _tile_release();
+      return;
+    }
     barrier();
-    tiles_for_expand();
     const int64_t b0 = blocks * t / nt, b1 = blocks * (t + 1) / nt;
-    for (int64_t s = 0; s < static_cast<int64_t>(segments.size()); ++s) {
+    for (int64_t s = 0; s < n_ad; ++s) {
       if (first_group[s] < 0 || b0 >= b1) continue;
-      amx_expand(yp, segments[s], out, pb[s], spans[s], rp, terms.data() + first_group[s] * 48 * rp,
-                 b0 * COLS_AMX, std::min(out, b1 * COLS_AMX));
+      const int64_t k = static_cast<int64_t>(segments[s].size());
+      amx_expand(yp, segments[s], 0, (k + AMX_ROWS - 1) / AMX_ROWS, out, pb[s], spans[s], rp,
+                 terms.data() + first_group[s] * 48 * rp, b0 * COLS_AMX, std::min(out, b1 * COLS_AMX), cfg);
     }
     _tile_release();
   };
@@ -432,7 +502,7 @@ constexpr int64_t SHRINK_GRAIN = 8;  // rows per shrink task: fewer run inline (
 
 // Phase 1, shrink: tmp[t, :R_s] = A_s x[t] for each adapted row, parallel over rows.
 template <typename T, typename W>
-void shrink(const T* xp, int64_t rows, int64_t in, const int64_t* slot, const std::vector<const W*>& ap,
+void shrink(const T* xp, int64_t rows, int64_t in, const int64_t* slot, const W* const* ap,
             const std::vector<int64_t>& rank, int64_t max_rank, float* tmp) {
   at::parallel_for(0, rows, SHRINK_GRAIN, [&](int64_t t0, int64_t t1) {
     std::vector<float> xf(static_cast<size_t>(in));
@@ -458,7 +528,7 @@ void shrink(const T* xp, int64_t rows, int64_t in, const int64_t* slot, const st
 // one adapter's rows reuses its B^T tile from L1. Each output element: y, then + tmp[r] * B^T[r] for
 // the ranks r of its span in order, in float32, one store (bf16: one rounding).
 template <typename T, typename W>
-void expand(T* yp, int64_t rows, int64_t out, const int64_t* slot, const std::vector<const W*>& bp,
+void expand(T* yp, int64_t rows, int64_t out, const int64_t* slot, const W* const* bp,
             const std::vector<int64_t>& rank, const std::vector<Spans>& spans, int64_t max_rank, const float* tmp) {
   const int64_t blocks = (out + COLS - 1) / COLS;
   // at least ~32k multiply-adds a task: below that the parallel region costs more than the work
@@ -487,52 +557,60 @@ void expand(T* yp, int64_t rows, int64_t out, const int64_t* slot, const std::ve
   });
 }
 
+// sc: the call's operands (operands() below); ap, bp: each adapter's A and B^T (null where it does not
+// target the linear).
 template <typename T, typename W>
-void delta_rows(T* yp, const T* xp, int64_t rows, int64_t in, int64_t out, const int64_t* slot,
-                const std::vector<const W*>& ap, const std::vector<const W*>& bp,
-                const std::vector<int64_t>& rank, const std::vector<Spans>& spans, int64_t max_rank,
-                const std::vector<const at::BFloat16*>& pa, const std::vector<const at::BFloat16*>& pb) {
-  std::vector<std::vector<int64_t>> segments(ap.size());
+void delta_rows(T* yp, const T* xp, int64_t rows, int64_t in, int64_t out, const int64_t* slot, int64_t n_ad,
+                const W* const* ap, const W* const* bp, int64_t max_rank, Scratch& sc) {
+  reset_lists(sc.segments, static_cast<size_t>(n_ad));
   for (int64_t t = 0; t < rows; ++t)
-    if (slot[t] >= 0) segments[slot[t]].push_back(t);
+    if (slot[t] >= 0) sc.segments[slot[t]].push_back(t);
 #ifdef TM_LORA_HAS_AMX
   if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<W, at::BFloat16>) {
     // the tile unit whatever the rows (one row on one adapter costs ~10% more than on the AVX-512
     // tiles, two rows or more adapters less), so a row's delta never depends on its neighbours
     // (batch-invariant mode): every path sums each row in its own fixed order
     if (in % 32 == 0 && avx512() && tokenmill::amx_usable()) {
-      delta_amx(yp, xp, in, out, segments, pa, pb, ap, bp, rank, spans, max_rank);
+      delta_amx(yp, xp, in, out, n_ad, ap, bp, max_rank, sc);
       return;
     }
   }
 #endif
-  std::vector<float> tmp(static_cast<size_t>(rows * max_rank));
+  sc.tmp.resize(static_cast<size_t>(rows * max_rank));
   if (avx512()) {
-    delta_avx512(yp, xp, in, out, segments, ap, bp, rank, spans, max_rank, tmp.data());
+    delta_avx512(yp, xp, in, out, n_ad, ap, bp, max_rank, sc);
     return;
   }
-  shrink(xp, rows, in, slot, ap, rank, max_rank, tmp.data());
-  expand(yp, rows, out, slot, bp, rank, spans, max_rank, tmp.data());
+  shrink(xp, rows, in, slot, ap, sc.rank, max_rank, sc.tmp.data());
+  expand(yp, rows, out, slot, bp, sc.rank, sc.spans, max_rank, sc.tmp.data());
 }
 
-void lora_add_(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt,
-               const at::Tensor& slots, const c10::optional<std::vector<at::Tensor>>& spans_in,
-               const c10::optional<std::vector<at::Tensor>>& packed_in) {
+using Tensors = c10::ArrayRef<at::Tensor>;  // a list of the call's, or a part of the decode loop's: no copies
+
+// One call's operands, checked, its lists in sc.
+struct Operands {
+  int64_t rows, in, out, n, max_rank;
+  c10::optional<at::ScalarType> wtype;  // the pairs' dtype: float32, or bf16 with bf16 rows; none: no adapter targets it
+  const int64_t* slot;
+};
+
+// out_cols: y's columns; spans_in, packed_in: empty for none.
+// Fills sc.rank, sc.spans, sc.pa, sc.pb (each adapter's pair in the tile layouts, where given).
+Operands operands(const at::Tensor& x, int64_t out_cols, Tensors a, Tensors bt, const at::Tensor& slots,
+                  Tensors spans_in, Tensors packed_in, Scratch& sc) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
               "lora_add_: x must be a contiguous float32 or bf16 CPU matrix [T, in]");
-  TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == x.scalar_type() && y.dim() == 2 && y.is_contiguous() &&
-                  y.size(0) == x.size(0),
-              "lora_add_: y must be a contiguous CPU matrix [T, out] of x's dtype with x's rows");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == x.size(0) && slots.is_contiguous(),
               "lora_add_: slots must be int64 [T]");
   TORCH_CHECK(a.size() == bt.size(), "lora_add_: one A and one B^T per adapter");
-  TORCH_CHECK(!spans_in || spans_in->size() == a.size(), "lora_add_: one spans tensor per adapter (or none)");
-  TORCH_CHECK(!packed_in || packed_in->size() == a.size(), "lora_add_: one packed tensor per adapter (or none)");
-  const int64_t rows = x.size(0), in = x.size(1), out = y.size(1), n = static_cast<int64_t>(a.size());
+  TORCH_CHECK(spans_in.empty() || spans_in.size() == a.size(), "lora_add_: one spans tensor per adapter (or none)");
+  TORCH_CHECK(packed_in.empty() || packed_in.size() == a.size(), "lora_add_: one packed tensor per adapter (or none)");
+  const int64_t rows = x.size(0), in = x.size(1), out = out_cols, n = static_cast<int64_t>(a.size());
   int64_t max_rank = 0;
-  std::vector<int64_t> rank(n);
-  c10::optional<at::ScalarType> wtype;  // the pairs' dtype: float32, or bf16 with bf16 rows
+  std::vector<int64_t>& rank = sc.rank;
+  rank.assign(static_cast<size_t>(n), 0);
+  c10::optional<at::ScalarType> wtype;
   for (int64_t s = 0; s < n; ++s) {
     if (a[s].numel() == 0 && bt[s].numel() == 0) continue;  // an adapter that does not target this linear
     const at::ScalarType st = a[s].scalar_type();
@@ -547,10 +625,11 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>
     rank[s] = a[s].size(0);
     max_rank = std::max(max_rank, rank[s]);
   }
-  std::vector<Spans> spans(n);
+  std::vector<Spans>& spans = sc.spans;
+  reset_lists(spans, static_cast<size_t>(n));
   for (int64_t s = 0; s < n; ++s) {
     if (rank[s] == 0) continue;
-    const at::Tensor* sp = spans_in && (*spans_in)[s].numel() > 0 ? &(*spans_in)[s] : nullptr;
+    const at::Tensor* sp = !spans_in.empty() && spans_in[s].numel() > 0 ? &spans_in[s] : nullptr;
     if (sp == nullptr) {
       spans[s].push_back({0, out, 0, rank[s]});
       continue;
@@ -569,40 +648,66 @@ void lora_add_(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>
     }
   }
   // each adapter's pair in the tile layouts (lora_pack_bf16), where given: [A's, then B^T's]
-  std::vector<const at::BFloat16*> pa(n, nullptr), pb(n, nullptr);
-  for (int64_t s = 0; s < n && packed_in; ++s) {
-    const at::Tensor& pk = (*packed_in)[s];
+  sc.pa.assign(static_cast<size_t>(n), nullptr);
+  sc.pb.assign(static_cast<size_t>(n), nullptr);
+  for (int64_t s = 0; s < n && !packed_in.empty(); ++s) {
+    const at::Tensor& pk = packed_in[s];
     if (rank[s] == 0 || pk.numel() == 0) continue;
     const int64_t na = in % 32 == 0 ? packed_a_size(rank[s], in) : -1, nb = packed_b_size(spans[s]);
     TORCH_CHECK(pk.scalar_type() == at::kBFloat16 && pk.dim() == 1 && pk.is_contiguous() && pk.numel() == na + nb,
                 "lora_add_: packed pair of adapter ", s, " must be lora_pack_bf16's bf16 vector for these shapes "
                 "and spans (", na + nb, " elements)");
-    pa[s] = pk.data_ptr<at::BFloat16>();
-    pb[s] = pa[s] + na;
+    sc.pa[s] = pk.data_ptr<at::BFloat16>();
+    sc.pb[s] = sc.pa[s] + na;
   }
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK(slot[t] >= -1 && slot[t] < n, "lora_add_: slot ", slot[t], " of row ", t, " is out of range");
-  if (!wtype) return;  // no adapter targets this linear
+  return Operands{rows, in, out, n, max_rank, wtype, slot};
+}
+
+// each adapter's A and B^T data as W (null where it does not target the linear), in sc.ap / sc.bp
+template <typename W>
+std::pair<const W* const*, const W* const*> pair_data(Tensors a, Tensors bt, Scratch& sc) {
+  sc.ap.assign(a.size(), nullptr);
+  sc.bp.assign(a.size(), nullptr);
+  for (size_t s = 0; s < a.size(); ++s) {
+    if (sc.rank[s] == 0) continue;
+    sc.ap[s] = a[s].data_ptr<W>();
+    sc.bp[s] = bt[s].data_ptr<W>();
+  }
+  return {reinterpret_cast<const W* const*>(sc.ap.data()), reinterpret_cast<const W* const*>(sc.bp.data())};
+}
+
+void lora_add(at::Tensor& y, const at::Tensor& x, Tensors a, Tensors bt, const at::Tensor& slots, Tensors spans_in,
+              Tensors packed_in) {
+  TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == x.scalar_type() && y.dim() == 2 && y.is_contiguous() &&
+                  y.size(0) == x.size(0),
+              "lora_add_: y must be a contiguous CPU matrix [T, out] of x's dtype with x's rows");
+  Scratch& sc = scratch();
+  const Operands o = operands(x, y.size(1), a, bt, slots, spans_in, packed_in, sc);
+  if (!o.wtype) return;  // no adapter targets this linear
   auto run = [&](auto w_tag) {
     using W = decltype(w_tag);
-    std::vector<const W*> ap(n), bp(n);
-    for (int64_t s = 0; s < n; ++s) {
-      if (rank[s] == 0) continue;
-      ap[s] = a[s].data_ptr<W>();
-      bp[s] = bt[s].data_ptr<W>();
-    }
-    if (bf16) {
-      delta_rows(y.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), rows, in, out, slot, ap, bp, rank, spans, max_rank, pa, pb);
+    const auto [ap, bp] = pair_data<W>(a, bt, sc);
+    if (x.scalar_type() == at::kBFloat16) {
+      delta_rows(y.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), o.rows, o.in, o.out, o.slot, o.n, ap, bp,
+                 o.max_rank, sc);
     } else {
-      delta_rows(y.data_ptr<float>(), x.data_ptr<float>(), rows, in, out, slot, ap, bp, rank, spans, max_rank, pa, pb);
+      delta_rows(y.data_ptr<float>(), x.data_ptr<float>(), o.rows, o.in, o.out, o.slot, o.n, ap, bp, o.max_rank, sc);
     }
   };
-  if (*wtype == at::kBFloat16) {
+  if (*o.wtype == at::kBFloat16) {
     run(at::BFloat16());
   } else {
     run(float());
   }
+}
+
+void lora_add_(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt,
+               const at::Tensor& slots, const c10::optional<std::vector<at::Tensor>>& spans_in,
+               const c10::optional<std::vector<at::Tensor>>& packed_in) {
+  lora_add(y, x, a, bt, slots, spans_in ? Tensors(*spans_in) : Tensors(), packed_in ? Tensors(*packed_in) : Tensors());
 }
 
 // One adapter's pair in the tile layouts of the AMX path (pack_pair), as one bf16 vector: A's, then
@@ -645,11 +750,9 @@ bool lora_amx() {
 
 }  // namespace
 
-void tokenmill::lora_add_cpu(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a,
-                             const std::vector<at::Tensor>& bt, const at::Tensor& slots,
-                             const c10::optional<std::vector<at::Tensor>>& spans,
-                             const c10::optional<std::vector<at::Tensor>>& packed) {
-  lora_add_(y, x, a, bt, slots, spans, packed);
+void tokenmill::lora_add_cpu(at::Tensor& y, const at::Tensor& x, c10::ArrayRef<at::Tensor> a, c10::ArrayRef<at::Tensor> bt,
+                             const at::Tensor& slots, c10::ArrayRef<at::Tensor> spans, c10::ArrayRef<at::Tensor> packed) {
+  lora_add(y, x, a, bt, slots, spans, packed);
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {

@@ -218,3 +218,61 @@ def test_a_rows_delta_does_not_depend_on_its_neighbours(dtype):
     alone = run(0, [0])
     for n_others, other_slots in [(1, [-1]), (5, [2]), (29, [0, 1, 2, -1]), (197, [2, 2, 0, -1])]:
         assert torch.equal(run(n_others, other_slots), alone), (n_others, other_slots)
+
+
+def _random_call(g: torch.Generator, dtype: torch.dtype, in_f: int, out_f: int, ranks: list[int], slots: list[int]):
+    a = [(torch.randn(r, in_f, generator=g) / in_f**0.5).to(dtype) for r in ranks]
+    bt = [torch.randn(r, out_f, generator=g).to(dtype) for r in ranks]
+    spans = [torch.tensor([[0, out_f // 2, 0, r // 2], [out_f // 2, out_f, r // 2, r]]) for r in ranks]
+    x = torch.randn(len(slots), in_f, generator=g).to(dtype)
+    y = torch.randn(len(slots), out_f, generator=g).to(dtype)
+    return y, x, a, bt, torch.tensor(slots), spans
+
+
+# (ranks, slots): 4 adapters of 8 rows (2 threads take whole groups of rows, 3 share the columns), one
+# adapter of 12 rows (the threads share its columns), 3 groups (the same), 4 groups of 1-16 rows,
+# base rows among them
+SPLITS = [([16, 16, 16, 16], [s for s in range(4) for _ in range(8)]), ([16], [0] * 12 + [-1] * 3),
+          ([32, 16, 8], [0] * 12 + [1] * 5 + [2] * 3 + [-1]), ([32, 16, 8], [0] * 20 + [1] * 5 + [2] + [-1]),
+          ([16, 48], [1, 0, -1, 1, 1, 0])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", SPLITS)
+def test_the_delta_is_the_same_on_any_number_of_threads(dtype, case):
+    """Whether the threads split a call by groups of rows or by columns (and one thread does it all),
+    each output gets the same bits: every path sums a row's delta in its own fixed order."""
+    ranks, slots = case
+    g = torch.Generator().manual_seed(len(slots))
+    y, x, a, bt, slots_t, spans = _random_call(g, dtype, 576, 960, ranks, slots)
+    before = torch.get_num_threads()
+    got = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            out = y.clone()
+            torch.ops.tokenmill.lora_add_(out, x, a, bt, slots_t, spans)
+            got.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert not torch.equal(got[0], y)
+    assert torch.equal(got[1], got[0]) and torch.equal(got[2], got[0])
+
+
+def test_a_call_after_a_bigger_one_is_unchanged_by_it():
+    """The kernel keeps its per-call lists across calls (a decode step makes 120): a small call gives the
+    same bits before and after a call with more adapters, ranks, rows and spans, and matches the
+    float64 reference."""
+    g = torch.Generator().manual_seed(5)
+    op = torch.ops.tokenmill.lora_add_
+    small = _random_call(g, torch.bfloat16, 64, 96, [8, 4], [1, -1, 0, 1])
+    big = _random_call(g, torch.bfloat16, 128, 200, [48, 16, 16, 32, 8], [s % 5 for s in range(40)] + [-1])
+    first = small[0].clone()
+    op(first, *small[1:])
+    op(big[0].clone(), *big[1:])
+    again = small[0].clone()
+    op(again, *small[1:])
+    assert torch.equal(again, first)
+    y, x, a, bt, slots, spans = small
+    want = _reference(y, x, a, bt, slots, spans)
+    assert ((first.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()
