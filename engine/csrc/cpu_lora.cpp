@@ -65,9 +65,9 @@ struct Group {  // rows [first, first + n) of adapter s's rows
   int n;
 };
 
-// Every per-call list of lora_add_, kept per thread across calls: a decode step makes 120
-// calls, and their ~50 small allocations each cost ~1 ms a step of the master thread's time (the
-// other threads waiting).
+// Every per-call list of lora_add_, kept per thread across calls (their capacity reused): a decode step
+// makes 120 calls, whose ~50 small allocations each cost ~1 ms a step of the master thread's time, the
+// other threads waiting.
 struct Scratch {
   std::vector<int64_t> rank;
   std::vector<Spans> spans;
@@ -298,9 +298,8 @@ TM_LORA_AMX inline __m512 widen16(__m512i h) { return _mm512_castsi512_ps(_mm512
 
 // One group's shrink: for j < n and r < R, v = sum_c A[r][c] x[rows[j]][c], split exactly into three
 // bf16 terms v = hi + mid + lo (each remainder a float32 difference with no rounding), at
-// terms[q * 16 * rp + j * rp + r] (q = hi, mid, lo); the rest of terms stays as given (zero). xg: 16
-// x in, the group's rows gathered (rows n.. are left as they are: they only reach rows of C that
-// nobody reads).
+// terms[q * 16 * rp + j * rp + r] (q = hi, mid, lo); the rest of terms stays as given (zero). xg: room
+// for 16 x in, the group's n rows gathered there; the tiles configured for n rows (tiles_for_shrink).
 TM_LORA_AMX void amx_shrink(const Bf* xp, const int64_t* rows, int n, int64_t in, const Bf* pa, int64_t R,
                             int64_t rp, Bf* xg, uint16_t* terms) {
   for (int j = 0; j < n; ++j) std::memcpy(static_cast<void*>(xg + j * in), xp + rows[j] * in, in * sizeof(Bf));
@@ -323,7 +322,7 @@ TM_LORA_AMX void amx_shrink(const Bf* xp, const int64_t* rows, int n, int64_t in
     _tile_stored(5, c, 64);
     _tile_stored(6, c2, 64);
     const __mmask16 m = tail(R - 16 * rt);
-    for (int j = 0; j < n; ++j) {  // a row's 16 ranks at once, as the scalar bf16_rne / widen would
+    for (int j = 0; j < n; ++j) {  // a row's 16 ranks at once
       const __m512 v = _mm512_add_ps(_mm512_load_ps(c[j]), _mm512_load_ps(c2[j]));
       const __m512i hi = rne16(v);
       const __m512 rest = _mm512_sub_ps(v, widen16(hi));
@@ -364,9 +363,8 @@ TM_LORA_AMX void amx_expand(Bf* yp, const std::vector<int64_t>& seg, int64_t g_l
         _tile_loadd(1, tg + 16 * rp, rp * 2);
         _tile_loadd(2, tg + 32 * rp, rp * 2);
       }
-      // CHUNK blocks at a time: their C tiles stored side by side (cb: 16 rows x CHUNK * 16 columns),
-      // then added to y's rows, so no tile store is read back at once (that stall cost more than the
-      // products)
+      // CHUNK blocks at a time: their C tiles stored side by side (cb: n rows x CHUNK * 16 columns),
+      // then added to y's rows in runs of CHUNK * 16 columns
       for (int64_t bc = b_lo; bc < b_hi; bc += CHUNK) {
         const int64_t be = std::min(b_hi, bc + CHUNK);
         for (int64_t b = bc; b < be; b += 2) {
@@ -413,8 +411,10 @@ TM_LORA_AMX void amx_expand(Bf* yp, const std::vector<int64_t>& seg, int64_t g_l
 
 // The AMX path of a call: each adapter's pair in the tile layouts (pa, pb: given, else packed here),
 // one parallel region (a decode step makes 120 of these calls: a second fork and join each would
-// cost more than a shrink): thread t shrinks groups t, t + nt, ..., then after a barrier expands its
-// share of the output columns for every adapter.
+// cost more than a shrink): thread t shrinks groups t, t + nt, ..., then expands those same groups
+// over every column where there are enough groups to share, else (after a barrier) its share of the
+// output columns for every adapter. sc: the call's lists (operands()); pa, pb filled in here where
+// not given.
 void delta_amx(Bf* yp, const Bf* xp, int64_t in, int64_t out, int64_t n_ad, const Bf* const* ap,
                const Bf* const* bp, int64_t max_rank, Scratch& sc) {
   const std::vector<std::vector<int64_t>>& segments = sc.segments;
@@ -455,7 +455,7 @@ void delta_amx(Bf* yp, const Bf* xp, int64_t in, int64_t out, int64_t n_ad, cons
   // the shrink's groups, then after a barrier the expand's columns.
   const bool by_group = threads > 1 && ng >= threads && (ng % threads == 0 || ng >= 3 * threads);
   auto work = [&](int t, int nt, auto&& barrier) {
-    thread_local std::vector<Bf> xg;  // a group's rows gathered (not zeroed: see amx_shrink)
+    thread_local std::vector<Bf> xg;  // a group's rows gathered, kept across calls
     if (xg.size() < static_cast<size_t>(16 * in)) xg.resize(static_cast<size_t>(16 * in));
     int cfg = 0;
     for (int64_t g = t; g < ng; g += nt) {
