@@ -232,9 +232,12 @@ TM_AVX512 inline void tile_int8(const Job& j, int64_t m0, int64_t b0, __m512 (&a
 
 // ---- epilogue ------------------------------------------------------------------------------------
 
-TM_AVX512 inline __m512 round_bf16(__m512 v) {  // to bf16 (nearest even) and back
-  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+TM_AVX512 inline __m512 widen_bf16(__m256i h) {  // 16 bf16 to float32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+TM_AVX512 inline __m512 round_bf16(__m512 v) {  // to bf16 (nearest even) and back
+  return widen_bf16(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
 
 TM_AVX512 inline __m512 exp512(__m512 x) {
@@ -266,10 +269,8 @@ TM_AVX512 inline __m512 silu_mul(__m512 gate, __m512 up, bool bf16) {
 TM_AVX512 void silu_mul_row(const uint16_t* gu, uint16_t* out, int64_t half) {
   for (int64_t c = 0; c < half; c += 16) {
     const __mmask16 m = half - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (half - c)) - 1);
-    auto widen16 = [&](const uint16_t* p) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-    };
-    const __m512 v = silu_mul(widen16(gu + c), widen16(gu + half + c), true);
+    const __m512 v =
+        silu_mul(widen_bf16(_mm256_maskz_loadu_epi16(m, gu + c)), widen_bf16(_mm256_maskz_loadu_epi16(m, gu + half + c)), true);
     _mm256_mask_storeu_epi16(out + c, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
   }
 }

@@ -39,7 +39,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -107,17 +106,22 @@ bool avx512() {
   return ok;
 }
 
+// bf16 bits (round to nearest even, finite values) of each float32 lane, in the lane's low 16 bits, and
+// back to float32.
+TM_LORA_AVX512 inline __m512i rne16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+}
+TM_LORA_AVX512 inline __m512 widen16(__m512i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)); }
+
 TM_LORA_AVX512 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 TM_LORA_AVX512 inline __m512 load16(const at::BFloat16* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return widen16(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)));
 }
 TM_LORA_AVX512 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-TM_LORA_AVX512 inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {  // round to nearest even (finite)
-  __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+TM_LORA_AVX512 inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(rne16(v)));
 }
 inline __mmask16 tail(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
 
@@ -286,15 +290,6 @@ TM_LORA_AMX void tiles_for_expand(int n) {
   for (int t : {5, 6}) cfg.rows[t] = static_cast<uint8_t>(n), cfg.colsb[t] = 64;
   tokenmill::load_tile_config(cfg);
 }
-
-// bf16 bits (round to nearest even, finite values) of each float32 lane, in the lane's low 16 bits, and
-// back: the split of the shrink's sums into hi + mid + lo, 16 ranks at once.
-TM_LORA_AMX inline __m512i rne16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
-}
-TM_LORA_AMX inline __m512 widen16(__m512i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16)); }
 
 // One group's shrink: for j < n and r < R, v = sum_c A[r][c] x[rows[j]][c], split exactly into three
 // bf16 terms v = hi + mid + lo (each remainder a float32 difference with no rounding), at
