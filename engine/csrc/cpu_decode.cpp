@@ -8,6 +8,7 @@
 // when it applies and lays out its arguments.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -139,28 +140,43 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return at::silu(gate_up[0]) * gate_up[1];
 }
 
-// The step's LoRA operands (engine/lora/batch.py): per layer and linear (qkv, o, gate/up, down), A and
-// B^T of each of `segments` segments; none when segments is 0.
-struct Lora {
-  const std::vector<at::Tensor>& a;
-  const std::vector<at::Tensor>& bt;
-  const std::vector<at::Tensor>& spans;   // B^T's non-zero blocks (cpu_lora.cpp)
-  const std::vector<at::Tensor>& packed;  // the pairs in the AMX path's tile layouts (or empty)
-  const c10::optional<at::Tensor>& slots;
+// A set of adapters' operands for the loop (torch.classes.tokenmill.LoraSet, made by
+// engine/models/fused_decode.py once per set of adapters in segment order, kept across its steps):
+// per layer and linear (qkv, o, gate/up, down), one A, B^T, spans and tile-layout tensor per segment
+// (engine/lora/batch.py), checked once into each linear's LoraLinear (lora.h). Holds the tensors the
+// linears point into.
+struct LoraSet : torch::CustomClassHolder {
+  std::vector<at::Tensor> a, bt, spans, packed;
   int64_t segments;
+  std::vector<tokenmill::LoraLinear> linears;  // [layer * LINEARS + which]
 
-  // linear `which` of layer l's operands, one per segment (a view: no copies)
-  c10::ArrayRef<at::Tensor> part(const std::vector<at::Tensor>& all, int64_t l, int64_t which) const {
-    const size_t base = static_cast<size_t>((l * LINEARS + which) * segments);
-    return c10::ArrayRef<at::Tensor>(all.data() + base, static_cast<size_t>(segments));
+  LoraSet(std::vector<at::Tensor> a_, std::vector<at::Tensor> bt_, std::vector<at::Tensor> spans_,
+          std::vector<at::Tensor> packed_, int64_t segments_)
+      : a(std::move(a_)), bt(std::move(bt_)), spans(std::move(spans_)), packed(std::move(packed_)), segments(segments_) {
+    TORCH_CHECK(segments > 0 && a.size() % (LINEARS * segments) == 0 && bt.size() == a.size() &&
+                    spans.size() == a.size() && packed.size() == a.size(),
+                "LoraSet: A, B^T, spans and packed tensors for every layer, linear and segment");
+    linears.resize(a.size() / segments);
+    for (size_t i = 0; i < linears.size(); ++i) {
+      auto part = [&](const std::vector<at::Tensor>& all) {
+        return c10::ArrayRef<at::Tensor>(all.data() + i * segments, static_cast<size_t>(segments));
+      };
+      tokenmill::lora_prepare(linears[i], -1, -1, part(a), part(bt), part(spans), part(packed));
+    }
   }
+  int64_t layers() const { return static_cast<int64_t>(linears.size()) / LINEARS; }
+};
 
-  // y += the adapters' delta of linear `which` of layer l on its input x (tokenmill::lora_add_).
+// The step's adapters: the set and each row's segment (-1: the base model); none when set is null.
+struct Lora {
+  const LoraSet* set;
+  const c10::optional<at::Tensor>& slots;
+
+  // y += the adapters' delta of linear `which` of layer l on its input x (tokenmill::lora_add_'s).
   void add(const at::Tensor& y, const at::Tensor& x, int64_t l, int64_t which) const {
-    if (segments == 0) return;
+    if (set == nullptr) return;
     at::Tensor out = y;
-    tokenmill::lora_add_cpu(out, x, part(a, l, which), part(bt, l, which), *slots, part(spans, l, which),
-                            part(packed, l, which));
+    tokenmill::lora_add_linear(out, x, set->linears[static_cast<size_t>(l * LINEARS + which)], *slots);
   }
 };
 
@@ -174,21 +190,17 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
                                       int64_t block_size, int64_t max_context, double scale, const Weights& weights,
                                       c10::IntArrayRef kinds, c10::IntArrayRef shapes, int64_t heads, int64_t kv_heads,
                                       int64_t head_dim, double eps, bool fused_norm, bool qk_norm,
-                                      const std::vector<at::Tensor>& lora_a, const std::vector<at::Tensor>& lora_bt,
-                                      const std::vector<at::Tensor>& lora_spans, const std::vector<at::Tensor>& lora_packed,
-                                      const c10::optional<at::Tensor>& lora_slots, int64_t lora_segments) {
+                                      const c10::optional<c10::intrusive_ptr<LoraSet>>& lora_set,
+                                      const c10::optional<at::Tensor>& lora_slots) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == layers * SLOTS &&
                   static_cast<int64_t>(kinds.size()) == layers * LINEARS &&
                   static_cast<int64_t>(shapes.size()) == layers * LINEARS * 2,
               "decode_layers: one set of caches, weights, kinds and shapes per layer");
-  TORCH_CHECK(lora_segments == 0 || (lora_slots.has_value() &&
-                                     static_cast<int64_t>(lora_a.size()) == layers * LINEARS * lora_segments &&
-                                     lora_bt.size() == lora_a.size() && lora_spans.size() == lora_a.size() &&
-                                     lora_packed.size() == lora_a.size()),
-              "decode_layers: LoRA operands for every layer, linear and segment, and the rows' slots");
-  const Lora lora{lora_a, lora_bt, lora_spans, lora_packed, lora_slots, lora_segments};
+  TORCH_CHECK(!lora_set.has_value() || (lora_slots.has_value() && (*lora_set)->layers() == layers),
+              "decode_layers: LoRA operands for every layer, and the rows' slots");
+  const Lora lora{lora_set.has_value() ? lora_set->get() : nullptr, lora_slots};
   const int64_t b = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   at::Tensor residual;  // undefined before layer 0, as LlamaModel's None
   for (int64_t l = 0; l < layers; ++l) {
@@ -238,10 +250,13 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.class_<LoraSet>("LoraSet")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, int64_t>());
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, int block_size, int max_context, float scale, Tensor?[] weights, "
         "int[] kinds, int[] shapes, int heads, int kv_heads, int head_dim, float eps, bool fused_norm, "
-        "bool qk_norm, Tensor[] lora_a, Tensor[] lora_bt, Tensor[] lora_spans, Tensor[] lora_packed, Tensor? lora_slots, int lora_segments) -> Tensor[]");
+        "bool qk_norm, __torch__.torch.classes.tokenmill.LoraSet? lora, Tensor? lora_slots) -> Tensor[]");
   m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
   // oneDNN-packed weights among the arguments make the dispatcher pick MkldnnCPU: the same function.
   m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, TORCH_FN(decode_layers));

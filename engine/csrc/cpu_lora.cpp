@@ -54,10 +54,9 @@
 
 namespace {
 
-struct Span {  // B^T is non-zero only at output columns [c0, c1) from ranks [r0, r1)
-  int64_t c0, c1, r0, r1;
-};
+using Span = tokenmill::LoraSpan;
 using Spans = std::vector<Span>;
+using tokenmill::LoraLinear;
 
 struct Group {  // rows [first, first + n) of adapter s's rows
   int64_t s, first;
@@ -68,10 +67,8 @@ struct Group {  // rows [first, first + n) of adapter s's rows
 // makes 120 calls, whose ~50 small allocations each cost ~1 ms a step of the master thread's time, the
 // other threads waiting.
 struct Scratch {
-  std::vector<int64_t> rank;
-  std::vector<Spans> spans;
-  std::vector<const at::BFloat16*> pa, pb;  // pairs in the tile layouts, where given
-  std::vector<const void*> ap, bp;  // A and B^T data
+  LoraLinear lin;  // the op's call: its adapters (the decode loop's are prepared once: lora.h)
+  std::vector<const at::BFloat16*> pa, pb;  // pairs in the tile layouts, where some are packed per call
   std::vector<std::vector<int64_t>> segments;  // each adapter's rows, in order
   std::vector<Group> groups;
   std::vector<int64_t> first_group;
@@ -181,10 +178,10 @@ TM_LORA_AVX512 void expand_group(T* yp, const int64_t* rows, int n, int64_t out,
 // the expand over blocks of COLS_512 output columns, both spread over the threads.
 template <typename T, typename W>
 void delta_avx512(T* yp, const T* xp, int64_t in, int64_t out, int64_t n_ad, const W* const* ap, const W* const* bp,
-                  int64_t max_rank, Scratch& sc) {
+                  int64_t max_rank, const LoraLinear& lin, Scratch& sc) {
   const std::vector<std::vector<int64_t>>& segments = sc.segments;
-  const std::vector<int64_t>& rank = sc.rank;
-  const std::vector<Spans>& spans = sc.spans;
+  const std::vector<int64_t>& rank = lin.rank;
+  const std::vector<Spans>& spans = lin.spans;
   float* tmp = sc.tmp.data();
   std::vector<Group>& groups = sc.groups;
   groups.clear();
@@ -331,6 +328,23 @@ TM_LORA_AMX void amx_shrink(const Bf* xp, const int64_t* rows, int n, int64_t in
   }
 }
 
+// y[0:cols] += c[0:cols] (c float32, 64-byte aligned), rounded to bf16 once (nearest even, as the base
+// product's epilogue rounds: cpu_gemv.cpp): 32 columns a step, one load and one store of y each.
+TM_LORA_AMX inline void add_row(Bf* y, const float* c, int64_t cols) {
+  int64_t o = 0;
+  for (; o + 32 <= cols; o += 32) {
+    const __m512i v = _mm512_loadu_si512(y + o);
+    const __m512 lo = _mm512_add_ps(widen16(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v))), _mm512_load_ps(c + o));
+    const __m512 hi = _mm512_add_ps(widen16(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1))), _mm512_load_ps(c + o + 16));
+    _mm512_storeu_si512(y + o, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+  for (; o < cols; o += 16) {
+    const __mmask16 m = tail(cols - o);
+    const __m512 v = _mm512_add_ps(load16(y + o, m), _mm512_load_ps(c + o));
+    _mm256_mask_storeu_epi16(y + o, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
+}
+
 // One adapter's delta for every group of its rows over output columns [q0, q1) (whole blocks of its
 // spans from c0), span by span, group by group across the columns (y swept row-major), two blocks of
 // 16 columns at a time (two C tiles: two chains of products at once): per step of 16 ranks,
@@ -391,14 +405,7 @@ TM_LORA_AMX void amx_expand(Bf* yp, const std::vector<int64_t>& seg, int64_t g_l
           if (two) _tile_stored(6, cb + (b - bc + 1) * 16, CHUNK * 64);
         }
         const int64_t o0 = sp.c0 + 16 * bc, cols = std::min(sp.c1, sp.c0 + 16 * be) - o0;
-        for (int j = 0; j < n; ++j) {
-          const float* cr = cb + j * CHUNK * 16;
-          Bf* yr = yp + seg[g * AMX_ROWS + j] * out + o0;
-          for (int64_t o = 0; o < cols; o += 16) {
-            const __mmask16 m = tail(cols - o);
-            store16(yr + o, _mm512_add_ps(load16(yr + o, m), _mm512_load_ps(cr + o)), m);
-          }
-        }
+        for (int j = 0; j < n; ++j) add_row(yp + seg[g * AMX_ROWS + j] * out + o0, cb + j * CHUNK * 16, cols);
       }
     }
   }
@@ -411,19 +418,24 @@ TM_LORA_AMX void amx_expand(Bf* yp, const std::vector<int64_t>& seg, int64_t g_l
 // output columns for every adapter. sc: the call's lists (operands()); pa, pb filled in here where
 // not given.
 void delta_amx(Bf* yp, const Bf* xp, int64_t in, int64_t out, int64_t n_ad, const Bf* const* ap,
-               const Bf* const* bp, int64_t max_rank, Scratch& sc) {
+               const Bf* const* bp, int64_t max_rank, const LoraLinear& lin, Scratch& sc) {
   const std::vector<std::vector<int64_t>>& segments = sc.segments;
-  const std::vector<int64_t>& rank = sc.rank;
-  const std::vector<Spans>& spans = sc.spans;
-  std::vector<const Bf*>& pa = sc.pa;
-  std::vector<const Bf*>& pb = sc.pb;
-  std::vector<std::vector<Bf>> made;  // pairs packed for this call only
+  const std::vector<int64_t>& rank = lin.rank;
+  const std::vector<Spans>& spans = lin.spans;
+  const Bf* const* pa = lin.pa.data();
+  const Bf* const* pb = lin.pb.data();
+  std::vector<std::vector<Bf>> made;  // pairs packed for this call only (those without a tile-layout copy)
   for (int64_t s = 0; s < n_ad; ++s) {
     if (rank[s] == 0 || segments[s].empty() || (pa[s] != nullptr && pb[s] != nullptr)) continue;
+    if (made.empty()) {
+      sc.pa.assign(lin.pa.begin(), lin.pa.end());
+      sc.pb.assign(lin.pb.begin(), lin.pb.end());
+      pa = sc.pa.data(), pb = sc.pb.data();
+    }
     made.emplace_back(static_cast<size_t>(packed_a_size(rank[s], in) + packed_b_size(spans[s])));
     Bf* base = made.back().data();
     pack_pair(ap[s], bp[s], rank[s], in, out, spans[s], base, base + packed_a_size(rank[s], in));
-    pa[s] = base, pb[s] = base + packed_a_size(rank[s], in);
+    sc.pa[s] = base, sc.pb[s] = base + packed_a_size(rank[s], in);
   }
   const int64_t rp = (max_rank + 15) / 16 * 16;  // a group's terms: [3][16][rp]
   std::vector<Group>& groups = sc.groups;
@@ -487,6 +499,7 @@ void delta_amx(Bf* yp, const Bf* xp, int64_t in, int64_t out, int64_t n_ad, cons
   work(omp_get_thread_num(), omp_get_num_threads(), [] {
 #pragma omp barrier
   });
+
 }
 #endif
 
@@ -552,11 +565,13 @@ void expand(T* yp, int64_t rows, int64_t out, const int64_t* slot, const W* cons
   });
 }
 
-// sc: the call's operands (operands() below); ap, bp: each adapter's A and B^T (null where it does not
-// target the linear).
+// lin: the call's adapters (lora.h); sc: the call's lists; ap, bp: each adapter's A and B^T (null where
+// it does not target the linear).
 template <typename T, typename W>
-void delta_rows(T* yp, const T* xp, int64_t rows, int64_t in, int64_t out, const int64_t* slot, int64_t n_ad,
-                const W* const* ap, const W* const* bp, int64_t max_rank, Scratch& sc) {
+void delta_rows(T* yp, const T* xp, int64_t rows, const int64_t* slot, const LoraLinear& lin, Scratch& sc) {
+  const int64_t in = lin.in, out = lin.out, n_ad = lin.n, max_rank = lin.max_rank;
+  const W* const* ap = reinterpret_cast<const W* const*>(lin.ap.data());
+  const W* const* bp = reinterpret_cast<const W* const*>(lin.bp.data());
   reset_lists(sc.segments, static_cast<size_t>(n_ad));
   for (int64_t t = 0; t < rows; ++t)
     if (slot[t] >= 0) sc.segments[slot[t]].push_back(t);
@@ -566,61 +581,56 @@ void delta_rows(T* yp, const T* xp, int64_t rows, int64_t in, int64_t out, const
     // tiles, two rows or more adapters less), so a row's delta never depends on its neighbours
     // (batch-invariant mode): every path sums each row in its own fixed order
     if (in % 32 == 0 && avx512() && tokenmill::amx_usable()) {
-      delta_amx(yp, xp, in, out, n_ad, ap, bp, max_rank, sc);
+      delta_amx(yp, xp, in, out, n_ad, ap, bp, max_rank, lin, sc);
       return;
     }
   }
 #endif
   sc.tmp.resize(static_cast<size_t>(rows * max_rank));
   if (avx512()) {
-    delta_avx512(yp, xp, in, out, n_ad, ap, bp, max_rank, sc);
+    delta_avx512(yp, xp, in, out, n_ad, ap, bp, max_rank, lin, sc);
     return;
   }
-  shrink(xp, rows, in, slot, ap, sc.rank, max_rank, sc.tmp.data());
-  expand(yp, rows, out, slot, bp, sc.rank, sc.spans, max_rank, sc.tmp.data());
+  shrink(xp, rows, in, slot, ap, lin.rank, max_rank, sc.tmp.data());
+  expand(yp, rows, out, slot, bp, lin.rank, lin.spans, max_rank, sc.tmp.data());
 }
 
 using Tensors = c10::ArrayRef<at::Tensor>;  // a list of the call's, or a part of the decode loop's: no copies
 
-// One call's operands, checked, its lists in sc.
-struct Operands {
-  int64_t rows, in, out, n, max_rank;
-  c10::optional<at::ScalarType> wtype;  // the pairs' dtype: float32, or bf16 with bf16 rows; none: no adapter targets it
-  const int64_t* slot;
-};
-
-// out_cols: y's columns; spans_in, packed_in: empty for none.
-// Fills sc.rank, sc.spans, sc.pa, sc.pb (each adapter's pair in the tile layouts, where given).
-Operands operands(const at::Tensor& x, int64_t out_cols, Tensors a, Tensors bt, const at::Tensor& slots,
-                  Tensors spans_in, Tensors packed_in, Scratch& sc) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
-              "lora_add_: x must be a contiguous float32 or bf16 CPU matrix [T, in]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == x.size(0) && slots.is_contiguous(),
-              "lora_add_: slots must be int64 [T]");
+// lora.h: one linear's lists checked into lin (its vectors' capacity reused). in, out: -1 to take them
+// from the adapters.
+void prepare(LoraLinear& lin, int64_t in, int64_t out, Tensors a, Tensors bt, Tensors spans_in, Tensors packed_in) {
   TORCH_CHECK(a.size() == bt.size(), "lora_add_: one A and one B^T per adapter");
   TORCH_CHECK(spans_in.empty() || spans_in.size() == a.size(), "lora_add_: one spans tensor per adapter (or none)");
   TORCH_CHECK(packed_in.empty() || packed_in.size() == a.size(), "lora_add_: one packed tensor per adapter (or none)");
-  const int64_t rows = x.size(0), in = x.size(1), out = out_cols, n = static_cast<int64_t>(a.size());
-  int64_t max_rank = 0;
-  std::vector<int64_t>& rank = sc.rank;
+  const int64_t n = static_cast<int64_t>(a.size());
+  lin.n = n, lin.max_rank = 0, lin.any = false;
+  std::vector<int64_t>& rank = lin.rank;
   rank.assign(static_cast<size_t>(n), 0);
-  c10::optional<at::ScalarType> wtype;
+  lin.ap.assign(static_cast<size_t>(n), nullptr);
+  lin.bp.assign(static_cast<size_t>(n), nullptr);
   for (int64_t s = 0; s < n; ++s) {
     if (a[s].numel() == 0 && bt[s].numel() == 0) continue;  // an adapter that does not target this linear
     const at::ScalarType st = a[s].scalar_type();
-    TORCH_CHECK((st == at::kFloat || (bf16 && st == at::kBFloat16)) && (!wtype || *wtype == st) &&
-                    bt[s].scalar_type() == st,
-                "lora_add_: A and B^T must be float32 (or bf16 with bf16 rows), one dtype for every adapter");
-    wtype = st;
-    TORCH_CHECK(a[s].dim() == 2 && a[s].is_contiguous() && a[s].size(1) == in,
-                "lora_add_: A must be contiguous [R, in]");
-    TORCH_CHECK(bt[s].dim() == 2 && bt[s].is_contiguous() && bt[s].size(1) == out && bt[s].size(0) == a[s].size(0),
+    TORCH_CHECK(a[s].device().is_cpu() && bt[s].device().is_cpu() && (st == at::kFloat || st == at::kBFloat16) &&
+                    (!lin.any || lin.wtype == st) && bt[s].scalar_type() == st,
+                "lora_add_: A and B^T must be float32 (or bf16 with bf16 rows) CPU tensors, one dtype for every "
+                "adapter");
+    TORCH_CHECK(a[s].dim() == 2 && a[s].is_contiguous() && bt[s].dim() == 2 && bt[s].is_contiguous(),
+                "lora_add_: A must be contiguous [R, in], B^T contiguous [R, out]");
+    if (in < 0) in = a[s].size(1);
+    if (out < 0) out = bt[s].size(1);
+    TORCH_CHECK(a[s].size(1) == in, "lora_add_: A must be contiguous [R, in]");
+    TORCH_CHECK(bt[s].size(1) == out && bt[s].size(0) == a[s].size(0),
                 "lora_add_: B^T must be contiguous [R, out] with A's rank");
+    lin.any = true, lin.wtype = st;
     rank[s] = a[s].size(0);
-    max_rank = std::max(max_rank, rank[s]);
+    lin.max_rank = std::max(lin.max_rank, rank[s]);
+    lin.ap[s] = a[s].data_ptr();
+    lin.bp[s] = bt[s].data_ptr();
   }
-  std::vector<Spans>& spans = sc.spans;
+  lin.in = in, lin.out = out;
+  std::vector<Spans>& spans = lin.spans;
   reset_lists(spans, static_cast<size_t>(n));
   for (int64_t s = 0; s < n; ++s) {
     if (rank[s] == 0) continue;
@@ -643,8 +653,8 @@ Operands operands(const at::Tensor& x, int64_t out_cols, Tensors a, Tensors bt, 
     }
   }
   // each adapter's pair in the tile layouts (lora_pack_bf16), where given: [A's, then B^T's]
-  sc.pa.assign(static_cast<size_t>(n), nullptr);
-  sc.pb.assign(static_cast<size_t>(n), nullptr);
+  lin.pa.assign(static_cast<size_t>(n), nullptr);
+  lin.pb.assign(static_cast<size_t>(n), nullptr);
   for (int64_t s = 0; s < n && !packed_in.empty(); ++s) {
     const at::Tensor& pk = packed_in[s];
     if (rank[s] == 0 || pk.numel() == 0) continue;
@@ -652,57 +662,52 @@ Operands operands(const at::Tensor& x, int64_t out_cols, Tensors a, Tensors bt, 
     TORCH_CHECK(pk.scalar_type() == at::kBFloat16 && pk.dim() == 1 && pk.is_contiguous() && pk.numel() == na + nb,
                 "lora_add_: packed pair of adapter ", s, " must be lora_pack_bf16's bf16 vector for these shapes "
                 "and spans (", na + nb, " elements)");
-    sc.pa[s] = pk.data_ptr<at::BFloat16>();
-    sc.pb[s] = sc.pa[s] + na;
+    lin.pa[s] = pk.data_ptr<at::BFloat16>();
+    lin.pb[s] = lin.pa[s] + na;
   }
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < rows; ++t)
-    TORCH_CHECK(slot[t] >= -1 && slot[t] < n, "lora_add_: slot ", slot[t], " of row ", t, " is out of range");
-  return Operands{rows, in, out, n, max_rank, wtype, slot};
 }
 
-// each adapter's A and B^T data as W (null where it does not target the linear), in sc.ap / sc.bp
-template <typename W>
-std::pair<const W* const*, const W* const*> pair_data(Tensors a, Tensors bt, Scratch& sc) {
-  sc.ap.assign(a.size(), nullptr);
-  sc.bp.assign(a.size(), nullptr);
-  for (size_t s = 0; s < a.size(); ++s) {
-    if (sc.rank[s] == 0) continue;
-    sc.ap[s] = a[s].data_ptr<W>();
-    sc.bp[s] = bt[s].data_ptr<W>();
-  }
-  return {reinterpret_cast<const W* const*>(sc.ap.data()), reinterpret_cast<const W* const*>(sc.bp.data())};
-}
-
-void lora_add(at::Tensor& y, const at::Tensor& x, Tensors a, Tensors bt, const at::Tensor& slots, Tensors spans_in,
-              Tensors packed_in) {
+// y += the delta of lin's adapters (prepared) on x's rows by slot.
+void add_linear(at::Tensor& y, const at::Tensor& x, const LoraLinear& lin, const at::Tensor& slots, Scratch& sc) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
+              "lora_add_: x must be a contiguous float32 or bf16 CPU matrix [T, in]");
   TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == x.scalar_type() && y.dim() == 2 && y.is_contiguous() &&
                   y.size(0) == x.size(0),
               "lora_add_: y must be a contiguous CPU matrix [T, out] of x's dtype with x's rows");
-  Scratch& sc = scratch();
-  const Operands o = operands(x, y.size(1), a, bt, slots, spans_in, packed_in, sc);
-  if (!o.wtype) return;  // no adapter targets this linear
-  auto run = [&](auto w_tag) {
-    using W = decltype(w_tag);
-    const auto [ap, bp] = pair_data<W>(a, bt, sc);
-    if (x.scalar_type() == at::kBFloat16) {
-      delta_rows(y.data_ptr<at::BFloat16>(), x.data_ptr<at::BFloat16>(), o.rows, o.in, o.out, o.slot, o.n, ap, bp,
-                 o.max_rank, sc);
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 &&
+                  slots.numel() == x.size(0) && slots.is_contiguous(),
+              "lora_add_: slots must be int64 [T]");
+  const int64_t rows = x.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(slot[t] >= -1 && slot[t] < lin.n, "lora_add_: slot ", slot[t], " of row ", t, " is out of range");
+  if (!lin.any) return;  // no adapter targets this linear
+  TORCH_CHECK(x.size(1) == lin.in, "lora_add_: A must be contiguous [R, in]");
+  TORCH_CHECK(y.size(1) == lin.out, "lora_add_: B^T must be contiguous [R, out] with A's rank");
+  TORCH_CHECK(lin.wtype == at::kFloat || bf16,
+              "lora_add_: A and B^T must be float32 (or bf16 with bf16 rows), one dtype for every adapter");
+  if (bf16) {
+    auto* yp = y.data_ptr<at::BFloat16>();
+    const auto* xp = x.data_ptr<at::BFloat16>();
+    if (lin.wtype == at::kBFloat16) {
+      delta_rows<at::BFloat16, at::BFloat16>(yp, xp, rows, slot, lin, sc);
     } else {
-      delta_rows(y.data_ptr<float>(), x.data_ptr<float>(), o.rows, o.in, o.out, o.slot, o.n, ap, bp, o.max_rank, sc);
+      delta_rows<at::BFloat16, float>(yp, xp, rows, slot, lin, sc);
     }
-  };
-  if (*o.wtype == at::kBFloat16) {
-    run(at::BFloat16());
   } else {
-    run(float());
+    delta_rows<float, float>(y.data_ptr<float>(), x.data_ptr<float>(), rows, slot, lin, sc);
   }
 }
 
 void lora_add_(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt,
                const at::Tensor& slots, const c10::optional<std::vector<at::Tensor>>& spans_in,
                const c10::optional<std::vector<at::Tensor>>& packed_in) {
-  lora_add(y, x, a, bt, slots, spans_in ? Tensors(*spans_in) : Tensors(), packed_in ? Tensors(*packed_in) : Tensors());
+  Scratch& sc = scratch();
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2, "lora_add_: x must be a contiguous float32 or bf16 CPU matrix [T, in]");
+  prepare(sc.lin, x.size(1), y.size(1), a, bt, spans_in ? Tensors(*spans_in) : Tensors(),
+          packed_in ? Tensors(*packed_in) : Tensors());
+  add_linear(y, x, sc.lin, slots, sc);
 }
 
 // One adapter's pair in the tile layouts of the AMX path (pack_pair), as one bf16 vector: A's, then
@@ -745,9 +750,14 @@ bool lora_amx() {
 
 }  // namespace
 
-void tokenmill::lora_add_cpu(at::Tensor& y, const at::Tensor& x, c10::ArrayRef<at::Tensor> a, c10::ArrayRef<at::Tensor> bt,
-                             const at::Tensor& slots, c10::ArrayRef<at::Tensor> spans, c10::ArrayRef<at::Tensor> packed) {
-  lora_add(y, x, a, bt, slots, spans, packed);
+void tokenmill::lora_prepare(LoraLinear& lin, int64_t in, int64_t out, c10::ArrayRef<at::Tensor> a,
+                             c10::ArrayRef<at::Tensor> bt, c10::ArrayRef<at::Tensor> spans,
+                             c10::ArrayRef<at::Tensor> packed) {
+  prepare(lin, in, out, a, bt, spans, packed);
+}
+
+void tokenmill::lora_add_linear(at::Tensor& y, const at::Tensor& x, const LoraLinear& lin, const at::Tensor& slots) {
+  add_linear(y, x, lin, slots, scratch());
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {

@@ -62,7 +62,7 @@ class FusedDecode:
         self.fused_norm = layers[0].input_layernorm.fused
         self._plans: dict[int, _Plan | None] = {}  # row count -> plan (None: the Python layers)
         self._lora_plans: dict[int, _Plan | None] = {}  # the same for steps with adapter rows (no GEMV_SILU)
-        self._lora_ops: tuple[list, tuple[list[torch.Tensor], ...]] | None = None  # _lora_operands' last
+        self._lora_set: tuple[list, torch.ScriptObject] | None = None  # _lora_operands' last
 
     @staticmethod
     def available() -> bool:
@@ -86,7 +86,7 @@ class FusedDecode:
             plan = plans[x.shape[0]] = self._plan(x.shape[0], fused_act=lora is None)
         if plan is None:
             return None
-        lora_a, lora_bt, lora_spans, lora_packed = self._lora_operands(lora) if lora is not None else ([], [], [], [])
+        lora_set = self._lora_operands(lora) if lora is not None else None
         nd = meta.num_decodes
         k_caches = [k for k, _ in ctx.kv_caches]
         v_caches = [v for _, v in ctx.kv_caches]
@@ -94,19 +94,20 @@ class FusedDecode:
             x, ctx.cos, ctx.sin, k_caches, v_caches, meta.slot_mapping, meta.decode_gather.view(nd, -1),
             meta.decode_lens, meta.block_size, meta.decode_ctx, self.scale, plan.weights, plan.kinds, plan.shapes,
             self.heads, self.kv_heads, self.head_dim, self.eps, self.fused_norm, self.qk_norm,
-            lora_a, lora_bt, lora_spans, lora_packed, None if lora is None else lora.slots, 0 if lora is None else len(lora.segments),
+            lora_set, None if lora is None else lora.slots,
         )  # fmt: skip
         return out[0], out[1]
 
-    def _lora_operands(self, lora: LoraBatch) -> tuple[list[torch.Tensor], ...]:
-        """The step's adapter operands per layer, per linear, per segment (cpu_decode.cpp Lora): A, B^T,
-        spans, tile-layout copies. Kept for the last segment order (decode steps of one set of adapters
-        repeat it: 480 look-ups a step for 4 adapters otherwise); the kept entry holds its segments'
-        pairs, so an identity check cannot be fooled by a reused id."""
+    def _lora_operands(self, lora: LoraBatch) -> torch.ScriptObject:
+        """The step's adapter operands (cpu_decode.cpp LoraSet): per layer, per linear, per segment A,
+        B^T, spans and tile-layout copies, checked and laid out once by the C++ side. Kept for the last
+        segment order (decode steps of one set of adapters repeat it: 480 look-ups and the checks of
+        1,920 tensors a step for 4 adapters otherwise); the kept set holds its segments' pairs, so an
+        identity check cannot be fooled by a reused id."""
         key = [seg.layers for seg in lora.segments]
-        if self._lora_ops is not None and len(self._lora_ops[0]) == len(key) and all(
-                a is b for a, b in zip(self._lora_ops[0], key, strict=True)):  # fmt: skip
-            return self._lora_ops[1]
+        if self._lora_set is not None and len(self._lora_set[0]) == len(key) and all(
+                a is b for a, b in zip(self._lora_set[0], key, strict=True)):  # fmt: skip
+            return self._lora_set[1]
         lists: tuple[list[torch.Tensor], ...] = ([], [], [], [])
         for index in range(len(self.layers)):
             layer = lora.layer(index)
@@ -114,8 +115,9 @@ class FusedDecode:
                 ops = layer.pairs_of(module)
                 for acc, part in zip(lists, (ops.a, ops.bt, ops.spans, ops.packed), strict=True):
                     acc += part
-        self._lora_ops = (key, lists)
-        return lists
+        lora_set = torch.classes.tokenmill.LoraSet(*lists, len(key))
+        self._lora_set = (key, lora_set)
+        return lora_set
 
     def _plan(self, rows: int, fused_act: bool = True) -> _Plan | None:
         """The calls for `rows` rows; fused_act False: never the fused silu product (LoRA steps)."""

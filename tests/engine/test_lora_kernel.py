@@ -165,6 +165,27 @@ def test_bad_spans_and_packed_pairs_are_refused():
         torch.ops.tokenmill.lora_pack_bf16(torch.randn(4, 40).bfloat16(), torch.randn(4, 48).bfloat16(), torch.empty(0))
 
 
+def test_the_decode_loops_adapter_set_is_checked_once_when_made():
+    """The C++ loop's set of adapters (cpu_decode.cpp LoraSet: each linear's operands checked and laid
+    out when made, not per call) refuses what lora_add_ refuses, naming it, and lists that do not cover
+    every layer, linear and segment."""
+    make = torch.classes.tokenmill.LoraSet
+    a, bt = torch.randn(4, 64).bfloat16(), torch.randn(4, 48).bfloat16()
+    spans, none = torch.tensor([[0, 48, 0, 4]]), torch.empty(0, dtype=torch.bfloat16)
+    good = make([a] * 4, [bt] * 4, [spans] * 4, [none] * 4, 1)  # one layer's four linears, one segment
+    assert good is not None
+    with pytest.raises(RuntimeError, match="every layer, linear and segment"):
+        make([a] * 3, [bt] * 3, [spans] * 3, [none] * 3, 1)
+    with pytest.raises(RuntimeError, match="every layer, linear and segment"):
+        make([a] * 4, [bt] * 4, [spans] * 4, [none] * 4, 0)
+    with pytest.raises(RuntimeError, match="is outside B"):
+        make([a] * 4, [bt] * 4, [torch.tensor([[0, 49, 0, 4]])] * 4, [none] * 4, 1)
+    with pytest.raises(RuntimeError, match="one dtype for every adapter"):
+        make([a, a.float()] * 4, [bt, bt.float()] * 4, [spans] * 8, [none] * 8, 2)
+    with pytest.raises(RuntimeError, match="with A's rank"):
+        make([a] * 4, [bt[:3]] * 4, [spans] * 4, [none] * 4, 1)
+
+
 def test_placed_adapters_carry_their_spans_and_tile_layouts():
     """A fused module's pair knows its block-diagonal spans (q/k/v side by side), and placed in bf16 on
     a CPU whose deltas run on the tile unit it carries its packed copy (else none)."""
