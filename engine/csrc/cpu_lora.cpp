@@ -271,11 +271,11 @@ void pack_pair(const Bf* a, const Bf* bt, int64_t R, int64_t in, int64_t out, co
 #ifdef TM_LORA_HAS_AMX
 // The tiles of a group of n rows (a tile's rows are the group's: a tdpbf16ps, and a tile store, cost
 // in proportion to them; ldtilecfg zeroes every tile). The shrink's: 0, 1: x rows (n x 32 columns);
-// 3, 4: A (16 column pairs x 16 ranks); 5, 6: C (n x 16 ranks).
+// 2, 3: A (16 column pairs x 16 ranks); 4-7: C (n x 16 ranks), four chains of products.
 TM_LORA_AMX void tiles_for_shrink(int n) {
   tokenmill::TileConfig cfg;
-  for (int t : {0, 1, 5, 6}) cfg.rows[t] = static_cast<uint8_t>(n), cfg.colsb[t] = 64;
-  for (int t : {3, 4}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {0, 1, 4, 5, 6, 7}) cfg.rows[t] = static_cast<uint8_t>(n), cfg.colsb[t] = 64;
+  for (int t : {2, 3}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   tokenmill::load_tile_config(cfg);
 }
 // The expand's: 0, 1, 2: hi, mid, lo (n x 16 ranks); 3, 4: B (8 rank pairs x 16 columns); 5, 6: C
@@ -296,26 +296,43 @@ TM_LORA_AMX void amx_shrink(const Bf* xp, const int64_t* rows, int n, int64_t in
                             int64_t rp, Bf* xg, uint16_t* terms) {
   for (int j = 0; j < n; ++j) std::memcpy(static_cast<void*>(xg + j * in), xp + rows[j] * in, in * sizeof(Bf));
   const int64_t kcs = in / 32;
-  alignas(64) float c[16][16], c2[16][16];
+  alignas(64) float c[4][16][16];
   for (int64_t rt = 0; rt < (R + 15) / 16; ++rt) {
     const Bf* at = pa + rt * kcs * 512;
+    _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
-    for (int64_t kc = 0; kc < kcs; kc += 2) {  // two chains of products (even and odd 32 columns)
+    _tile_zero(7);
+    // four chains of products (32 columns kc, kc + 1, kc + 2, kc + 3): a product's latency is several
+    // times its issue interval, so one or two chains leave the tile unit waiting
+    for (int64_t kc = 0; kc < kcs; kc += 4) {
       _tile_loadd(0, xg + kc * 32, in * 2);
-      _tile_loadd(3, at + kc * 512, 64);
-      _tile_dpbf16ps(5, 0, 3);
+      _tile_loadd(2, at + kc * 512, 64);
+      _tile_dpbf16ps(4, 0, 2);
       if (kc + 1 < kcs) {
         _tile_loadd(1, xg + kc * 32 + 32, in * 2);
-        _tile_loadd(4, at + kc * 512 + 512, 64);
-        _tile_dpbf16ps(6, 1, 4);
+        _tile_loadd(3, at + kc * 512 + 512, 64);
+        _tile_dpbf16ps(5, 1, 3);
+      }
+      if (kc + 2 < kcs) {
+        _tile_loadd(0, xg + kc * 32 + 64, in * 2);
+        _tile_loadd(2, at + kc * 512 + 1024, 64);
+        _tile_dpbf16ps(6, 0, 2);
+      }
+      if (kc + 3 < kcs) {
+        _tile_loadd(1, xg + kc * 32 + 96, in * 2);
+        _tile_loadd(3, at + kc * 512 + 1536, 64);
+        _tile_dpbf16ps(7, 1, 3);
       }
     }
-    _tile_stored(5, c, 64);
-    _tile_stored(6, c2, 64);
+    _tile_stored(4, c[0], 64);
+    _tile_stored(5, c[1], 64);
+    _tile_stored(6, c[2], 64);
+    _tile_stored(7, c[3], 64);
     const __mmask16 m = tail(R - 16 * rt);
-    for (int j = 0; j < n; ++j) {  // a row's 16 ranks at once
-      const __m512 v = _mm512_add_ps(_mm512_load_ps(c[j]), _mm512_load_ps(c2[j]));
+    for (int j = 0; j < n; ++j) {  // a row's 16 ranks at once, the chains summed in a fixed order
+      const __m512 v = _mm512_add_ps(_mm512_add_ps(_mm512_load_ps(c[0][j]), _mm512_load_ps(c[1][j])),
+                                     _mm512_add_ps(_mm512_load_ps(c[2][j]), _mm512_load_ps(c[3][j])));
       const __m512i hi = rne16(v);
       const __m512 rest = _mm512_sub_ps(v, widen16(hi));
       const __m512i mid = rne16(rest);
