@@ -35,7 +35,7 @@ SOURCES = {"cpu_attention.cpp": (), "cpu_layers.cpp": ("-ffp-contract=off",), "c
 # Sources the library is built without when they do not compile (an older compiler without the
 # AVX-512 BF16/VNNI intrinsics): the engine then keeps its oneDNN/PyTorch linears (cpu_linear.py).
 OPTIONAL = frozenset({"cpu_gemv.cpp", "cpu_gemv_f32.cpp"})
-HEADERS = ("widen.h", "amx.h", "lora.h")
+HEADERS = ("widen.h", "amx.h", "lora.h", "silu.h")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-w")
 
 

@@ -131,11 +131,21 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return x * cos + at::cat({-halves[1], halves[0]}, -1) * sin;
 }
 
+// tokenmill::silu_mul, where cpu_gemv.cpp built
+const c10::optional<c10::OperatorHandle>& silu_mul_op() {
+  static const c10::optional<c10::OperatorHandle> h = c10::Dispatcher::singleton().findSchema({"tokenmill::silu_mul", ""});
+  return h;
+}
+
+// Whether silu_mul takes tokenmill::silu_mul for gu.
+bool kernel_silu(const at::Tensor& gu) {
+  return silu_mul_op().has_value() && gu.scalar_type() == at::kBFloat16 && gu.stride(1) == 1;
+}
+
 // silu(gate) * up of [T, 2I] = [gate | up]: tokenmill::silu_mul for bf16 where cpu_gemv.cpp built (the
 // fused product's arithmetic; engine/models/layers.py GatedMLP makes the same choice), else PyTorch's.
 at::Tensor silu_mul(const at::Tensor& gu) {
-  static const c10::optional<c10::OperatorHandle> h = c10::Dispatcher::singleton().findSchema({"tokenmill::silu_mul", ""});
-  if (h && gu.scalar_type() == at::kBFloat16 && gu.stride(1) == 1) return call1(*h, {gu});
+  if (kernel_silu(gu)) return call1(*silu_mul_op(), {gu});
   auto gate_up = gu.chunk(2, -1);
   return at::silu(gate_up[0]) * gate_up[1];
 }
@@ -177,6 +187,19 @@ struct Lora {
     if (set == nullptr) return;
     at::Tensor out = y;
     tokenmill::lora_add_linear(out, x, set->linears[static_cast<size_t>(l * LINEARS + which)], *slots);
+  }
+
+  // silu(gate) * up of gu (layer l's [gate | up] product of x) after the adapters' delta, from the
+  // delta's own parallel region where lora_silu_fusable (act defined), else undefined: the caller adds
+  // the delta and the activation apart. Only where silu_mul below would take tokenmill::silu_mul
+  // (the same arithmetic).
+  at::Tensor add_silu(const at::Tensor& gu, const at::Tensor& x, int64_t l, bool kernel_silu) const {
+    if (set == nullptr || !kernel_silu) return at::Tensor();
+    const tokenmill::LoraLinear& lin = set->linears[static_cast<size_t>(l * LINEARS + 2)];
+    if (!gu.is_contiguous() || !tokenmill::lora_silu_fusable(lin, x)) return at::Tensor();
+    at::Tensor out = gu, act = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+    tokenmill::lora_add_linear_silu(out, x, lin, *slots, act);
+    return act;
   }
 };
 
@@ -240,8 +263,11 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
       act = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5]);
     } else {
       const at::Tensor gu = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5]);
-      lora.add(gu, h2, l, 2);
-      act = silu_mul(gu);
+      act = lora.add_silu(gu, h2, l, kernel_silu(gu));
+      if (!act.defined()) {
+        lora.add(gu, h2, l, 2);
+        act = silu_mul(gu);
+      }
     }
     x = linear(act, weights, l, DOWN_W, kind[3], nk[6], nk[7]);
     lora.add(x, act, l, 3);

@@ -50,6 +50,7 @@
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
 #define TM_LORA_HAS_AMX 1
 #define TM_LORA_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+#include "silu.h"
 #endif
 
 namespace {
@@ -73,6 +74,7 @@ struct Scratch {
   std::vector<Group> groups;
   std::vector<int64_t> first_group;
   std::vector<uint16_t> terms;
+  std::vector<int64_t> plain;  // rows without a delta (delta_amx's activation)
   std::vector<float> tmp;
 };
 
@@ -434,8 +436,11 @@ TM_LORA_AMX void amx_expand(Bf* yp, const std::vector<int64_t>& seg, int64_t g_l
 // over every column where there are enough groups to share, else (after a barrier) its share of the
 // output columns for every adapter. sc: the call's lists (operands()); pa, pb filled in here where
 // not given.
-void delta_amx(Bf* yp, const Bf* xp, int64_t in, int64_t out, int64_t n_ad, const Bf* const* ap,
-               const Bf* const* bp, int64_t max_rank, const LoraLinear& lin, Scratch& sc) {
+// act: where y is a gated MLP's [gate | up] product, act[t] = silu(gate[t]) * up[t] (silu.h) for every
+// row t of y after its delta, in the same parallel region; else null. Returns whether act was made
+// (not where no row has an adapter that targets the linear).
+bool delta_amx(Bf* yp, const Bf* xp, int64_t rows, const int64_t* slot, int64_t in, int64_t out, int64_t n_ad, const Bf* const* ap,
+               const Bf* const* bp, int64_t max_rank, const LoraLinear& lin, Scratch& sc, Bf* act) {
   const std::vector<std::vector<int64_t>>& segments = sc.segments;
   const std::vector<int64_t>& rank = lin.rank;
   const std::vector<Spans>& spans = lin.spans;
@@ -466,7 +471,17 @@ void delta_amx(Bf* yp, const Bf* xp, int64_t in, int64_t out, int64_t n_ad, cons
     for (int64_t i = 0; i < k; i += AMX_ROWS)
       groups.push_back({s, i, static_cast<int>(std::min<int64_t>(AMX_ROWS, k - i))});
   }
-  if (groups.empty()) return;
+  if (groups.empty()) return false;
+  std::vector<int64_t>& plain = sc.plain;  // rows without a delta here: their activation is any thread's
+  plain.clear();
+  for (int64_t t = 0; act != nullptr && t < rows; ++t) {
+    const int64_t s = slot[t];
+    if (s < 0 || rank[s] == 0) plain.push_back(t);
+  }
+  const int64_t half = out / 2;
+  auto activate = [&](int64_t t) {
+    tokenmill::silu_mul_row(reinterpret_cast<const uint16_t*>(yp + t * out), reinterpret_cast<uint16_t*>(act + t * half), half);
+  };
   std::vector<uint16_t>& terms = sc.terms;  // zero: ranks past an adapter's own multiply zero rows of B
   terms.assign(groups.size() * 48 * static_cast<size_t>(rp), 0);
   constexpr int64_t COLS_AMX = 64;  // output columns per share of the expand
@@ -494,8 +509,11 @@ void delta_amx(Bf* yp, const Bf* xp, int64_t in, int64_t out, int64_t n_ad, cons
         const Group& gr = groups[g];
         amx_expand(yp, segments[gr.s], gr.first / AMX_ROWS, gr.first / AMX_ROWS + 1, out, pb[gr.s], spans[gr.s], rp,
                    terms.data() + first_group[gr.s] * 48 * rp, 0, out, cfg);
+        // the group's rows are whole now (every column of their own thread's expand)
+        for (int j = 0; act != nullptr && j < gr.n; ++j) activate(segments[gr.s][gr.first + j]);
       }
       _tile_release();
+      for (size_t i = t; act != nullptr && i < plain.size(); i += nt) activate(plain[i]);
       return;
     }
     barrier();
@@ -507,15 +525,19 @@ void delta_amx(Bf* yp, const Bf* xp, int64_t in, int64_t out, int64_t n_ad, cons
                  terms.data() + first_group[s] * 48 * rp, b0 * COLS_AMX, std::min(out, b1 * COLS_AMX), cfg);
     }
     _tile_release();
+    if (act == nullptr) return;
+    barrier();  // every row's columns whole
+    for (int64_t r = rows * t / nt; r < rows * (t + 1) / nt; ++r) activate(r);
   };
   if (threads <= 1) {
     work(0, 1, [] {});
-    return;
+    return act != nullptr;
   }
 #pragma omp parallel num_threads(threads)
   work(omp_get_thread_num(), omp_get_num_threads(), [] {
 #pragma omp barrier
   });
+  return act != nullptr;
 
 }
 #endif
@@ -584,8 +606,19 @@ void expand(T* yp, int64_t rows, int64_t out, const int64_t* slot, const W* cons
 
 // lin: the call's adapters (lora.h); sc: the call's lists; ap, bp: each adapter's A and B^T (null where
 // it does not target the linear).
+// Whether bf16 rows' deltas for lin run on the tile unit (delta_amx).
+bool amx_delta(const LoraLinear& lin) {
+#ifdef TM_LORA_HAS_AMX
+  return lin.wtype == at::kBFloat16 && lin.in % 32 == 0 && avx512() && tokenmill::amx_usable();
+#else
+  return false;
+#endif
+}
+
+// act: see delta_amx (bf16 on the tile unit only); returns whether act was made.
 template <typename T, typename W>
-void delta_rows(T* yp, const T* xp, int64_t rows, const int64_t* slot, const LoraLinear& lin, Scratch& sc) {
+bool delta_rows(T* yp, const T* xp, int64_t rows, const int64_t* slot, const LoraLinear& lin, Scratch& sc,
+                T* act = nullptr) {
   const int64_t in = lin.in, out = lin.out, n_ad = lin.n, max_rank = lin.max_rank;
   const W* const* ap = reinterpret_cast<const W* const*>(lin.ap.data());
   const W* const* bp = reinterpret_cast<const W* const*>(lin.bp.data());
@@ -597,19 +630,17 @@ void delta_rows(T* yp, const T* xp, int64_t rows, const int64_t* slot, const Lor
     // the tile unit whatever the rows (one row on one adapter costs ~10% more than on the AVX-512
     // tiles, two rows or more adapters less), so a row's delta never depends on its neighbours
     // (batch-invariant mode): every path sums each row in its own fixed order
-    if (in % 32 == 0 && avx512() && tokenmill::amx_usable()) {
-      delta_amx(yp, xp, in, out, n_ad, ap, bp, max_rank, lin, sc);
-      return;
-    }
+    if (amx_delta(lin)) return delta_amx(yp, xp, rows, slot, in, out, n_ad, ap, bp, max_rank, lin, sc, act);
   }
 #endif
   sc.tmp.resize(static_cast<size_t>(rows * max_rank));
   if (avx512()) {
     delta_avx512(yp, xp, in, out, n_ad, ap, bp, max_rank, lin, sc);
-    return;
+    return false;
   }
   shrink(xp, rows, in, slot, ap, lin.rank, max_rank, sc.tmp.data());
   expand(yp, rows, out, slot, bp, lin.rank, lin.spans, max_rank, sc.tmp.data());
+  return false;
 }
 
 using Tensors = c10::ArrayRef<at::Tensor>;  // a list of the call's, or a part of the decode loop's: no copies
@@ -684,8 +715,10 @@ void prepare(LoraLinear& lin, int64_t in, int64_t out, Tensors a, Tensors bt, Te
   }
 }
 
-// y += the delta of lin's adapters (prepared) on x's rows by slot.
-void add_linear(at::Tensor& y, const at::Tensor& x, const LoraLinear& lin, const at::Tensor& slots, Scratch& sc) {
+// y += the delta of lin's adapters (prepared) on x's rows by slot; act: see delta_amx (the caller checked
+// silu_fusable). Returns whether act was made.
+bool add_linear(at::Tensor& y, const at::Tensor& x, const LoraLinear& lin, const at::Tensor& slots, Scratch& sc,
+                at::BFloat16* act = nullptr) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
               "lora_add_: x must be a contiguous float32 or bf16 CPU matrix [T, in]");
@@ -699,7 +732,7 @@ void add_linear(at::Tensor& y, const at::Tensor& x, const LoraLinear& lin, const
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK(slot[t] >= -1 && slot[t] < lin.n, "lora_add_: slot ", slot[t], " of row ", t, " is out of range");
-  if (!lin.any) return;  // no adapter targets this linear
+  if (!lin.any) return false;  // no adapter targets this linear
   TORCH_CHECK(x.size(1) == lin.in, "lora_add_: A must be contiguous [R, in]");
   TORCH_CHECK(y.size(1) == lin.out, "lora_add_: B^T must be contiguous [R, out] with A's rank");
   TORCH_CHECK(lin.wtype == at::kFloat || bf16,
@@ -707,14 +740,44 @@ void add_linear(at::Tensor& y, const at::Tensor& x, const LoraLinear& lin, const
   if (bf16) {
     auto* yp = y.data_ptr<at::BFloat16>();
     const auto* xp = x.data_ptr<at::BFloat16>();
-    if (lin.wtype == at::kBFloat16) {
-      delta_rows<at::BFloat16, at::BFloat16>(yp, xp, rows, slot, lin, sc);
-    } else {
-      delta_rows<at::BFloat16, float>(yp, xp, rows, slot, lin, sc);
-    }
+    if (lin.wtype == at::kBFloat16) return delta_rows<at::BFloat16, at::BFloat16>(yp, xp, rows, slot, lin, sc, act);
+    delta_rows<at::BFloat16, float>(yp, xp, rows, slot, lin, sc);
   } else {
     delta_rows<float, float>(y.data_ptr<float>(), x.data_ptr<float>(), rows, slot, lin, sc);
   }
+  return false;
+}
+
+// Whether lora_add_linear_silu takes the activation of lin's product for rows like x (lora.h).
+bool silu_fusable(const LoraLinear& lin, const at::Tensor& x) {
+#ifdef TM_LORA_HAS_AMX
+  static const bool bf16_unit = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  return bf16_unit && lin.any && x.scalar_type() == at::kBFloat16 && lin.out % 2 == 0 && amx_delta(lin);
+#else
+  return false;
+#endif
+}
+
+void add_linear_silu(at::Tensor& y, const at::Tensor& x, const LoraLinear& lin, const at::Tensor& slots,
+                     at::Tensor& act, Scratch& sc) {
+  TORCH_CHECK(silu_fusable(lin, x), "lora_add_linear_silu: not for these adapters and rows (silu_fusable)");
+  const int64_t rows = x.size(0), half = lin.out / 2;
+  TORCH_CHECK(act.scalar_type() == at::kBFloat16 && act.is_contiguous() && act.dim() == 2 && act.size(0) == rows &&
+                  act.size(1) == half,
+              "lora_add_linear_silu: act must be a contiguous bf16 [T, out / 2]");
+  at::BFloat16* ap = act.data_ptr<at::BFloat16>();
+  if (add_linear(y, x, lin, slots, sc, ap)) return;
+#ifdef TM_LORA_HAS_AMX
+  // no row had a delta here: the activation alone
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(ap);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, half)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) tokenmill::silu_mul_row(src + r * lin.out, dst + r * half, half);
+  });
+#endif
 }
 
 void lora_add_(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& bt,
@@ -775,6 +838,13 @@ void tokenmill::lora_prepare(LoraLinear& lin, int64_t in, int64_t out, c10::Arra
 
 void tokenmill::lora_add_linear(at::Tensor& y, const at::Tensor& x, const LoraLinear& lin, const at::Tensor& slots) {
   add_linear(y, x, lin, slots, scratch());
+}
+
+bool tokenmill::lora_silu_fusable(const LoraLinear& lin, const at::Tensor& x) { return silu_fusable(lin, x); }
+
+void tokenmill::lora_add_linear_silu(at::Tensor& y, const at::Tensor& x, const LoraLinear& lin, const at::Tensor& slots,
+                                     at::Tensor& act) {
+  add_linear_silu(y, x, lin, slots, act, scratch());
 }
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {

@@ -38,4 +38,15 @@ void lora_prepare(LoraLinear& lin, int64_t in, int64_t out, c10::ArrayRef<at::Te
 // y[t] += row t's adapter delta (slots[t]: its adapter in lin, -1: none) for x [T, in], y [T, out].
 void lora_add_linear(at::Tensor& y, const at::Tensor& x, const LoraLinear& lin, const at::Tensor& slots);
 
+// Whether lora_add_linear_silu runs for lin and rows like x: bf16 rows and pairs on the AMX tile
+// unit, a CPU with AVX-512 BF16 (silu.h), an even `out`.
+bool lora_silu_fusable(const LoraLinear& lin, const at::Tensor& x);
+
+// lora_add_linear on y, a gated MLP's [gate | up] product, then act[t] = silu(gate[t]) * up[t] for
+// every row (silu.h: the fused product's activation, bit for bit) in the same parallel region, each
+// thread on rows whose delta it finished: one pass fewer than a separate activation. act: bf16
+// [T, out / 2], contiguous.
+void lora_add_linear_silu(at::Tensor& y, const at::Tensor& x, const LoraLinear& lin, const at::Tensor& slots,
+                          at::Tensor& act);
+
 }  // namespace tokenmill
