@@ -98,12 +98,17 @@ def run(args: argparse.Namespace) -> int:
                 r = dict(runs[len(runs) // 2])  # the median round
                 r["rounds_tok_s"] = [round(x["output_tok_s"], 1) for x in rounds[n]]
                 base = r["output_tok_s"] if n == 0 else base
-                r.update(concurrency=c, adapters=n, vs_base=r["output_tok_s"] / base if base else None)
+                # each round against the base's round of the same pass (run next to it), the median of those:
+                # steadier than the medians' ratio on a machine whose speed drifts between passes
+                paired = [x["output_tok_s"] / b["output_tok_s"] for x, b in zip(rounds[n], rounds.get(0, []), strict=False)]
+                r.update(concurrency=c, adapters=n, vs_base=r["output_tok_s"] / base if base else None,
+                         vs_base_paired=statistics.median(paired) if paired else None)  # fmt: skip
                 results.append(r)
                 tpot = f"{r['tpot_ms']:.1f}" if r["tpot_ms"] is not None else "-"
                 rel = f"{r['vs_base']:.3f}" if r["vs_base"] is not None else "-"
+                pair = f"{r['vs_base_paired']:.3f}" if r["vs_base_paired"] is not None else "-"
                 print(f"c{c:<3} adapters={n:<3} {r['output_tok_s']:8.1f} tok/s  TPOT {tpot} ms  vs base {rel}  "
-                      f"rounds {r['rounds_tok_s']}", flush=True)
+                      f"(paired {pair})  rounds {r['rounds_tok_s']}", flush=True)
     report = {"command": getattr(args, "command_line", ""), "model": str(path), "rank": args.rank,
               "input_len": args.input_len, "output_len": args.output_len, "dtype": args.dtype, "rounds": args.rounds,
               "machine": machine_info(torch.get_num_threads(), torch.__version__), "results": results}  # fmt: skip

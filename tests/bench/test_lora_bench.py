@@ -1,5 +1,5 @@
 """bench lora: every adapter count runs --rounds times, the median round is reported against the base
-model's at the same concurrency."""
+model's at the same concurrency (the medians' ratio, and the median of each pass's own ratio)."""
 
 from __future__ import annotations
 
@@ -23,3 +23,7 @@ def test_lora_bench_rounds_and_ratios(build_model, tmp_path):
         assert sorted(r["rounds_tok_s"])[1] == round(r["output_tok_s"], 1)  # the median round
     assert rows[0]["vs_base"] == 1.0
     assert abs(rows[2]["vs_base"] - rows[2]["output_tok_s"] / rows[0]["output_tok_s"]) < 1e-12
+    # and each round against the base's round of the same pass, the median of those
+    assert rows[0]["vs_base_paired"] == 1.0
+    pairs = sorted(a / b for a, b in zip(rows[2]["rounds_tok_s"], rows[0]["rounds_tok_s"], strict=True))
+    assert abs(rows[2]["vs_base_paired"] - pairs[1]) < 1e-3 * pairs[1]
