@@ -434,11 +434,11 @@ TM_LORA_AMX void amx_expand(Bf* yp, const std::vector<int64_t>& seg, int64_t g_l
 // one parallel region (a decode step makes 120 of these calls: a second fork and join each would
 // cost more than a shrink): thread t shrinks groups t, t + nt, ..., then expands those same groups
 // over every column where there are enough groups to share, else (after a barrier) its share of the
-// output columns for every adapter. sc: the call's lists (operands()); pa, pb filled in here where
-// not given.
-// act: where y is a gated MLP's [gate | up] product, act[t] = silu(gate[t]) * up[t] (silu.h) for every
-// row t of y after its delta, in the same parallel region; else null. Returns whether act was made
-// (not where no row has an adapter that targets the linear).
+// output columns for every adapter. lin: the call's adapters (pairs without a tile-layout copy are
+// packed into sc for the call); sc: the call's lists. act: where y is a gated MLP's [gate | up] product,
+// act[t] = silu(gate[t]) * up[t] (silu.h) for every row t of y after its delta, in the same parallel
+// region; else null. Returns whether act was made (not where no row has an adapter that targets the
+// linear).
 bool delta_amx(Bf* yp, const Bf* xp, int64_t rows, const int64_t* slot, int64_t in, int64_t out, int64_t n_ad, const Bf* const* ap,
                const Bf* const* bp, int64_t max_rank, const LoraLinear& lin, Scratch& sc, Bf* act) {
   const std::vector<std::vector<int64_t>>& segments = sc.segments;
@@ -538,7 +538,6 @@ bool delta_amx(Bf* yp, const Bf* xp, int64_t rows, const int64_t* slot, int64_t 
 #pragma omp barrier
   });
   return act != nullptr;
-
 }
 #endif
 
@@ -604,8 +603,6 @@ void expand(T* yp, int64_t rows, int64_t out, const int64_t* slot, const W* cons
   });
 }
 
-// lin: the call's adapters (lora.h); sc: the call's lists; ap, bp: each adapter's A and B^T (null where
-// it does not target the linear).
 // Whether bf16 rows' deltas for lin run on the tile unit (delta_amx).
 bool amx_delta(const LoraLinear& lin) {
 #ifdef TM_LORA_HAS_AMX
@@ -615,7 +612,8 @@ bool amx_delta(const LoraLinear& lin) {
 #endif
 }
 
-// act: see delta_amx (bf16 on the tile unit only); returns whether act was made.
+// lin: the call's adapters (lora.h); sc: the call's lists; act: see delta_amx (bf16 on the tile unit
+// only). Returns whether act was made.
 template <typename T, typename W>
 bool delta_rows(T* yp, const T* xp, int64_t rows, const int64_t* slot, const LoraLinear& lin, Scratch& sc,
                 T* act = nullptr) {
@@ -733,8 +731,10 @@ bool add_linear(at::Tensor& y, const at::Tensor& x, const LoraLinear& lin, const
   for (int64_t t = 0; t < rows; ++t)
     TORCH_CHECK(slot[t] >= -1 && slot[t] < lin.n, "lora_add_: slot ", slot[t], " of row ", t, " is out of range");
   if (!lin.any) return false;  // no adapter targets this linear
-  TORCH_CHECK(x.size(1) == lin.in, "lora_add_: A must be contiguous [R, in]");
-  TORCH_CHECK(y.size(1) == lin.out, "lora_add_: B^T must be contiguous [R, out] with A's rank");
+  TORCH_CHECK(x.size(1) == lin.in, "lora_add_: x has ", x.size(1), " columns where the adapters' A [R, in] has ",
+              lin.in);
+  TORCH_CHECK(y.size(1) == lin.out, "lora_add_: y has ", y.size(1), " columns where the adapters' B^T [R, out] has ",
+              lin.out);
   TORCH_CHECK(lin.wtype == at::kFloat || bf16,
               "lora_add_: A and B^T must be float32 (or bf16 with bf16 rows), one dtype for every adapter");
   if (bf16) {
