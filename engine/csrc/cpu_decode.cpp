@@ -193,8 +193,8 @@ struct Lora {
   // delta's own parallel region where lora_silu_fusable (act defined), else undefined: the caller adds
   // the delta and the activation apart. Only where silu_mul below would take tokenmill::silu_mul
   // (the same arithmetic).
-  at::Tensor add_silu(const at::Tensor& gu, const at::Tensor& x, int64_t l, bool kernel_silu) const {
-    if (set == nullptr || !kernel_silu) return at::Tensor();
+  at::Tensor add_silu(const at::Tensor& gu, const at::Tensor& x, int64_t l) const {
+    if (set == nullptr || !kernel_silu(gu)) return at::Tensor();
     const tokenmill::LoraLinear& lin = set->linears[static_cast<size_t>(l * LINEARS + 2)];
     if (!gu.is_contiguous() || !tokenmill::lora_silu_fusable(lin, x)) return at::Tensor();
     at::Tensor out = gu, act = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
@@ -263,7 +263,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
       act = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5]);
     } else {
       const at::Tensor gu = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5]);
-      act = lora.add_silu(gu, h2, l, kernel_silu(gu));
+      act = lora.add_silu(gu, h2, l);
       if (!act.defined()) {
         lora.add(gu, h2, l, 2);
         act = silu_mul(gu);

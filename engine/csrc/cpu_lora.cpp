@@ -83,6 +83,12 @@ Scratch& scratch() {
   return s;
 }
 
+// lin's A and B^T data as W (null where an adapter does not target the linear)
+template <typename W>
+const W* const* a_data(const LoraLinear& lin) { return reinterpret_cast<const W* const*>(lin.ap.data()); }
+template <typename W>
+const W* const* bt_data(const LoraLinear& lin) { return reinterpret_cast<const W* const*>(lin.bp.data()); }
+
 // v's first n lists, each emptied (their capacity kept)
 template <typename V>
 void reset_lists(std::vector<V>& v, size_t n) {
@@ -179,8 +185,10 @@ TM_LORA_AVX512 void expand_group(T* yp, const int64_t* rows, int n, int64_t out,
 // Every adapter's rows (segments[s]: row indices in order) in groups of GROUP: the shrink over groups,
 // the expand over blocks of COLS_512 output columns, both spread over the threads.
 template <typename T, typename W>
-void delta_avx512(T* yp, const T* xp, int64_t in, int64_t out, int64_t n_ad, const W* const* ap, const W* const* bp,
-                  int64_t max_rank, const LoraLinear& lin, Scratch& sc) {
+void delta_avx512(T* yp, const T* xp, const LoraLinear& lin, Scratch& sc) {
+  const int64_t in = lin.in, out = lin.out, n_ad = lin.n, max_rank = lin.max_rank;
+  const W* const* ap = a_data<W>(lin);
+  const W* const* bp = bt_data<W>(lin);
   const std::vector<std::vector<int64_t>>& segments = sc.segments;
   const std::vector<int64_t>& rank = lin.rank;
   const std::vector<Spans>& spans = lin.spans;
@@ -439,8 +447,10 @@ TM_LORA_AMX void amx_expand(Bf* yp, const std::vector<int64_t>& seg, int64_t g_l
 // act[t] = silu(gate[t]) * up[t] (silu.h) for every row t of y after its delta, in the same parallel
 // region; else null. Returns whether act was made (not where no row has an adapter that targets the
 // linear).
-bool delta_amx(Bf* yp, const Bf* xp, int64_t rows, const int64_t* slot, int64_t in, int64_t out, int64_t n_ad, const Bf* const* ap,
-               const Bf* const* bp, int64_t max_rank, const LoraLinear& lin, Scratch& sc, Bf* act) {
+bool delta_amx(Bf* yp, const Bf* xp, int64_t rows, const int64_t* slot, const LoraLinear& lin, Scratch& sc, Bf* act) {
+  const int64_t in = lin.in, out = lin.out, n_ad = lin.n, max_rank = lin.max_rank;
+  const Bf* const* ap = a_data<Bf>(lin);
+  const Bf* const* bp = bt_data<Bf>(lin);
   const std::vector<std::vector<int64_t>>& segments = sc.segments;
   const std::vector<int64_t>& rank = lin.rank;
   const std::vector<Spans>& spans = lin.spans;
@@ -617,10 +627,7 @@ bool amx_delta(const LoraLinear& lin) {
 template <typename T, typename W>
 bool delta_rows(T* yp, const T* xp, int64_t rows, const int64_t* slot, const LoraLinear& lin, Scratch& sc,
                 T* act = nullptr) {
-  const int64_t in = lin.in, out = lin.out, n_ad = lin.n, max_rank = lin.max_rank;
-  const W* const* ap = reinterpret_cast<const W* const*>(lin.ap.data());
-  const W* const* bp = reinterpret_cast<const W* const*>(lin.bp.data());
-  reset_lists(sc.segments, static_cast<size_t>(n_ad));
+  reset_lists(sc.segments, static_cast<size_t>(lin.n));
   for (int64_t t = 0; t < rows; ++t)
     if (slot[t] >= 0) sc.segments[slot[t]].push_back(t);
 #ifdef TM_LORA_HAS_AMX
@@ -628,16 +635,16 @@ bool delta_rows(T* yp, const T* xp, int64_t rows, const int64_t* slot, const Lor
     // the tile unit whatever the rows (one row on one adapter costs ~10% more than on the AVX-512
     // tiles, two rows or more adapters less), so a row's delta never depends on its neighbours
     // (batch-invariant mode): every path sums each row in its own fixed order
-    if (amx_delta(lin)) return delta_amx(yp, xp, rows, slot, in, out, n_ad, ap, bp, max_rank, lin, sc, act);
+    if (amx_delta(lin)) return delta_amx(yp, xp, rows, slot, lin, sc, act);
   }
 #endif
-  sc.tmp.resize(static_cast<size_t>(rows * max_rank));
+  sc.tmp.resize(static_cast<size_t>(rows * lin.max_rank));
   if (avx512()) {
-    delta_avx512(yp, xp, in, out, n_ad, ap, bp, max_rank, lin, sc);
+    delta_avx512<T, W>(yp, xp, lin, sc);
     return false;
   }
-  shrink(xp, rows, in, slot, ap, lin.rank, max_rank, sc.tmp.data());
-  expand(yp, rows, out, slot, bp, lin.rank, lin.spans, max_rank, sc.tmp.data());
+  shrink(xp, rows, lin.in, slot, a_data<W>(lin), lin.rank, lin.max_rank, sc.tmp.data());
+  expand(yp, rows, lin.out, slot, bt_data<W>(lin), lin.rank, lin.spans, lin.max_rank, sc.tmp.data());
   return false;
 }
 
