@@ -154,7 +154,7 @@ def read_buffer(weight_bytes: int) -> torch.Tensor:
 def time_read(buf: torch.Tensor) -> float:
     """Seconds to read every byte of buf once (the C++ probe; torch's sum without the kernels)."""
     t = time.perf_counter()
-    if cpu_kernels.load() is None:
+    if cpu_kernels.load("linear") is None:
         torch.ops.tokenmill.read_sum(buf)
     else:
         buf.sum()

@@ -1,5 +1,6 @@
 """The linear products of a model's decode step, one weight shape at a time: oneDNN's packed bf16
-product against this repository's small-batch kernels (bf16, and INT8 weight-only), per row count.
+product (F.linear on a CPU where oneDNN does not pack bf16: AVX2 only) against this repository's
+small-batch kernels (bf16, and INT8 weight-only, on this CPU's path), per row count.
 
     python -m bench gemv --model bench-135m --rows 1 2 4 8 16 32 --threads 2
 
@@ -18,9 +19,10 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.models.cpu_linear import GemvLinear, Int8Linear, kernels_unavailable, silu_mul
-from engine.models.packed_linear import PackedLinear
+from engine.models.packed_linear import PackedLinear, packing_supported
 from engine.quantization import group_for, quantize_int8
 
 
@@ -28,7 +30,7 @@ from engine.quantization import group_for, quantize_int8
 class GemvResult:
     shape: str  # "N x K", "(silu)" for the gated MLP's gate/up
     rows: int
-    onednn_us: float  # median per layer, oneDNN packed bf16
+    onednn_us: float  # median per layer, oneDNN packed bf16 (F.linear where oneDNN does not pack bf16)
     bf16_us: float  # the bf16 kernel
     int8_us: float  # the INT8 kernel
     bf16_speedup: float  # onednn_us / bf16_us
@@ -45,12 +47,13 @@ def model_shapes(cfg) -> list[tuple[int, int, bool]]:
 
 
 def _variants(n: int, k: int, gate_up: bool, layers: int, group: int | None):
-    """Three lists of `layers` callables x -> y: oneDNN, bf16 kernel, INT8 kernel."""
+    """Three lists of `layers` callables x -> y: oneDNN (or F.linear), bf16 kernel, INT8 kernel."""
     big = 1 << 62
+    onednn_packs = packing_supported(torch.device("cpu"), torch.bfloat16)
     onednn, bf16, int8 = [], [], []
     for _ in range(layers):
         w = (torch.randn(n, k) / k**0.5).to(torch.bfloat16)
-        packed = PackedLinear(w, None, 32)
+        packed = PackedLinear(w, None, 32) if onednn_packs else (lambda x, w=w: F.linear(x, w))
         gl = GemvLinear(w, None, big, 32, gate_up, onednn=False)
         il = Int8Linear(quantize_int8(w.float(), group_for(k, group)), None, big, True, gate_up)
         onednn.append((lambda x, p=packed: silu_mul(p(x))) if gate_up else packed)
@@ -113,10 +116,11 @@ def run(args: argparse.Namespace) -> int:
     for n, k, gate_up in model_shapes(cfg):
         layers = 1 if n == cfg.vocab_size else args.layers
         results += measure(n, k, gate_up, args.rows, layers, args.repeats, group)
-    print(f"{args.command_line}\n{'shape':>18} {'rows':>5} {'oneDNN us':>10} {'bf16 kernel us':>15} {'x':>6}"
+    base = "oneDNN us" if packing_supported(torch.device("cpu"), torch.bfloat16) else "F.linear us"
+    print(f"{args.command_line}\n{'shape':>18} {'rows':>5} {base:>11} {'bf16 kernel us':>15} {'x':>6}"
           f" {'int8 kernel us':>15} {'x':>6}")
     for r in results:
-        print(f"{r.shape:>18} {r.rows:>5} {r.onednn_us:>10.1f} {r.bf16_us:>15.1f} {r.bf16_speedup:>6.2f}"
+        print(f"{r.shape:>18} {r.rows:>5} {r.onednn_us:>11.1f} {r.bf16_us:>15.1f} {r.bf16_speedup:>6.2f}"
               f" {r.int8_us:>15.1f} {r.int8_speedup:>6.2f}")
     if args.json:
         with open(args.json, "w") as f:

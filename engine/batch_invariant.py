@@ -32,7 +32,7 @@ mode every kernel of a step reduces each row in one fixed order:
 
 The bf16 results do not depend on the thread count either (no reduction is split across threads);
 float32's one-row products are MKL's, split as MKL decides for the thread count, which is fixed for the
-process. CPU only; the kernels must build (a compiler, AVX-512 BF16 for bf16/INT8 weights): else the
+process. CPU only; the kernels must build (a compiler; AVX2 and FMA at least for bf16/INT8 weights): else the
 engine refuses to start rather than serve a mode it cannot keep.
 """
 

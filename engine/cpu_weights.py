@@ -4,7 +4,9 @@
   measures faster than oneDNN's packed product on this machine (`cpu_gemv="auto"`, timed per weight
   shape here, a few hundred ms for a 135M model), oneDNN above them; a shape where the kernel never
   wins stays a plain PackedLinear. `cpu_gemv="on"`: the kernel at every row count (tests); "off",
-  no compiler, or a CPU without AVX-512 BF16 (one log line says which): oneDNN only.
+  no compiler, or a CPU without AVX2/FMA (one log line says which): oneDNN only. The kernel's path
+  (AMX, AVX-512 BF16, AVX2) is the CPU's (engine/csrc/isa.h); oneDNN does not pack bf16 on an
+  AVX2-only CPU, so F.linear stands above the kernel's rows there.
 - INT8 (`quantization="int8"`, any dtype): every linear and the logits head quantized per output
   channel, the embedding looked up in INT8 (a tied model's in the head's own weight); the kernel
   for the row counts where it beats dequantizing the weight for PyTorch, the latter above. Without
@@ -26,7 +28,6 @@ import torch
 from torch import nn
 
 from engine.batch_invariant import CALL_ROWS, RowLinear, TiledLinear, kernel_agrees, row_linears, rows_agree
-from engine.models.invariant_linear import cancelling_inputs
 from engine.config import EngineConfig
 from engine.models.cpu_linear import (
     ALWAYS,
@@ -38,6 +39,7 @@ from engine.models.cpu_linear import (
     measure_max_rows,
     silu_mul,
 )
+from engine.models.invariant_linear import cancelling_inputs
 from engine.models.llama import LlamaForCausalLM
 from engine.models.packed_linear import PackedLinear, packing_supported
 from engine.quantization import Int8Weight, group_for, quantize_int8

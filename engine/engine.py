@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from engine import batch_invariant, setup
+from engine import batch_invariant, cpu_kernels, setup
 from engine.attention import select_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -43,6 +43,9 @@ class Engine(EngineCore):
             source = with_tokenizer(source, config.tokenizer)
         self.hf_config = source.hf_config
         self.device = setup.resolve_device(config.device)
+        # every CPU kernel group and its path, for the ready line (TOKENMILL_REQUIRE_KERNELS=1: a group
+        # that does not build or load stops the start here, before the weights are read)
+        self.kernel_paths = cpu_kernels.describe() if self.device.type == "cpu" else "none (CUDA: Triton and torch)"
         budget = setup.resolve_step_budget(config.max_num_batched_tokens, self.device)
         config = dataclasses.replace(config, max_num_batched_tokens=budget)
         self.config = config
@@ -58,7 +61,7 @@ class Engine(EngineCore):
         backend = select_backend(self.device, config.attention_backend, self.dtype)
         if config.deterministic and (reason := batch_invariant.unsupported(self.device, backend.name)):
             raise ValueError(f"deterministic {reason}")
-        if backend.name == "cpu":  # the C++ kernels are loaded: the layers use theirs too
+        if backend.name == "cpu" and cpu_kernels.load("layers") is None:  # the layers use theirs too
             # (batch-invariant mode: the per-row norm kernel in float32 too)
             model.use_cpu_kernels(norms=self.dtype == torch.bfloat16 or config.deterministic,
                                   fused_decode=config.fused_decode)
@@ -72,7 +75,8 @@ class Engine(EngineCore):
             num_blocks = spec.num_blocks_for(setup.kv_budget_bytes(config, self.device, peak))
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small for one KV block")
-        self.sampler = Sampler(config.seed, rows_kernel=backend.name == "cpu")  # cpu: the C++ kernels loaded
+        rows_kernel = backend.name == "cpu" and cpu_kernels.load("sampling") is None
+        self.sampler = Sampler(config.seed, rows_kernel=rows_kernel)
         kv = allocate_kv_cache(spec, num_blocks, self.device, backend)
         self.kv_cache_bytes = num_blocks * spec.bytes_per_block
         graphs = self._capture_graphs(model, backend, kv, buckets) if use_graphs else None
@@ -117,11 +121,11 @@ class Engine(EngineCore):
                 raise type(exc)(exc.field, f"lora module {name!r}: {exc.message}") from None
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "
-            "cuda graphs=%s, packed weights=%s, quantization=%s, small-batch kernels: %s",
+            "cuda graphs=%s, packed weights=%s, quantization=%s, CPU kernels: %s; small-batch linears: %s",
             self.model_name, str(self.dtype).removeprefix("torch."), self.device, num_blocks,
             self.block_size, num_blocks * self.block_size, self.kv_cache_bytes / 2**30, backend.name,
             ",".join(map(str, buckets)) if graphs else "off", self.packed_weights, self.weights.quantization,
-            self.weights.gemv,
+            self.kernel_paths, self.weights.gemv,
         )
 
     # ---- names the server reads ------------------------------------------------------------------

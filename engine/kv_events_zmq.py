@@ -195,11 +195,11 @@ class ZmqEventPublisher:
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")
+        self._replays += 1  # counted before the answer: a client that reads the stats after its END sees it
         for seq, payload in list(self._buffer):
             if seq >= first:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((client, b"", END_SEQ, b""))
-        self._replays += 1
 
 
 def open_publisher(config: KVEventsConfig) -> ZmqEventPublisher | None:

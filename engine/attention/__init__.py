@@ -93,7 +93,7 @@ def select_backend(
 def _cpu_backend(dev: torch.device, required: bool) -> AttentionBackend:
     from engine import cpu_kernels
 
-    reason = "the C++ kernels run on the CPU only" if dev.type != "cpu" else cpu_kernels.load()
+    reason = "the C++ kernels run on the CPU only" if dev.type != "cpu" else cpu_kernels.load("attention")
     if reason is None:
         from engine.attention.cpu_backend import CpuAttentionBackend
 

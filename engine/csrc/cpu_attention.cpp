@@ -17,7 +17,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "widen.h"
+#include "isa.h"
+#include "kernels/attention.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -27,12 +28,11 @@
 
 namespace {
 
-using tokenmill::exp_nonpositive;
-using tokenmill::to_float;
+using tokenmill::Isa;
+using tokenmill::attention::Shapes;
 
-struct Shapes {
-  int64_t num_seqs, heads, dim, kv_heads, group, block_size, head_slots, width;
-};
+// The path of this process's attention: AVX-512, AVX2, or portable (isa.h).
+Isa path() { return tokenmill::vector_isa(); }
 
 Shapes check(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables, const at::Tensor& lens,
              int64_t block_size) {
@@ -69,192 +69,24 @@ void check_tables(const int64_t* tables, const int64_t* lens, const Shapes& sh, 
   }
 }
 
-// One block's scores for the G query rows of a KV head: sc[g][j] = q_g . k_j, j < BS, with the K
-// block dimension-major [D, BS]. Each K row is widened once and used by all G rows; BS and G are
-// compile-time constants so the G x BS accumulators live in registers. Partial blocks are computed
-// whole (the rows past the end lie in the same allocated block) and only their valid part kept.
-template <typename T, int BS, int G>
-inline void block_scores(const float* qf, const T* kb, int64_t D, float* sc) {
-  float acc[G][BS] = {};
-  for (int64_t d = 0; d < D; ++d) {
-    const T* kr = kb + d * BS;
-    float k[BS];
-#pragma omp simd
-    for (int j = 0; j < BS; ++j) k[j] = to_float(kr[j]);
-    for (int g = 0; g < G; ++g) {
-      const float qd = qf[g * D + d];
-#pragma omp simd
-      for (int j = 0; j < BS; ++j) acc[g][j] += qd * k[j];
-    }
-  }
-  std::memcpy(sc, acc, sizeof(acc));
-}
-
-template <typename T>
-inline void block_scores_any(const float* qf, const T* kb, int64_t D, int64_t bs, int64_t G, float* sc) {
-  std::fill(sc, sc + G * bs, 0.f);
-  for (int64_t d = 0; d < D; ++d) {
-    const T* kr = kb + d * bs;
-    for (int64_t g = 0; g < G; ++g) {
-      const float qd = qf[g * D + d];
-      float* sg = sc + g * bs;
-#pragma omp simd
-      for (int64_t j = 0; j < bs; ++j) sg[j] += qd * to_float(kr[j]);
-    }
-  }
-}
-
-template <typename T, int BS>
-inline bool block_scores_fixed(const float* qf, const T* kb, int64_t D, int64_t G, float* sc) {
-  switch (G) {
-    case 1: block_scores<T, BS, 1>(qf, kb, D, sc); return true;
-    case 2: block_scores<T, BS, 2>(qf, kb, D, sc); return true;
-    case 3: block_scores<T, BS, 3>(qf, kb, D, sc); return true;
-    case 4: block_scores<T, BS, 4>(qf, kb, D, sc); return true;
-    case 5: block_scores<T, BS, 5>(qf, kb, D, sc); return true;
-    case 6: block_scores<T, BS, 6>(qf, kb, D, sc); return true;
-    case 7: block_scores<T, BS, 7>(qf, kb, D, sc); return true;
-    case 8: block_scores<T, BS, 8>(qf, kb, D, sc); return true;
-    default: return false;
-  }
-}
-
-// One (sequence s, KV head h) item's scores: rows[g * stride + t] = scale * q[s, h * G + g] . k_t for
-// t < ctx. qf: [G, D] and tmp: [G, bs] scratch.
-template <typename T>
-void item_scores(const at::Tensor& q, const T* kp, const int64_t* table, int64_t s, int64_t h, int64_t ctx,
-                 const Shapes& sh, float scale, float* qf, float* tmp, float* rows, int64_t stride) {
-  const T* qp = q.data_ptr<T>();
-  const int64_t D = sh.dim, G = sh.group, bs = sh.block_size;
-  for (int64_t g = 0; g < G; ++g)  // q rows may be strided (a view into the fused QKV output)
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qp[s * q.stride(0) + (h * G + g) * q.stride(1) + d]) * scale;
-  const T* kh = kp + h * sh.head_slots * D;
-  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
-    const int64_t n = std::min(bs, ctx - t0);
-    const T* kb = kh + table[t0 / bs] * bs * D;  // [D, bs]
-    const bool done = (bs == 32 && block_scores_fixed<T, 32>(qf, kb, D, G, tmp)) ||
-                      (bs == 16 && block_scores_fixed<T, 16>(qf, kb, D, G, tmp));
-    if (!done) block_scores_any<T>(qf, kb, D, bs, G, tmp);
-    for (int64_t g = 0; g < G; ++g) std::copy(tmp + g * bs, tmp + g * bs + n, rows + g * stride + t0);
-  }
-}
-
-// One sequence-head's sum over its context: acc[g] = sum_t p[g][t] v_t, V blocks token-major [bs, D].
-// Each V row is widened once for the G query rows; G and D compile-time constants keep the G x D
-// accumulators in registers.
-template <typename T, int G, int DIM>
-inline void sum_values(const float* prow, int64_t p_stride, const T* vh, const int64_t* table, int64_t bs,
-                       int64_t ctx, float* out) {
-  float acc[G][DIM] = {};
-  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
-    const int64_t n = std::min(bs, ctx - t0);
-    const T* vb = vh + table[t0 / bs] * bs * DIM;
-    for (int64_t j = 0; j < n; ++j) {
-      const T* vr = vb + j * DIM;
-      float w[DIM];
-#pragma omp simd
-      for (int d = 0; d < DIM; ++d) w[d] = to_float(vr[d]);
-      for (int g = 0; g < G; ++g) {
-        const float pg = prow[g * p_stride + t0 + j];
-#pragma omp simd
-        for (int d = 0; d < DIM; ++d) acc[g][d] += pg * w[d];
-      }
-    }
-  }
-  std::memcpy(out, acc, sizeof(acc));
-}
-
-template <typename T>
-inline void sum_values_any(const float* prow, int64_t p_stride, const T* vh, const int64_t* table, int64_t bs,
-                           int64_t ctx, int64_t G, int64_t D, float* acc) {
-  std::fill(acc, acc + G * D, 0.f);
-  for (int64_t t0 = 0; t0 < ctx; t0 += bs) {
-    const int64_t n = std::min(bs, ctx - t0);
-    const T* vb = vh + table[t0 / bs] * bs * D;
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t g = 0; g < G; ++g) {
-        const float pg = prow[g * p_stride + t0 + j];
-        float* ag = acc + g * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ag[d] += pg * to_float(vb[j * D + d]);
-      }
-  }
-}
-
-template <typename T, int DIM>
-inline bool sum_values_fixed(const float* prow, int64_t p_stride, const T* vh, const int64_t* table, int64_t bs,
-                             int64_t ctx, int64_t G, float* acc) {
-  switch (G) {
-    case 1: sum_values<T, 1, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
-    case 2: sum_values<T, 2, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
-    case 3: sum_values<T, 3, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
-    case 4: sum_values<T, 4, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
-    case 5: sum_values<T, 5, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
-    case 6: sum_values<T, 6, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
-    case 7: sum_values<T, 7, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
-    case 8: sum_values<T, 8, DIM>(prow, p_stride, vh, table, bs, ctx, acc); return true;
-    default: return false;
-  }
-}
-
-// One (sequence, KV head h) item's sums acc[g] = sum_t p[g][t] v_t, t < ctx; p rows `stride` apart.
-template <typename T>
-void item_values(const float* prow, int64_t stride, const T* vp, const int64_t* table, int64_t h, int64_t ctx,
-                 const Shapes& sh, float* acc) {
-  const int64_t D = sh.dim, G = sh.group, bs = sh.block_size;
-  const T* vh = vp + h * sh.head_slots * D;
-  const bool done = (D == 64 && sum_values_fixed<T, 64>(prow, stride, vh, table, bs, ctx, G, acc)) ||
-                    (D == 128 && sum_values_fixed<T, 128>(prow, stride, vh, table, bs, ctx, G, acc));
-  if (!done) sum_values_any<T>(prow, stride, vh, table, bs, ctx, G, D, acc);
-}
-
-// softmax over each of the G rows' first ctx entries, in place (max, exp(x - max), times 1 / sum, as
-// PyTorch's CPU softmax orders it; exp by the vectorised polynomial).
-inline void rows_softmax(float* rows, int64_t stride, int64_t G, int64_t ctx) {
-  for (int64_t g = 0; g < G; ++g) {
-    float* r = rows + g * stride;
-    float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-    for (int64_t t = 0; t < ctx; ++t) mx = r[t] > mx ? r[t] : mx;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < ctx; ++t) {
-      r[t] = exp_nonpositive(r[t] - mx);
-      sum += r[t];
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < ctx; ++t) r[t] *= inv;
-  }
-}
-
-// out[s, h * group + g] = softmax(scale q k^T) v per (sequence, KV head) item: the scores into a
-// [G, context] scratch row, the softmax there, the values from it. A sequence with no context gets 0.
-template <typename T>
+// out[s, h * group + g] = softmax(scale q k^T) v per (sequence, KV head) item (kernels/attention.h).
 void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& tables_t, const at::Tensor& lens_t, at::Tensor& out, const Shapes& sh,
                     float scale, int64_t max_context) {
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
   const int64_t* tables = tables_t.data_ptr<int64_t>();
   const int64_t* lens = lens_t.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const int64_t D = sh.dim, G = sh.group, bs = sh.block_size;
   check_tables(tables, lens, sh, max_context);
+  const tokenmill::attention::Call c{q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+                                     tables, lens, out.data_ptr(), sh, scale, max_context,
+                                     q.scalar_type() == at::kBFloat16};
+  const Isa p = path();
   at::parallel_for(0, sh.num_seqs * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), tmp(G * bs), rows(G * max_context), acc(G * D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / sh.kv_heads, h = item % sh.kv_heads;
-      const int64_t ctx = std::min(lens[s], max_context);
-      const int64_t* table = tables + s * sh.width;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      if (ctx > 0) {
-        item_scores<T>(q, kp, table, s, h, ctx, sh, scale, qf.data(), tmp.data(), rows.data(), max_context);
-        rows_softmax(rows.data(), max_context, G, ctx);
-        item_values<T>(rows.data(), max_context, vp, table, h, ctx, sh, acc.data());
-      }
-      T* o = op + (s * sh.heads + h * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
+    if (p == Isa::Avx512) {
+      tokenmill::attention::avx512::items(c, begin, end);
+    } else if (p == Isa::Avx2) {
+      tokenmill::attention::avx2::items(c, begin, end);
+    } else {
+      tokenmill::attention::portable::items(c, begin, end);
     }
   });
 }
@@ -322,14 +154,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "paged decode: k_cache and v_cache must match");
   TORCH_CHECK(max_context >= 0, "paged decode: max_context must be >= 0");
   auto out = at::empty({sh.num_seqs, sh.heads, sh.dim}, v_cache.options());
-  if (q.scalar_type() == at::kFloat) {
-    attention_impl<float>(q, k_cache, v_cache, block_tables, context_lens, out, sh, static_cast<float>(scale), max_context);
-  } else {
-    attention_impl<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, sh, static_cast<float>(scale),
-                                  max_context);
-  }
+  attention_impl(q, k_cache, v_cache, block_tables, context_lens, out, sh, static_cast<float>(scale), max_context);
   return out;
 }
+
+std::string attention_path() { return tokenmill::isa_name(path()); }
 
 }  // namespace
 
@@ -340,4 +169,5 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
         "Tensor context_lens, int block_size, int max_context, float scale) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
   m.impl("paged_store_kv", c10::DispatchKey::CPU, TORCH_FN(paged_store_kv));
+  m.def("attention_path() -> str", &attention_path);
 }

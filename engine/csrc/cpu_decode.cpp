@@ -11,6 +11,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -131,7 +132,20 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return x * cos + at::cat({-halves[1], halves[0]}, -1) * sin;
 }
 
-// tokenmill::silu_mul, where cpu_gemv.cpp built
+// The LoRA group's table (lora.h), once that group is loaded; null before (a LoraSet then refuses).
+const tokenmill::LoraApi* lora_api() {
+  static std::atomic<const tokenmill::LoraApi*> api{nullptr};
+  if (api.load() == nullptr) {
+    const auto h = c10::Dispatcher::singleton().findSchema({"tokenmill::lora_api", ""});
+    if (!h.has_value()) return nullptr;
+    std::vector<c10::IValue> stack;
+    h->callBoxed(&stack);
+    api.store(reinterpret_cast<const tokenmill::LoraApi*>(static_cast<intptr_t>(stack.at(0).toInt())));
+  }
+  return api.load();
+}
+
+// tokenmill::silu_mul, where the linear group loaded
 const c10::optional<c10::OperatorHandle>& silu_mul_op() {
   static const c10::optional<c10::OperatorHandle> h = c10::Dispatcher::singleton().findSchema({"tokenmill::silu_mul", ""});
   return h;
@@ -142,7 +156,7 @@ bool kernel_silu(const at::Tensor& gu) {
   return silu_mul_op().has_value() && gu.scalar_type() == at::kBFloat16 && gu.stride(1) == 1;
 }
 
-// silu(gate) * up of [T, 2I] = [gate | up]: tokenmill::silu_mul for bf16 where cpu_gemv.cpp built (the
+// silu(gate) * up of [T, 2I] = [gate | up]: tokenmill::silu_mul for bf16 where the linear group loaded (the
 // fused product's arithmetic; engine/models/layers.py GatedMLP makes the same choice), else PyTorch's.
 at::Tensor silu_mul(const at::Tensor& gu) {
   if (kernel_silu(gu)) return call1(*silu_mul_op(), {gu});
@@ -166,12 +180,14 @@ struct LoraSet : torch::CustomClassHolder {
     TORCH_CHECK(segments > 0 && a.size() % (LINEARS * segments) == 0 && bt.size() == a.size() &&
                     spans.size() == a.size() && packed.size() == a.size(),
                 "LoraSet: A, B^T, spans and packed tensors for every layer, linear and segment");
+    const tokenmill::LoraApi* api = lora_api();
+    TORCH_CHECK(api != nullptr, "LoraSet: the LoRA kernels are not loaded (engine/cpu_kernels.py, group 'lora')");
     linears.resize(a.size() / segments);
     for (size_t i = 0; i < linears.size(); ++i) {
       auto part = [&](const std::vector<at::Tensor>& all) {
         return c10::ArrayRef<at::Tensor>(all.data() + i * segments, static_cast<size_t>(segments));
       };
-      tokenmill::lora_prepare(linears[i], -1, -1, part(a), part(bt), part(spans), part(packed));
+      api->prepare(linears[i], -1, -1, part(a), part(bt), part(spans), part(packed));
     }
   }
   int64_t layers() const { return static_cast<int64_t>(linears.size()) / LINEARS; }
@@ -186,7 +202,7 @@ struct Lora {
   void add(const at::Tensor& y, const at::Tensor& x, int64_t l, int64_t which) const {
     if (set == nullptr) return;
     at::Tensor out = y;
-    tokenmill::lora_add_linear(out, x, set->linears[static_cast<size_t>(l * LINEARS + which)], *slots);
+    lora_api()->add_linear(out, x, set->linears[static_cast<size_t>(l * LINEARS + which)], *slots);
   }
 
   // silu(gate) * up of gu (layer l's [gate | up] product of x) after the adapters' delta, from the
@@ -196,9 +212,9 @@ struct Lora {
   at::Tensor add_silu(const at::Tensor& gu, const at::Tensor& x, int64_t l) const {
     if (set == nullptr || !kernel_silu(gu)) return at::Tensor();
     const tokenmill::LoraLinear& lin = set->linears[static_cast<size_t>(l * LINEARS + 2)];
-    if (!gu.is_contiguous() || !tokenmill::lora_silu_fusable(lin, x)) return at::Tensor();
+    if (!gu.is_contiguous() || !lora_api()->silu_fusable(lin, x)) return at::Tensor();
     at::Tensor out = gu, act = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
-    tokenmill::lora_add_linear_silu(out, x, lin, *slots, act);
+    lora_api()->add_linear_silu(out, x, lin, *slots, act);
     return act;
   }
 };

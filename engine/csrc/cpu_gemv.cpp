@@ -1,425 +1,66 @@
 // Skinny matrix products for the CPU decode step: y = x W^T for a few rows of x, with W held in
 // bf16 or in INT8 with float32 scales, streamed once per call. Registered in torch.ops.tokenmill:
 // gemv_pack_bf16 / gemv_pack_int8 (re-lay a weight once), gemv (y = x W^T + b), gemv_silu_mul (the
-// gated MLP's product with silu(gate) * up fused into the epilogue), gemv_supported (whether this
-// CPU runs a kind; "amx": whether bf16 calls of 1..32 rows use the tile unit) and read_sum (a
-// memory-read probe for bench floor).
+// gated MLP's product with silu(gate) * up fused into the epilogue), gemv_split, gemv_blocked,
+// gemv_unpack, silu_mul, gemv_supported (whether this CPU runs a kind; "amx": whether bf16 calls of
+// 1..32 rows use the tile unit), gemv_path (the path a kind takes here) and read_sum (a memory-read
+// probe for bench floor).
 //
-// Packed layout: W [N, K] becomes [Nb, K2 / 2, 16, 2] with Nb = ceil(N / 16) rounded up to a
-// multiple of NB (4) and K2 = K rounded up to even, zero padded. Block b holds output rows
-// 16b..16b+15; for each pair of input columns (2p, 2p + 1) the 16 rows' two elements lie side by
-// side: 64 bytes of bf16, the operand of vdpbf16ps, or 32 bytes of int8. A block is one contiguous
-// stream, and x contributes a 32-bit broadcast of its pair (x[2p], x[2p + 1]): no horizontal sums.
-//
-// bf16: float32 sums of vdpbf16ps (AVX512-BF16), rounded to bf16 once at the end, as oneDNN does;
-// on CPUs with AMX, calls of 1..32 rows (K a multiple of 32) multiply on the tile unit instead
-// (tdpbf16ps on the same packed layout, run_chunks_amx), still streaming the weight once.
-// INT8 (weight-only quantization): each row of x is quantized to int16 on entry (symmetric, its own
-// scale: 2^-15 of its largest element, finer than bf16's 2^-8 of each element for all but the
-// smallest), and int8 weights widened to int16 with one vpmovsxbw multiply-add in pairs into int32
-// (vpdpwssd, AVX512-VNNI): one conversion per 32 weights, where int8 -> float -> bf16 takes five.
-// (int8 activations with vpdpbusd fail the quality gate on SmolLM2-135M: docs/BENCHMARKS.md.) The
-// int32 sums are moved into float32 at least every 256 columns (127 * 32767 * 256 < 2^31: no
-// overflow whatever the data) and at the end of each scale group; weight scales are per output
-// row and group of input columns (group = K: per channel; 32: Q8_0's blocks).
-//
-// Gated MLP layout (interleave=true): the gate's and the up projection's blocks alternate (gate
-// block j, up block j, ...), each half padded on its own, so a register tile holds both halves of 16
-// channels and the epilogue writes silu(gate) * up, rounding where PyTorch's three bf16 ops round.
-//
-// The AVX-512 code is compiled for its own target whatever -march says, and the engine runs it only
-// where gemv_supported() says this CPU has the instructions.
+// This file checks the tensors, picks each call's path from what isa.h says this process may use, and
+// spreads the call's chunks over ATen's threads; the arithmetic is in kernels/ (the packed layout:
+// kernels/gemv.h), one file per path:
+//   AMX (bf16, 1..32 rows, K a multiple of 32): kernels/gemv_amx.cpp, the tile unit's sums (oneDNN's
+//     order), the AVX-512 epilogue;
+//   AVX-512 (bf16 on AVX512-BF16, INT8 on VNNI as well): kernels/gemv_avx512.cpp;
+//   AVX2 + FMA (every other x86-64 CPU of the last decade): kernels/gemv_avx2.cpp, the AVX-512 path's
+//     sums lane for lane.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
-
-#include <immintrin.h>
-
-#include "amx.h"
-#include "silu.h"
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
-#define TM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")))
-#define TM_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")))
+#include "isa.h"
+#include "kernels/gemv.h"
 
 namespace {
 
-constexpr int64_t NB = 4;  // blocks of 16 output rows per register tile
-constexpr int64_t MR = 4;  // most rows of x per register tile
-constexpr int64_t FLUSH_PAIRS = 128;  // int32 sums move to float32 at least this often (256 columns)
+using tokenmill::Isa;
+using tokenmill::gemv::Geometry;
+using tokenmill::gemv::Job;
+using tokenmill::gemv::NB;
+using tokenmill::gemv::RowMap;
 
-bool has(const char* kind) {
-  __builtin_cpu_init();
-  const bool base = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-                    __builtin_cpu_supports("avx512bf16");  // the epilogue rounds with vcvtneps2bf16
-  return base && (std::string(kind) == "bf16" || __builtin_cpu_supports("avx512vnni"));
+// The path each kind of weight takes here (Base: none). INT8's AVX-512 path stores bf16 with the
+// BF16 instructions, so it needs them too.
+Isa bf16_path() {
+  const tokenmill::CpuFeatures& f = tokenmill::cpu();
+  return f.amx ? Isa::Amx : f.avx512_bf16 ? Isa::Avx512 : f.avx2 ? Isa::Avx2 : Isa::Base;
 }
-
-// Whether bf16 calls of 1..32 rows may take the tile unit (amx.h: CPUID, Linux's permission, and
-// TOKENMILL_CPU_AMX=0 to keep the AVX-512 tiles for every row count).
-bool amx() { return tokenmill::amx_usable(); }
+Isa int8_path() {
+  const tokenmill::CpuFeatures& f = tokenmill::cpu();
+  return f.avx512_bf16 && f.avx512_vnni ? Isa::Avx512 : f.avx2 ? Isa::Avx2 : Isa::Base;
+}
 
 bool supported(const std::string& kind) {
-  static const bool bf16 = has("bf16"), int8 = has("int8");
   TORCH_CHECK(kind == "bf16" || kind == "int8" || kind == "amx", "gemv_supported: kind must be 'bf16', 'int8' or 'amx'");
-  if (kind == "amx") return bf16 && amx();  // bf16 calls of 1..32 rows take the tile path (run_chunks_amx*)
-  return kind == "bf16" ? bf16 : int8;
+  if (kind == "amx") return bf16_path() == Isa::Amx;  // bf16 calls of 1..32 rows take the tile unit
+  return (kind == "bf16" ? bf16_path() : int8_path()) != Isa::Base;
 }
 
-struct Geometry {
-  int64_t n;  // logical output rows (gate + up together when interleaved)
-  int64_t k, k2;  // input columns, rounded up to even
-  int64_t nb;  // packed blocks of 16 rows (a multiple of NB)
-  int64_t groups, group_pairs;  // scale groups per row and column pairs per group (int8)
-};
-
-// One call's operands. x rows are 16-bit (bf16, or int16 for INT8), read in pairs as int32.
-struct Job {
-  const uint16_t* x;  // [m, k2]
-  int64_t m;
-  const float* x_scale;  // [m] int16 row scales (INT8), else null
-  const void* w;  // packed weight: bf16 bits or int8
-  const float* w_scale;  // [nb, groups, 16] (INT8), else null
-  const float* bias;  // [n] float32 or null (interleaved: gate's then up's)
-  Geometry g;
-  bool silu;  // interleaved gate/up blocks; output [m, n / 2]
-  void* out;  // [m, out_cols], bf16 or float32
-  bool out_bf16;
-  int64_t out_cols;
-  bool blocked = false;  // bf16 sums in oneDNN's AMX order (tile_bf16_blocked), not one chain per output
-  bool split = false;  // interleaved gate/up blocks, stored plain: [m, n] = [gate | up] (no silu)
-};
-
-TM_AVX512 inline int32_t pair_at(const uint16_t* row, int64_t p) {
-  int32_t v;
-  std::memcpy(&v, row + 2 * p, sizeof(v));
-  return v;
-}
-
-// ---- bf16 --------------------------------------------------------------------------------------
-
-template <int R>
-TM_AVX512 inline void tile_bf16(const Job& j, int64_t m0, int64_t b0, __m512 (&acc)[R][NB]) {
-  const int64_t kp = j.g.k2 / 2;
-  const uint16_t* w = static_cast<const uint16_t*>(j.w) + b0 * kp * 32;
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < kp; ++p) {
-    __m512i wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_si512(w + (b * kp + p) * 32);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xb = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair_at(j.x + (m0 + r) * j.g.k2, p)));
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], reinterpret_cast<__m512bh>(wv[b]), xb);
-    }
-  }
-}
-
-// The same product summed in the order oneDNN's AMX GEMM (tdpbf16ps) sums it, as measured on a Xeon
-// (docs/ENGINE.md, "batch-invariant mode"): per 32 input columns (16 pairs, one AMX tile row), the even
-// columns' products in one float32 chain and the odd columns' in another, each from zero, then
-// acc += (even + odd). vdpbf16ps adds a pair's odd product, then its even one, into one register: with
-// the other half of x's pair zeroed, one instruction adds just the even (or just the odd) product, so
-// each chain costs one vdpbf16ps per pair: twice the one-chain kernel's arithmetic, the same weight
-// reads. Rows of x in tiles of at most 2 (three accumulator sets of 2 x NB registers, plus weights).
-template <int R>
-TM_AVX512 inline void tile_bf16_blocked(const Job& j, int64_t m0, int64_t b0, __m512 (&acc)[R][NB]) {
-  static_assert(R <= 2, "three accumulator sets: at most 2 rows a tile");
-  const int64_t kp = j.g.k2 / 2;
-  const uint16_t* w = static_cast<const uint16_t*>(j.w) + b0 * kp * 32;
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
-  for (int64_t p0 = 0; p0 < kp; p0 += 16) {
-    __m512 even[R][NB], odd[R][NB];
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < NB; ++b) even[r][b] = odd[r][b] = _mm512_setzero_ps();
-    const int64_t p1 = std::min(kp, p0 + 16);
-    for (int64_t p = p0; p < p1; ++p) {
-      __m512i wv[NB];
-      for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_si512(w + (b * kp + p) * 32);
-      for (int r = 0; r < R; ++r) {
-        const int32_t pair = pair_at(j.x + (m0 + r) * j.g.k2, p);  // little-endian: column 2p in the low half
-        const __m512bh xe = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair & 0xFFFF));
-        const __m512bh xo = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int32_t>(pair & 0xFFFF0000u)));
-        for (int b = 0; b < NB; ++b) {
-          even[r][b] = _mm512_dpbf16_ps(even[r][b], reinterpret_cast<__m512bh>(wv[b]), xe);
-          odd[r][b] = _mm512_dpbf16_ps(odd[r][b], reinterpret_cast<__m512bh>(wv[b]), xo);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_add_ps(acc[r][b], _mm512_add_ps(even[r][b], odd[r][b]));
-  }
-}
-
-// ---- INT8 ----------------------------------------------------------------------------------------
-
-// sums[r][b] = int32 sums of x[row m0 + r] . W[block b] over pairs [p0, p1) (at most FLUSH_PAIRS).
-// Named accumulators, not an array: with `__m512i part[R][NB]` GCC 12 copies each accumulator
-// twice per vpdpwssd in tiles of 2+ rows (an array of dpbf16 accumulators it keeps in place).
-#define TM_DOT_ROW(r)                                                   \
-  if constexpr (R > r) {                                                \
-    const __m512i xb = _mm512_set1_epi32(pair_at(x##r, p));             \
-    a##r##0 = _mm512_dpwssd_epi32(a##r##0, w0, xb);                     \
-    a##r##1 = _mm512_dpwssd_epi32(a##r##1, w1, xb);                     \
-    a##r##2 = _mm512_dpwssd_epi32(a##r##2, w2, xb);                     \
-    a##r##3 = _mm512_dpwssd_epi32(a##r##3, w3, xb);                     \
-  }
-#define TM_SAVE_ROW(r) \
-  if constexpr (R > r) { sums[r][0] = a##r##0; sums[r][1] = a##r##1; sums[r][2] = a##r##2; sums[r][3] = a##r##3; }
-
-template <int R>
-TM_AVX512 __attribute__((noinline)) void dot_int8(const Job& j, const int8_t* w, int64_t m0, int64_t p0, int64_t p1,
-                                                  __m512i (&sums)[R][NB]) {
-  static_assert(NB == 4 && R >= 1 && R <= 4, "dot_int8 is written out for 4 blocks and up to 4 rows");
-  const int64_t kp = j.g.k2 / 2, k2 = j.g.k2;
-  const uint16_t* x0 = j.x + m0 * k2;
-  const uint16_t *x1 = x0 + k2, *x2 = x0 + 2 * k2, *x3 = x0 + 3 * k2;  // rows past R are never read
-  const __m512i z = _mm512_setzero_si512();
-  __m512i a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;
-  __m512i a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
-  for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* wp = w + p * 32;
-    const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
-    const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kp * 32)));
-    const __m512i w2 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 2 * kp * 32)));
-    const __m512i w3 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 3 * kp * 32)));
-    TM_DOT_ROW(0)
-    TM_DOT_ROW(1)
-    TM_DOT_ROW(2)
-    TM_DOT_ROW(3)
-  }
-  TM_SAVE_ROW(0)
-  TM_SAVE_ROW(1)
-  TM_SAVE_ROW(2)
-  TM_SAVE_ROW(3)
-}
-#undef TM_DOT_ROW
-#undef TM_SAVE_ROW
-
-// acc[r][b] = (sum over groups of float(int32 sums) * w_scale[group]) * x_scale[row], and for
-// per-channel scales * w_scale at the end.
-template <int R>
-TM_AVX512 inline void tile_int8(const Job& j, int64_t m0, int64_t b0, __m512 (&acc)[R][NB]) {
-  const int64_t kp = j.g.k2 / 2;
-  const int8_t* w = static_cast<const int8_t*>(j.w) + b0 * kp * 32;
-  const bool grouped = j.g.groups > 1;
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
-  __m512i sums[R][NB];
-  for (int64_t gi = 0; gi < j.g.groups; ++gi) {
-    const int64_t g_end = std::min(kp, (gi + 1) * j.g.group_pairs);
-    for (int64_t p0 = gi * j.g.group_pairs; p0 < g_end; p0 += FLUSH_PAIRS) {
-      dot_int8<R>(j, w, m0, p0, std::min(g_end, p0 + FLUSH_PAIRS), sums);
-      for (int b = 0; b < NB; ++b) {
-        const __m512 sc = grouped ? _mm512_loadu_ps(j.w_scale + ((b0 + b) * j.g.groups + gi) * 16) : _mm512_set1_ps(1.f);
-        for (int r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r][b]), sc, acc[r][b]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {  // the row's activation scale, and a per-channel weight scale
-    const __m512 xs = _mm512_set1_ps(j.x_scale[m0 + r]);
-    for (int b = 0; b < NB; ++b)
-      acc[r][b] = _mm512_mul_ps(acc[r][b], grouped ? xs : _mm512_mul_ps(xs, _mm512_loadu_ps(j.w_scale + (b0 + b) * 16)));
-  }
-}
-
-// ---- epilogue ------------------------------------------------------------------------------------
-
-using tokenmill::exp512;
-using tokenmill::round_bf16;
-using tokenmill::silu_mul;
-using tokenmill::silu_mul_row;
-using tokenmill::widen_bf16;
-
-template <int R>
-TM_AVX512 inline void store_tile(const Job& j, int64_t m0, int64_t b0, __m512 (&acc)[R][NB]) {
-  for (int b = 0; b < NB; b += j.silu ? 2 : 1) {
-    int64_t col = (j.silu ? (b0 + b) / 2 : b0 + b) * 16;  // first output column of the block
-    int64_t valid = std::min<int64_t>(16, j.out_cols - col);
-    if (j.split) {  // gate block (b0 + b) / 2 (even) or up block (odd): to its plain column
-      const int64_t half = j.out_cols / 2, at = (b0 + b) / 2 * 16;
-      valid = std::min<int64_t>(16, half - at);
-      col = at + ((b0 + b) % 2 ? half : 0);
-    }
-    if (valid <= 0) continue;  // padding blocks
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-    const __m512 bias = j.bias ? _mm512_maskz_loadu_ps(mask, j.bias + col) : _mm512_setzero_ps();
-    const __m512 up_bias = j.bias && j.silu ? _mm512_maskz_loadu_ps(mask, j.bias + j.out_cols + col) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      __m512 v = _mm512_add_ps(acc[r][b], bias);
-      if (j.silu) v = silu_mul(v, _mm512_add_ps(acc[r][b + 1], up_bias), j.out_bf16);
-      const int64_t at = (m0 + r) * j.out_cols + col;
-      if (j.out_bf16) {
-        _mm256_mask_storeu_epi16(static_cast<uint16_t*>(j.out) + at, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-      } else {
-        _mm512_mask_storeu_ps(static_cast<float*>(j.out) + at, mask, v);
-      }
-    }
-  }
-}
-
-// ---- driver --------------------------------------------------------------------------------------
-
-template <int R>
-TM_AVX512 void tile(const Job& j, int64_t m0, int64_t b0) {
-  __m512 acc[R][NB];
-  if (j.w_scale) {
-    tile_int8<R>(j, m0, b0, acc);
-  } else if constexpr (R <= 2) {
-    if (j.blocked) {
-      tile_bf16_blocked<R>(j, m0, b0, acc);
-    } else {
-      tile_bf16<R>(j, m0, b0, acc);
-    }
+// Chunks [c0, c1) of a call on its path.
+void run_chunks(const Job& j, int64_t c0, int64_t c1) {
+  const Isa path = j.w_scale ? int8_path() : bf16_path();
+  if (path == Isa::Amx && tokenmill::gemv::amx::applies(j)) {
+    tokenmill::gemv::amx::run_chunks(j, c0, c1);
+  } else if (path >= Isa::Avx512) {
+    tokenmill::gemv::avx512::run_chunks(j, c0, c1);
   } else {
-    tile_bf16<R>(j, m0, b0, acc);
-  }
-  store_tile<R>(j, m0, b0, acc);
-}
-
-// ---- AMX (bf16, 1..32 rows) ------------------------------------------------------------------------
-// One tdpbf16ps multiplies a tile of up to 16 rows of x by 32 input columns (A: rows x 64 bytes) and a
-// packed block's 16 column pairs (B: 16 rows of 16 outputs x 2 bf16, the packed layout as it lies)
-// into 16 rows x 16 float32 outputs (C). A chunk's NB blocks take four C tiles; per 32 input columns
-// x is loaded once and each block's 1 KiB of weights once, so the call streams the weight once for
-// every row of x like the AVX-512 tiles, but the arithmetic is the tile unit's (the AVX-512 tiles
-// are bound by vdpbf16ps past ~4 rows: SmolLM2-135M's linears took 16 ms at 9 rows against 9 ms at
-// one). The C tiles go to a buffer and through the AVX-512 epilogue (store_tile) a row at a time.
-// The tile unit sums as oneDNN's AMX GEMM does (per 32 columns; docs/ENGINE.md "batch-invariant
-// mode"), so these are oneDNN's bits at every row count up to 32 (tests/engine/test_cpu_gemv.py),
-// where the AVX-512 tiles' one chain per output differs from them near cancellations.
-constexpr int64_t AMX_ROWS = 16;  // rows of x per A tile; the tile path takes calls of 1..2 x AMX_ROWS rows
-
-using tokenmill::TileConfig;
-
-using AmxSums = float[NB][2 * AMX_ROWS][16];  // a chunk's C tiles as stored: [block][row][output]
-
-// Rows 0..m-1 of a chunk's stored sums through the AVX-512 epilogue (bias, silu, split, rounding).
-TM_AVX512 inline void store_sums(const Job& j, int64_t b0, const AmxSums& c) {
-  for (int64_t r = 0; r < j.m; ++r) {
-    __m512 acc[1][NB];
-    for (int b = 0; b < NB; ++b) acc[0][b] = _mm512_load_ps(c[b][r]);
-    store_tile<1>(j, r, b0, acc);
-  }
-}
-
-// gemv_blocked's calls too: the tile unit sums in the order tile_bf16_blocked emulates (oneDNN's), so
-// the batch-invariant mode's kernel runs at the tile unit's speed up to 32 rows with the same bits
-// (its start-up check, kernel_agrees, compares them with oneDNN's at 1 and 32 rows).
-bool amx_applies(const Job& j) {
-  return j.w_scale == nullptr && j.m >= 1 && j.m <= 2 * AMX_ROWS && j.g.k2 % 32 == 0 && amx();
-}
-
-TM_AMX void run_chunks_amx(const Job& j, int64_t c0, int64_t c1) {
-  TileConfig cfg;
-  const int m = static_cast<int>(j.m);
-  cfg.rows[0] = m, cfg.colsb[0] = 64;  // A: m rows of 32 bf16
-  cfg.rows[1] = 16, cfg.colsb[1] = 64;  // B: 16 pairs of 16 outputs
-  cfg.rows[2] = 16, cfg.colsb[2] = 64;
-  for (int t = 4; t < 8; ++t) cfg.rows[t] = m, cfg.colsb[t] = 64;  // C: m rows of 16 float32
-  tokenmill::load_tile_config(cfg);
-  const int64_t kp = j.g.k2 / 2;
-  const uint16_t* w = static_cast<const uint16_t*>(j.w);
-  alignas(64) AmxSums c;
-  for (int64_t ch = c0; ch < c1; ++ch) {
-    const int64_t b0 = ch * NB;
-    const uint16_t* wb = w + b0 * kp * 32;  // block b0 + b at wb + b * kp * 32, pair p at + p * 32
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
-    for (int64_t p = 0; p < kp; p += 16) {
-      _tile_loadd(0, j.x + 2 * p, j.g.k2 * 2);
-      _tile_loadd(1, wb + (0 * kp + p) * 32, 64);
-      _tile_loadd(2, wb + (1 * kp + p) * 32, 64);
-      _tile_dpbf16ps(4, 0, 1);
-      _tile_dpbf16ps(5, 0, 2);
-      _tile_loadd(1, wb + (2 * kp + p) * 32, 64);
-      _tile_loadd(2, wb + (3 * kp + p) * 32, 64);
-      _tile_dpbf16ps(6, 0, 1);
-      _tile_dpbf16ps(7, 0, 2);
-    }
-    _tile_stored(4, c[0], 64);
-    _tile_stored(5, c[1], 64);
-    _tile_stored(6, c[2], 64);
-    _tile_stored(7, c[3], 64);
-    store_sums(j, b0, c);
-  }
-  _tile_release();
-}
-
-// 17..32 rows: two A tiles (rows 0-15 and 16..m-1) share each B tile, and a chunk's NB blocks go in
-// two halves of two blocks (A 2 + B 2 + C 4: the eight tile registers); each block is still loaded
-// once per call.
-TM_AMX void run_chunks_amx2(const Job& j, int64_t c0, int64_t c1) {
-  static_assert(NB == 4, "two halves of two blocks");
-  TileConfig cfg;
-  const int m = static_cast<int>(j.m), m1 = m - static_cast<int>(AMX_ROWS);
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
-  cfg.rows[0] = 16, cfg.rows[1] = m1;  // A: rows 0-15, rows 16..m-1
-  cfg.rows[2] = cfg.rows[3] = 16;  // B: two blocks
-  cfg.rows[4] = cfg.rows[5] = 16;  // C: A0 with each block
-  cfg.rows[6] = cfg.rows[7] = m1;  // C: A1 with each block
-  tokenmill::load_tile_config(cfg);
-  const int64_t kp = j.g.k2 / 2;
-  const uint16_t* w = static_cast<const uint16_t*>(j.w);
-  const uint16_t* x1 = j.x + AMX_ROWS * j.g.k2;
-  alignas(64) AmxSums c;
-  for (int64_t ch = c0; ch < c1; ++ch) {
-    const int64_t b0 = ch * NB;
-    for (int half = 0; half < 2; ++half) {
-      const uint16_t* w0 = w + (b0 + 2 * half) * kp * 32;
-      const uint16_t* w1 = w0 + kp * 32;
-      _tile_zero(4);
-      _tile_zero(5);
-      _tile_zero(6);
-      _tile_zero(7);
-      for (int64_t p = 0; p < kp; p += 16) {
-        _tile_loadd(0, j.x + 2 * p, j.g.k2 * 2);
-        _tile_loadd(1, x1 + 2 * p, j.g.k2 * 2);
-        _tile_loadd(2, w0 + p * 32, 64);
-        _tile_loadd(3, w1 + p * 32, 64);
-        _tile_dpbf16ps(4, 0, 2);
-        _tile_dpbf16ps(5, 0, 3);
-        _tile_dpbf16ps(6, 1, 2);
-        _tile_dpbf16ps(7, 1, 3);
-      }
-      _tile_stored(4, c[2 * half][0], 64);
-      _tile_stored(5, c[2 * half + 1][0], 64);
-      _tile_stored(6, c[2 * half][AMX_ROWS], 64);
-      _tile_stored(7, c[2 * half + 1][AMX_ROWS], 64);
-    }
-    store_sums(j, b0, c);
-  }
-  _tile_release();
-}
-
-TM_AVX512 void run_chunks(const Job& j, int64_t c0, int64_t c1) {
-  // Every row of x against one chunk of NB blocks at a time: the chunk stays in L1/L2 across the
-  // row tiles, so the weights are read from memory once per call whatever the row count.
-  for (int64_t c = c0; c < c1; ++c) {
-    const int64_t b0 = c * NB;
-    int64_t m0 = 0;
-    if (j.blocked) {  // tiles of at most 2 rows (tile_bf16_blocked)
-      for (; m0 + 2 <= j.m; m0 += 2) tile<2>(j, m0, b0);
-      if (m0 < j.m) tile<1>(j, m0, b0);
-      continue;
-    }
-    for (; m0 + MR <= j.m; m0 += MR) tile<MR>(j, m0, b0);
-    switch (j.m - m0) {
-      case 3: tile<3>(j, m0, b0); break;
-      case 2: tile<2>(j, m0, b0); break;
-      case 1: tile<1>(j, m0, b0); break;
-      default: break;
-    }
+    tokenmill::gemv::avx2::run_chunks(j, c0, c1);
   }
 }
 
@@ -427,27 +68,10 @@ void run(const Job& j) {
   // At least ~64 KiB of weights per task: below that starting a thread costs more than it saves.
   const int64_t chunk_bytes = NB * 16 * j.g.k2 * (j.w_scale ? 1 : 2);
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / chunk_bytes);
-  if (amx_applies(j)) {
-    at::parallel_for(0, j.g.nb / NB, grain, [&](int64_t c0, int64_t c1) {
-      if (j.m <= AMX_ROWS) {
-        run_chunks_amx(j, c0, c1);
-      } else {
-        run_chunks_amx2(j, c0, c1);
-      }
-    });
-    return;
-  }
   at::parallel_for(0, j.g.nb / NB, grain, [&](int64_t c0, int64_t c1) { run_chunks(j, c0, c1); });
 }
 
 // ---- packing -------------------------------------------------------------------------------------
-
-// Logical weight row -> (packed block, lane). Interleaved: rows [0, half) are the gate, [half, n) up.
-struct RowMap {
-  int64_t half;  // rows per half when interleaved, else 0
-  int64_t block(int64_t r) const { return half ? 2 * (r % half / 16) + r / half : r / 16; }
-  int64_t lane(int64_t r) const { return (half ? r % half : r) % 16; }
-};
 
 Geometry geometry(int64_t n, int64_t k, bool interleave, int64_t groups) {
   const int64_t blocks = interleave ? 2 * ((n / 2 + 15) / 16) : (n + 15) / 16;
@@ -518,44 +142,16 @@ void unpack_rows(const T* packed, const float* scales, const Geometry& g, const 
   });
 }
 
-// INT8 -> bf16 for even K, vectorised (the large-batch path dequantizes every call): per block and
-// column pair, 32 weights widened, scaled per row and group, rounded to bf16, and scattered as 16
-// 32-bit pairs into their rows.
-// One block of 16 rows (a lambda would not carry the target attribute: on a CPU without AVX-512 the
-// file then fails to compile, and the whole library loses these kernels).
-TM_AVX512 void unpack_int8_block(const int8_t* packed, const float* scales, const Geometry& g, const RowMap& map,
-                                 uint16_t* out, int64_t blk) {
-  const int64_t kp = g.k2 / 2, group = g.groups == 1 ? g.k2 : 2 * g.group_pairs;
-  const __m512i lo_lanes = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const __m512i hi_lanes = _mm512_add_epi32(lo_lanes, _mm512_set1_epi32(8));
-  alignas(64) int32_t row_unit[16];  // first 32-bit unit of each lane's output row
-  __mmask16 valid = 0;
-  for (int l = 0; l < 16; ++l) {
-    const int64_t r = map.half ? (blk % 2) * map.half + (blk / 2) * 16 + l : blk * 16 + l;
-    const bool ok = map.half ? (blk / 2) * 16 + l < map.half : r < g.n;
-    row_unit[l] = ok ? static_cast<int32_t>(r * kp) : 0;
-    valid |= ok ? static_cast<__mmask16>(1u << l) : 0;
-  }
-  if (!valid) return;
-  const __m512i rows = _mm512_load_si512(row_unit);
-  uint32_t* units = reinterpret_cast<uint32_t*>(out);
-  for (int64_t p = 0; p < kp; ++p) {
-    const int8_t* src = packed + (blk * kp + p) * 32;
-    const __m512 sc = _mm512_loadu_ps(scales + (blk * g.groups + 2 * p / group) * 16);
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))),
-                                    _mm512_permutexvar_ps(lo_lanes, sc));
-    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16)))),
-                                    _mm512_permutexvar_ps(hi_lanes, sc));
-    const __m512i pairs = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-    _mm512_mask_i32scatter_epi32(units, valid, _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int32_t>(p))),
-                                 pairs, 4);
-  }
-}
-
+// INT8 -> bf16 for even K on the INT8 path's instructions (the large-batch path dequantizes every call).
 void unpack_int8_bf16(const int8_t* packed, const float* scales, const Geometry& g, const RowMap& map,
                       uint16_t* out) {
+  const bool wide = int8_path() == Isa::Avx512;
   at::parallel_for(0, g.nb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) unpack_int8_block(packed, scales, g, map, out, blk);
+    if (wide) {
+      tokenmill::gemv::avx512::unpack_int8(packed, scales, g, map, out, b0, b1);
+    } else {
+      tokenmill::gemv::avx2::unpack_int8(packed, scales, g, map, out, b0, b1);
+    }
   });
 }
 
@@ -624,7 +220,7 @@ at::Tensor x_rows(const at::Tensor& x2d, int64_t k2, bool int8, at::Tensor* scal
 at::Tensor call(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& scales, int64_t n,
                 int64_t k, const c10::optional<at::Tensor>& bias, bool silu, bool blocked = false, bool split = false) {
   const bool int8 = packed.scalar_type() == at::kChar;
-  TORCH_CHECK(supported(int8 ? "int8" : "bf16"), "gemv: this CPU lacks the AVX-512 instructions these kernels use");
+  TORCH_CHECK(supported(int8 ? "int8" : "bf16"), "gemv: this CPU has no path for these kernels (AVX2 and FMA at least)");
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k, "gemv: x must be a CPU tensor [..., K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "gemv: x must be bf16 or float32");
   TORCH_CHECK(int8 == scales.has_value(), "gemv: scales go with int8 weights, and only with them");
@@ -644,6 +240,8 @@ at::Tensor call(const at::Tensor& x, const at::Tensor& packed, const c10::option
   const at::Tensor x2d = x.reshape({-1, k});
   at::Tensor x_scale;
   const at::Tensor rows = x_rows(x2d, g.k2, int8, &x_scale);
+  // the AVX2 path broadcasts bf16 x widened to float32 (one load a column, no shifts a row)
+  const at::Tensor xf = !int8 && bf16_path() == Isa::Avx2 ? rows.to(at::kFloat) : at::Tensor();
   const int64_t out_cols = silu ? n / 2 : n;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out_cols;
@@ -652,7 +250,8 @@ at::Tensor call(const at::Tensor& x, const at::Tensor& packed, const c10::option
   const Job j{reinterpret_cast<const uint16_t*>(rows.data_ptr()), x2d.size(0),
               int8 ? x_scale.data_ptr<float>() : nullptr, packed.data_ptr(),
               int8 ? scales->data_ptr<float>() : nullptr, bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
-              g, silu, out.data_ptr(), x.scalar_type() == at::kBFloat16, out_cols, blocked, split};
+              g, silu, out.data_ptr(), x.scalar_type() == at::kBFloat16, out_cols, blocked, split,
+              xf.defined() ? xf.data_ptr<float>() : nullptr};
   run(j);
   return out;
 }
@@ -685,17 +284,26 @@ at::Tensor gemv_blocked(const at::Tensor& x, const at::Tensor& packed, int64_t n
 
 bool gemv_supported(c10::string_view kind) { return supported(std::string(kind)); }
 
+// The path a kind takes on this CPU: "AMX" (bf16 calls of 1..32 rows; AVX-512 for the rest),
+// "AVX-512", "AVX2", or "none".
+std::string gemv_path(c10::string_view kind) {
+  TORCH_CHECK(kind == "bf16" || kind == "int8", "gemv_path: kind must be 'bf16' or 'int8'");
+  const Isa path = kind == "bf16" ? bf16_path() : int8_path();
+  return path == Isa::Base ? "none" : tokenmill::isa_name(path);
+}
+
 // silu(gate) * up of a bf16 [T, 2I] = [gate | up] product, with the fused product's arithmetic and
 // roundings (silu_mul above): a LoRA step's gate/up takes the adapters' delta between the product and
 // the activation, so the fused product cannot run there; this keeps its activation what the fused
 // product gives the same rows (and costs one pass, where PyTorch's silu and mul take two and an
-// intermediate). Off AVX512-BF16 CPUs: PyTorch's silu and mul.
+// intermediate). AVX-512 BF16 or AVX2 (the same bits); on neither, PyTorch's silu and mul.
 at::Tensor silu_mul_rows(const at::Tensor& gu) {
   TORCH_CHECK(gu.device().is_cpu() && gu.scalar_type() == at::kBFloat16 && gu.dim() == 2 && gu.size(1) % 2 == 0 &&
                   gu.stride(1) == 1,
               "silu_mul: gu must be a bf16 CPU matrix [T, 2I] with contiguous rows");
   const int64_t rows = gu.size(0), half = gu.size(1) / 2;
-  if (!has("bf16")) {
+  const Isa path = bf16_path();
+  if (path == Isa::Base) {
     auto parts = gu.chunk(2, -1);
     return at::silu(parts[0]) * parts[1];
   }
@@ -704,12 +312,16 @@ at::Tensor silu_mul_rows(const at::Tensor& gu) {
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t ld = gu.stride(0);
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, half)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) silu_mul_row(src + r * ld, dst + r * half, half);
+    if (path >= Isa::Avx512) {
+      tokenmill::gemv::avx512::silu_rows(src, ld, dst, half, r0, r1);
+    } else {
+      tokenmill::gemv::avx2::silu_rows(src, ld, dst, half, r0, r1);
+    }
   });
   return out;
 }
 
-// Sums 64-bit words [b, e) in eight independent lanes (one AVX-512 register once vectorised).
+// Sums 64-bit words [b, e) in eight independent lanes (vectorised by the compiler).
 uint64_t sum_words(const uint64_t* p, int64_t b, int64_t e) {
   uint64_t lane[8] = {};
   int64_t i = b;
@@ -735,6 +347,7 @@ int64_t read_sum(const at::Tensor& buf) {
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("gemv_supported(str kind) -> bool");
+  m.def("gemv_path(str kind) -> str");
   m.def("gemv_pack_bf16(Tensor w, bool interleave) -> Tensor");
   m.def("gemv_pack_int8(Tensor q, Tensor scales, bool interleave) -> (Tensor, Tensor)");
   m.def("gemv(Tensor x, Tensor packed, Tensor? scales, int n, int k, Tensor? bias) -> Tensor");
@@ -746,6 +359,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("silu_mul(Tensor gu) -> Tensor");
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul_rows));
   m.impl("gemv_supported", c10::DispatchKey::CatchAll, TORCH_FN(gemv_supported));
+  m.impl("gemv_path", c10::DispatchKey::CatchAll, TORCH_FN(gemv_path));
   m.impl("gemv_pack_bf16", c10::DispatchKey::CPU, TORCH_FN(gemv_pack_bf16));
   m.impl("gemv_pack_int8", c10::DispatchKey::CPU, TORCH_FN(gemv_pack_int8));
   m.impl("gemv", c10::DispatchKey::CPU, TORCH_FN(gemv));

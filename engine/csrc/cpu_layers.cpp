@@ -2,12 +2,14 @@
 // folded in) and rotary embedding in place. Each replaces a chain of 4-8 small PyTorch ops (an
 // allocation and a pass over memory each) with one pass. They round where transformers' modules
 // round, so only summation order can differ (the RMS mean): in float32 that leaves greedy output
-// unchanged in the parity suite. Registered in torch.ops.tokenmill.
+// unchanged in the parity suite. Registered in torch.ops.tokenmill; the arithmetic is
+// kernels/layers_body.inc, for each path (isa.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "widen.h"
+#include "isa.h"
+#include "kernels/layers.h"
 
 #include <cmath>
 #include <cstdint>
@@ -16,47 +18,30 @@
 
 namespace {
 
-using tokenmill::to_float;
-// Round a float to T (round to nearest even for bf16, as PyTorch does) and back.
-template <typename T>
-inline float round_to(float x) {
-  return to_float(static_cast<T>(x));
+using tokenmill::Isa;
+
+// The path of this process's layer kernels: AVX-512, AVX2, or portable (isa.h).
+Isa path() { return tokenmill::vector_isa(); }
+
+void norm_rows(const tokenmill::layers::Norm& c, int64_t r0, int64_t r1) {
+  const Isa p = path();
+  if (p == Isa::Avx512) return tokenmill::layers::avx512::norm_rows(c, r0, r1);
+  if (p == Isa::Avx2) return tokenmill::layers::avx2::norm_rows(c, r0, r1);
+  tokenmill::layers::portable::norm_rows(c, r0, r1);
 }
 
-// One row: out = w * T(x * rsqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm.
-template <typename T>
-inline void norm_row(const float* xf, const T* w, T* out, int64_t n, float eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += xf[i] * xf[i];
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(to_float(w[i]) * round_to<T>(xf[i] * r));
+void rotary_tokens(const tokenmill::layers::Rotary& c, int64_t t0, int64_t t1) {
+  const Isa p = path();
+  if (p == Isa::Avx512) return tokenmill::layers::avx512::rotary_tokens(c, t0, t1);
+  if (p == Isa::Avx2) return tokenmill::layers::avx2::rotary_tokens(c, t0, t1);
+  tokenmill::layers::portable::rotary_tokens(c, t0, t1);
 }
 
-template <typename T>
 void norm_impl(const at::Tensor& x, at::Tensor* residual, const at::Tensor& w, at::Tensor& out, double eps) {
   const int64_t n = x.size(-1), rows = x.numel() / n;
-  const T* xp = x.data_ptr<T>();
-  T* rp = residual ? residual->data_ptr<T>() : nullptr;
-  const T* wp = w.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(n);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = xp + r * n;
-      if (rp) {  // residual += x (rounded to T, as a T addition), then normalise the sum
-        T* rr = rp + r * n;
-        for (int64_t i = 0; i < n; ++i) {
-          const float s = round_to<T>(to_float(rr[i]) + to_float(xr[i]));
-          rr[i] = static_cast<T>(s);
-          xf[i] = s;
-        }
-      } else {
-        for (int64_t i = 0; i < n; ++i) xf[i] = to_float(xr[i]);
-      }
-      norm_row<T>(xf.data(), wp, op + r * n, n, static_cast<float>(eps));
-    }
-  });
+  const tokenmill::layers::Norm c{x.data_ptr(), residual ? residual->data_ptr() : nullptr, w.data_ptr(), out.data_ptr(),
+                                  n, static_cast<float>(eps), x.scalar_type() == at::kBFloat16};
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) { norm_rows(c, r0, r1); });
 }
 
 void check_norm(const at::Tensor& x, const at::Tensor& w) {
@@ -69,11 +54,7 @@ void check_norm(const at::Tensor& x, const at::Tensor& w) {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_norm(x, weight);
   auto out = at::empty_like(x);
-  if (x.scalar_type() == at::kFloat) {
-    norm_impl<float>(x, nullptr, weight, out, eps);
-  } else {
-    norm_impl<c10::BFloat16>(x, nullptr, weight, out, eps);
-  }
+  norm_impl(x, nullptr, weight, out, eps);
   return out;
 }
 
@@ -83,40 +64,8 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "add_rms_norm: residual must be contiguous and shaped and typed like x");
   auto out = at::empty_like(x);
-  if (x.scalar_type() == at::kFloat) {
-    norm_impl<float>(x, &residual, weight, out, eps);
-  } else {
-    norm_impl<c10::BFloat16>(x, &residual, weight, out, eps);
-  }
+  norm_impl(x, &residual, weight, out, eps);
   return out;
-}
-
-// x[t, h] = x * cos + rotate_half(x) * sin, in place, each product and the sum rounded to T as
-// transformers' apply_rotary_pos_emb rounds them. x: [T, heads, D] (rows may be strided).
-template <typename T>
-void rotary_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t tokens = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
-  const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  T* xp = x.data_ptr<T>();
-  const T* cp = cos.data_ptr<T>();
-  const T* sp = sin.data_ptr<T>();
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(D);
-    for (int64_t t = begin; t < end; ++t) {
-      const T* c = cp + t * D;
-      const T* s = sp + t * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* xr = xp + t * s0 + h * s1;
-        for (int64_t i = 0; i < D; ++i) row[i] = to_float(xr[i]);
-        for (int64_t i = 0; i < D; ++i) {
-          const float rot = i < half ? -row[i + half] : row[i - half];
-          const float a = round_to<T>(row[i] * to_float(c[i]));
-          const float b = round_to<T>(rot * to_float(s[i]));
-          xr[i] = static_cast<T>(a + b);
-        }
-      }
-    }
-  });
 }
 
 void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -128,14 +77,13 @@ void rotary_inplace(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin)
               "rotary: cos and sin must be contiguous [T, D]");
   TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "rotary: cos, sin and x must share a dtype");
-  if (x.scalar_type() == at::kFloat) {
-    rotary_impl<float>(x, cos, sin);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    rotary_impl<c10::BFloat16>(x, cos, sin);
-  } else {
-    TORCH_CHECK(false, "rotary: float32 or bfloat16 only");
-  }
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "rotary: float32 or bfloat16 only");
+  const tokenmill::layers::Rotary c{x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.size(1), x.size(2), x.stride(0),
+                                    x.stride(1), x.scalar_type() == at::kBFloat16};
+  at::parallel_for(0, x.size(0), 8, [&](int64_t t0, int64_t t1) { rotary_tokens(c, t0, t1); });
 }
+
+std::string layers_path() { return tokenmill::isa_name(path()); }
 
 }  // namespace
 
@@ -143,6 +91,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_inplace(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("layers_path() -> str", &layers_path);
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("rotary_inplace", c10::DispatchKey::CPU, TORCH_FN(rotary_inplace));

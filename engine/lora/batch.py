@@ -41,8 +41,10 @@ _NO_SPANS = torch.empty(0, 4, dtype=torch.long)  # a pair without spans: the who
 
 
 def kernel_available() -> bool:
-    """Whether the C++ delta (tokenmill::lora_add_) is loaded."""
-    return hasattr(torch.ops.tokenmill, "lora_add_")
+    """Whether the C++ delta (tokenmill::lora_add_, the kernel group "lora") is loaded."""
+    from engine import cpu_kernels
+
+    return cpu_kernels.load("lora") is None
 
 
 @functools.cache  # one answer per device and process: a failed import or probe is not retried per linear

@@ -6,7 +6,7 @@ at close to memory bandwidth and oneDNN pays a fixed cost per call; oneDNN's pac
 the weight memory; `max_rows` is measured per shape at start-up (`measure_max_rows`).
 
 `Int8Linear` (INT8 weight-only, engine/quantization.py): the kernel (int16 activations x int8
-weights, VNNI) for up to `max_rows` rows; above that, and wherever the kernels cannot run, the
+weights: VNNI, or AVX2's vpmaddwd) for up to `max_rows` rows; above that, and wherever the kernels cannot run, the
 weight is dequantized for the call and multiplied by PyTorch. One int8 copy: half the bf16 bytes.
 `Int8Embedding` looks token rows up in int8 (a tied model's in the logits head's own weight).
 
@@ -33,26 +33,20 @@ ALWAYS = 1 << 62  # max_rows: the kernel for every row count
 
 def kernels_unavailable(kind: str) -> str | None:
     """None when the C++ linear kernels of `kind` ("bf16", "int8" or "f32") run here, else why not."""
-    reason = cpu_kernels.load()
+    reason = cpu_kernels.load("linear")
     if reason is not None:
         return reason
     if kind == "f32":
-        if not hasattr(torch.ops.tokenmill, "gemv_f32_supported"):
-            return "the float32 linear kernel did not compile here (see the build's warning)"
         return None if torch.ops.tokenmill.gemv_f32_supported() else "this CPU lacks AVX2/FMA"
-    if not hasattr(torch.ops.tokenmill, "gemv_supported"):
-        return "the linear kernels did not compile here (see the build's warning)"
     if not cpu_supports(kind):
-        return "this CPU lacks AVX-512 BF16" + (" / VNNI" if kind == "int8" else "")
+        return "this CPU lacks AVX2/FMA (the kernels' least path)"
     return None
 
 
 def cpu_supports(kind: str) -> bool:
-    """The loaded kernels' own check of this CPU's instructions (cpuid); False when the library was
-    built without them (cpu_kernels.OPTIONAL)."""
-    if not hasattr(torch.ops.tokenmill, "gemv_supported"):
-        return False
-    return bool(torch.ops.tokenmill.gemv_supported(kind))
+    """The loaded kernels' own check of this CPU's instructions (engine/csrc/isa.h): whether `kind`
+    ("bf16", "int8"; "amx": bf16 calls of 1..32 rows on the tile unit) has a path here."""
+    return cpu_kernels.load("linear") is None and bool(torch.ops.tokenmill.gemv_supported(kind))
 
 
 def _rows(x: torch.Tensor, in_features: int) -> int:

@@ -66,7 +66,10 @@ class FusedDecode:
 
     @staticmethod
     def available() -> bool:
-        return hasattr(torch.ops.tokenmill, "decode_layers")
+        # the loop calls the attention and layer groups' ops (and the linear group's, where its plan says)
+        from engine import cpu_kernels
+
+        return all(cpu_kernels.load(group) is None for group in ("decode", "attention", "layers"))
 
     def run(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(x, residual) after the last layer, as the Python loop leaves them; None when this step is

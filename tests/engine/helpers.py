@@ -97,12 +97,14 @@ def mismatches(got: list[list[int]], want: list[list[int]]) -> list[int]:
     return [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
 
 
-def require_cpu_kernels() -> None:
-    """Module-level guard of the CPU-kernel tests: the kernels must build under CI and wherever a C++
-    compiler is on PATH (a failure there fails the module); only a machine without one skips."""
+def require_cpu_kernels(*groups: str) -> None:
+    """Module-level guard of the CPU-kernel tests: the kernel groups (default: every one) must build
+    under CI and wherever a C++ compiler is on PATH (a failure there fails the module); only a machine
+    without one skips."""
     from engine import cpu_kernels
 
-    reason = cpu_kernels.load()
+    reasons = [f"{g}: {r}" for g in groups or cpu_kernels.GROUPS if (r := cpu_kernels._load_all()[g]) is not None]
+    reason = "; ".join(reasons) or None
     if reason is None:
         return
     if os.environ.get("CI") or shutil.which("g++") or shutil.which("c++"):

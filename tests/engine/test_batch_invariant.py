@@ -15,8 +15,9 @@ import random
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, SamplingParams
 from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.models.packed_linear import packing_supported
 from engine.spec_config import SpeculativeConfig
 
 from .helpers import make_engine, require_cpu_kernels
@@ -24,8 +25,12 @@ from .helpers import make_engine, require_cpu_kernels
 require_cpu_kernels()
 
 ops = torch.ops.tokenmill
-BF16 = hasattr(ops, "gemv_supported") and ops.gemv_supported("bf16")
-needs_bf16 = pytest.mark.skipif(not BF16, reason="this CPU lacks AVX-512 BF16 (the mode refuses bf16 weights there)")
+BF16 = ops.gemv_supported("bf16")
+needs_bf16 = pytest.mark.skipif(not BF16, reason="this CPU lacks AVX2/FMA (the mode refuses bf16 weights there)")
+# oneDNN packs bf16 where the CPU has AVX-512 BW/VL/DQ: the mode's TiledLinear is oneDNN's; without it
+# (an AVX2-only CPU) the mode runs the kernel at every row count (test_without_onednn_...)
+ONEDNN = packing_supported(torch.device("cpu"), torch.bfloat16)
+needs_onednn = pytest.mark.skipif(not ONEDNN, reason="oneDNN does not pack bf16 on this CPU (AVX2 only)")
 DTYPES = [pytest.param("bfloat16", marks=needs_bf16), "float32"]
 N_PROMPTS = 20
 MAX_TOKENS = 10
@@ -159,6 +164,7 @@ def test_speculative_verification_matches(tiny, references, dtype):
 
 # ---- the kernels, row by row ------------------------------------------------------------------------
 @needs_bf16
+@needs_onednn
 def test_the_kernel_everywhere_keeps_rows_independent_of_the_batch(tiny, monkeypatch):
     """Where oneDNN's rows would change with the batch, the mode runs gemv_blocked at every row count:
     on cancelling inputs (any change of summation order shows) a row has the same bits alone and at
@@ -182,7 +188,7 @@ def test_the_kernel_everywhere_keeps_rows_independent_of_the_batch(tiny, monkeyp
     assert _batched(engine, prompts, params, 8, seed=3) == _alone(engine, prompts, params)
 
 
-@pytest.mark.skipif(not BF16, reason="oneDNN's bf16 path needs AVX-512 BF16 / AMX")
+@needs_onednn
 def test_tiled_onednn_rows_do_not_depend_on_the_batch():
     """Calls of at most 32 rows: each row's bits are its one-row bits at any batch size, 300 included
     (one oneDNN call of 33+ rows changes them on this machine: that is why the calls are tiled)."""
@@ -228,6 +234,7 @@ def test_blocked_kernel_gives_onednns_bits(shape):
 
 
 @needs_bf16
+@needs_onednn
 def test_the_modes_small_batch_kernel_changes_no_bit(tiny):
     """In the mode, the kernel in oneDNN's order for every call of up to 32 rows (cpu_gemv "on") or for
     none ("off") gives the same tokens and log-probabilities, alone and batched; where it cannot give
@@ -297,6 +304,26 @@ def test_decode_attention_rows_do_not_depend_on_the_batch(dtype):
         alone = ops.paged_decode_attention(q[s : s + 1], k_cache, v_cache, tables[s : s + 1, :width].contiguous(),
                                            lens_t[s : s + 1], bs, width * bs, d**-0.5)  # fmt: skip
         assert torch.equal(batch[s], alone[0])
+
+
+@needs_bf16
+@pytest.mark.skipif(ONEDNN, reason="oneDNN packs bf16 on this CPU: the mode tiles its calls (tests above)")
+def test_without_onednn_the_mode_runs_the_kernel_at_every_row_count(tiny):
+    """An AVX2-only CPU: oneDNN cannot pack bf16, so every bf16 linear of the mode (the logits head too)
+    is the kernel at every row count, one chain per output whatever the rows; a row's bits alone and
+    among 5, 37 and 300 rows are the same, on cancelling inputs (any change of order would show)."""
+    from engine.models.cpu_linear import ALWAYS, GemvLinear
+    from engine.models.invariant_linear import cancelling_inputs
+
+    engine = _engine(tiny, "bfloat16")
+    lins = [m for m in engine.runner.model.modules() if isinstance(m, GemvLinear)]
+    assert len(lins) == 2 * 4 + 1 and all(m.max_rows == ALWAYS for m in lins)
+    x, w = cancelling_inputs(300, 192, 400, seed=5)
+    lin = GemvLinear(w, None, ALWAYS, 32, onednn=False)
+    for m in (5, 37, 300):
+        batch = lin(x[:m])
+        for i in sorted({0, m // 2, m - 1}):
+            assert torch.equal(batch[i], lin(x[i : i + 1])[0])
 
 
 # ---- outside the mode ---------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-// The gated MLP's activation in bf16, shared by the fused product's epilogue (cpu_gemv.cpp) and the
-// LoRA delta of a gate/up product (cpu_lora.cpp): one arithmetic, so an adapter step's activation is
-// bit for bit what the fused product gives the same rows. Needs AVX-512 BF16 (the callers check).
+// The gated MLP's activation in bf16 on AVX-512, shared by the fused product's epilogue
+// (kernels/gemv_avx512.h) and the LoRA delta of a gate/up product (kernels/lora_amx.cpp): one
+// arithmetic, so an adapter step's activation is bit for bit what the fused product gives the same
+// rows. kernels/silu_avx2.h is the same arithmetic on AVX2 (the same bits). Needs AVX-512 BF16.
 #pragma once
 
 #include <immintrin.h>
@@ -9,7 +10,7 @@
 
 #define TM_SILU __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,fma")))
 
-namespace tokenmill {
+namespace tokenmill::avx512 {
 
 TM_SILU inline __m512 widen_bf16(__m256i h) {  // 16 bf16 to float32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -54,4 +55,4 @@ TM_SILU inline void silu_mul_row(const uint16_t* gu, uint16_t* out, int64_t half
   }
 }
 
-}  // namespace tokenmill
+}  // namespace tokenmill::avx512
