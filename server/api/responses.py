@@ -30,6 +30,7 @@ from server.api.protocol import Bool, Int, SamplingFields
 from server.api.respond import Call, ChoiceEvents, generation, respond
 from server.http import sse
 from server.http.errors import ApiError
+from server.http.numbers import MAX_INT
 from server.ops.feedback import RecordKey
 from server.prompt.chat import TEXT_PART_TYPES, ChatMessage, ContentPart, template_messages
 from server.prompt.codec import check_prompt_bytes
@@ -54,7 +55,7 @@ class ResponsesRequest(SamplingFields):
     model: str | None = None
     input: Annotated[str, Field(min_length=1)] | Annotated[list[dict[str, Any]], Field(min_length=1)]
     instructions: str | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     stream: Bool = False
     store: Bool | None = None  # answered false: nothing is stored
     previous_response_id: str | None = None
