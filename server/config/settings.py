@@ -31,6 +31,10 @@ from server.config.vllm_flags import VLLM_DTYPES
 from server.http.connections import FD_RESERVE, ConnectionLimits, default_max_connections
 
 ENV_PREFIX = "TOKENMILL_"
+# After drain_timeout_s: how long the responses have to send their error events (the requests are ended
+# at once, not after the engine's step in flight), before the connections left are closed (server/cli.py
+# DrainingServer). A client that reads nothing cannot hold the exit past it.
+DRAIN_FLUSH_S = 0.5
 
 
 PositiveSeconds = Annotated[float, Field(gt=0)] | None
