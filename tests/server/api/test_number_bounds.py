@@ -59,7 +59,7 @@ CASES = [
     ("/generate", raw('{"prompt": "x", "temperature": 1N}', HUGE), "temperature"),
     ("/v1/feedback", raw('{"request_id": "r", "rating": N}', WIDE), "rating"),
     ("/v1/feedback", raw('{"request_id": "r", "rating": N}', HUGE), "rating"),
-    ("/v1/chat/completions", {"messages": USER, "guided_json": '{"type": "array", "maxItems": %s}' % HUGE},
+    ("/v1/chat/completions", {"messages": USER, "guided_json": '{"type": "array", "maxItems": N}'.replace("N", HUGE)},
      "guided_json"),
 ]
 
