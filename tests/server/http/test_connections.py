@@ -63,7 +63,12 @@ def start_server(tiny_model_path: str, nofile: tuple[int, int], *flags: str) -> 
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=lower_limit)
     url = f"http://{HOST}:{port}"
-    wait_until(lambda: _status(f"{url}/health") == 200 or proc.poll() is not None, 180, 0.1, "server ready")
+    try:
+        wait_until(lambda: _status(f"{url}/health") == 200 or proc.poll() is not None, 180, 0.1, "server ready")
+    except BaseException:  # never ready: it must not outlive the test
+        proc.kill()
+        proc.wait(10)
+        raise
     assert proc.poll() is None, log_path.read_text()
     return proc, url, log_path
 
