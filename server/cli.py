@@ -32,7 +32,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from server.config.flags import add_flags, settings_from_flags
-from server.config.settings import ServerSettings
+from server.config.settings import DRAIN_FLUSH_S, ServerSettings
 from server.config.vllm_flags import flag_problems
 from server.http.connections import FD_RESERVE, ConnectionGuard, raise_open_files_limit
 from server.http.guarded_server import GuardedServer, guarded_config
@@ -188,11 +188,11 @@ def configure_logging(level: str, log_prompts: bool = False) -> None:
 class DrainingServer(GuardedServer):
     """The server of `tokenmill serve`: its first SIGTERM/SIGINT drains the app, then exits 0 (plain
     uvicorn re-raises the signal). The drain deadline is absolute: at drain_timeout_s the requests
-    left are aborted (streams get an `error` event where the socket still takes it), FLUSH_S later the
-    connections left are closed, and a watchdog ends the process at drain_timeout_s + WATCHDOG_S
-    whatever still runs."""
+    left are ended at once, not after the engine's step in flight (streams get an `error` event where
+    the socket still takes it), FLUSH_S later the connections left are closed, and a watchdog ends the
+    process at drain_timeout_s + WATCHDOG_S whatever still runs."""
 
-    FLUSH_S = 0.5  # after the drain deadline: time for the error events to go out
+    FLUSH_S = DRAIN_FLUSH_S  # after the drain deadline: time for the error events to go out (0.5 s)
     WATCHDOG_S = 1.8  # after the drain deadline: the process exits 0 even if shutdown hangs
 
     def __init__(self, config: uvicorn.Config, app, guard: ConnectionGuard, drain_timeout_s: float) -> None:
@@ -220,8 +220,8 @@ class DrainingServer(GuardedServer):
         self._drain_task = runtime.loop.create_task(self._drain_then_exit(runtime))
 
     async def _drain_then_exit(self, runtime) -> None:
-        try:
-            await asyncio.wait_for(runtime.drain(), self._drain_timeout_s + self.FLUSH_S)
+        try:  # drain() ends by itself FLUSH_S after its deadline; this bound only guards against a hang there
+            await asyncio.wait_for(runtime.drain(), self._drain_timeout_s + self.FLUSH_S + 0.2)
         except asyncio.TimeoutError:
             log.warning("drain deadline: closing %d responses still open", runtime.open_responses)
         finally:

@@ -4,7 +4,10 @@ route picked); choice `index` = prompt index x n + sample index, as OpenAI numbe
 
 The choices are admitted as one unit (server/serving/admission.py): all at once or none (one 429, or a
 400 when the lane can never hold them), counting as one request against the lane's request bound and
-their tokens in all against its token bound, before anything is sent. Choices past the request's share
+their tokens in all against its token bound, before anything is sent. Each still has its own queue
+deadline once admitted: a choice it ends before the choice started is answered empty and marked
+(finish_reason `timeout` with an `error`), and the choices that ran are kept; the request is a 503
+only when none started (server/api/openai_shapes.py lays the marks out). Choices past the request's share
 of the engine's seats (a quarter of max_num_seqs, server/serving/gateway.py seat_share) run one priority
 level lower, so a large `n` never holds every seat against another client's request.
 
@@ -29,7 +32,7 @@ from server.api.stream_guard import StreamGuard
 from server.http import sse
 from server.http.errors import ApiError
 from server.serving.dispatch import start_unit
-from server.serving.gateway import GenerationRequest
+from server.serving.gateway import GenerationRequest, start_error
 from server.serving.handle import Completed, Handle
 from server.serving.ticket import Finished, Tokens
 
@@ -97,14 +100,33 @@ async def _prompt_ran(handle: Handle, request: Request) -> None:
 
 
 async def collect_choices(handles: list[Handle], request: Request) -> list[Completed]:
-    """Every choice's whole output, in index order. The first failure closes the rest and is raised."""
-    tasks = [asyncio.ensure_future(h.collect(request)) for h in handles]
+    """Every choice's whole output, in index order. Of several choices, one that its queue deadline ended
+    before it started comes back empty, marked (`finished.never_started`), beside what the others ran;
+    only when none of them started is the request the 503 one choice gets. Any other failure closes
+    the rest and is raised."""
+    several = len(handles) > 1
+    tasks = [asyncio.ensure_future(_collect(h, request, several)) for h in handles]
     try:
-        return list(await asyncio.gather(*tasks))
+        done = list(await asyncio.gather(*tasks))
     except BaseException:
         for h in handles:
             h.close()
         await _cancelled(tasks)
+        raise
+    first_error = done[0].finished.error
+    if several and first_error is not None and all(d.finished.never_started for d in done):
+        raise start_error(first_error)
+    return done
+
+
+async def _collect(handle: Handle, request: Request, keep_unstarted: bool) -> Completed:
+    """handle.collect(); with `keep_unstarted`, a queue timeout (the choice never ran) is its empty result."""
+    try:
+        return await handle.collect(request)
+    except ApiError as exc:
+        ticket = handle.ticket
+        if keep_unstarted and exc.type == "queue_timeout" and ticket.error is not None:
+            return Completed(ticket, Finished(ticket.finish_reason or "timeout", ticket.error))
         raise
 
 

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from server.api.protocol import parse_body
 from server.http.errors import ApiError
+from server.http.numbers import MAX_INT, MIN_INT
 from server.ops.feedback import RATINGS, AlreadyRated, RecordKey
 from server.serving.dispatch import request_owner
 from server.serving.runtime import Runtime
@@ -34,7 +35,7 @@ class FeedbackBody(BaseModel):
 
     request_id: Annotated[str, Field(min_length=1, max_length=128)]
     choice: Annotated[int, Strict(), Field(ge=0, le=MAX_CHOICE)] = 0
-    rating: Annotated[int, Strict()]
+    rating: Annotated[int, Strict(), Field(ge=MIN_INT, le=MAX_INT)]
     comment: Annotated[str, Field(max_length=4000)] | None = None
     user: str | None = None  # the request's `user`, when it gave one
 

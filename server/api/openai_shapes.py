@@ -27,6 +27,19 @@ def _event(data: dict[str, Any]) -> ServerSentEvent:
     return sse.event(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
 
 
+def _error(finished: Finished) -> dict[str, Any]:
+    """The OpenAI error object of a request (or choice) that failed."""
+    assert finished.error is not None
+    error = finished.error
+    return {"message": error.message, "type": error.kind, "param": error.param, "code": error.status}
+
+
+def _marked(choice: dict[str, Any], finished: Finished) -> dict[str, Any]:
+    """A choice of several that its queue deadline ended before it started: empty, finish_reason
+    `timeout`, and the error it would have been alone (server/api/choices.py collect_choices)."""
+    return {**choice, "error": _error(finished)} if finished.never_started else choice
+
+
 class OpenAIShape:
     """How one endpoint lays out its responses; choice `index` = prompt index x n + sample."""
 
@@ -52,8 +65,9 @@ class OpenAIShape:
 
     async def stream(self, handles: list[Handle], events: ChoiceEvents) -> AsyncGenerator[ServerSentEvent, None]:
         """Chunks as OpenAI streams them (a first chunk per choice where the API has one), an error chunk
-        that ends the choices' chunks, the usage chunk when asked (and every choice finished), then
-        [DONE]."""
+        that ends the choices' chunks (but for a choice of several that its queue deadline ended before
+        it started: its last chunk is marked, the others go on), the usage chunk when asked (and every
+        choice finished), then [DONE]."""
         self.cached = all(h.cached for h in handles)
         tickets = [h.ticket for h in handles]
         extra = {"usage": None} if self.include_usage else {}
@@ -70,14 +84,12 @@ class OpenAIShape:
                     chunk = self._tokens_event(index, event.output, extra)
                 if chunk is not None:
                     yield chunk
-            elif isinstance(event, Finished) and event.error is not None:
-                yield _event({"error": {"message": event.error.message, "type": event.error.kind,
-                                        "param": event.error.param,
-                                        "code": event.error.status}})
-                break
             elif isinstance(event, Finished):
-                finished += 1
-                yield _event({**self.chunk([self.finish_delta(index, event.reason)]), **extra})
+                if event.error is not None and not (event.never_started and len(tickets) > 1):
+                    yield _event({"error": _error(event)})
+                    break
+                finished += 1  # a choice of several that never started ends alone, marked
+                yield _event({**self.chunk([_marked(self.finish_delta(index, event.reason), event)]), **extra})
         if self.include_usage and finished == len(tickets):
             yield _event({**self.chunk([]), "usage": self.usage(tickets)})
         yield sse.event("[DONE]")
@@ -93,8 +105,9 @@ class OpenAIShape:
         return _event({**self.chunk([choice]), **extra})
 
     def usage(self, tickets: list[Ticket]) -> dict[str, Any]:
-        """Each prompt counts once (OpenAI's rule for n), with its first sample's cached tokens."""
-        firsts = tickets[:: self.n]
+        """Each prompt counts once (OpenAI's rule for n), with its first sample's cached tokens; a prompt
+        whose first sample never started (its queue deadline) ran nothing and counts none."""
+        firsts = [t for t in tickets[:: self.n] if t.error is None or t.error.kind != "queue_timeout"]
         prompt = sum(len(t.prompt_token_ids) for t in firsts)
         completion = sum(t.completion_tokens for t in tickets)
         usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -109,7 +122,7 @@ class OpenAIShape:
                 "system_fingerprint": self.fingerprint, "choices": choices}
 
     def full(self, done: list[Completed], want: bool) -> dict[str, Any]:
-        choices = [self.full_choice(i, d, want) for i, d in enumerate(done)]
+        choices = [_marked(self.full_choice(i, d, want), d.finished) for i, d in enumerate(done)]
         return {"id": self.id, "object": self.object_full, "created": self.created, "model": self.model,
                 "system_fingerprint": self.fingerprint, "choices": choices,
                 "usage": self.usage([d.ticket for d in done])}  # fmt: skip

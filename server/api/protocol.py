@@ -15,20 +15,24 @@ from engine.api import InvalidParam, SamplingParams
 from server.config.lanes import Lane
 from server.http.errors import ApiError, validation_to_api_error
 from server.http.json_limits import check_depth
+from server.http.numbers import MAX_INT, MIN_INT, cut
 from server.prompt.chat import ChatMessage, render_options
 from server.prompt.structured import StructuredFields
 from server.prompt.tools import ToolFields
 
-Int = Annotated[int, Strict()]
+# Integers are 64-bit (the seed's range, wider than any other field's): a larger one is refused here,
+# naming its field, before any check that would echo it (server/http/numbers.py).
+Int = Annotated[int, Strict(), Field(ge=MIN_INT, le=MAX_INT)]
 Bool = Annotated[bool, Strict()]
 Num = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 Seconds = Annotated[float, Strict(), Field(gt=0, le=86400, allow_inf_nan=False)]
-TokenId = Annotated[int, Strict(), Field(ge=0)]
+TokenId = Annotated[int, Strict(), Field(ge=0, le=MAX_INT)]
 PriorityName = Literal["interactive", "standard", "batch"]
 
 Body = TypeVar("Body", bound=BaseModel)
 MAX_N = 64  # most samples per prompt (n)
 _TOKEN_KEY = re.compile(r"\s*[+-]?[0-9]+\s*")  # a logit_bias key: what int() reads, ASCII digits only
+MAX_TOKEN_KEY_CHARS = 32  # a logit_bias key's length, checked before int() reads it (a token id has <= 20 digits)
 
 _SAMPLING_FIELDS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -168,9 +172,9 @@ class OpenAIFields(SamplingFields, StructuredFields):
         out: dict[int, float] = {}
         given: dict[int, str] = {}
         for key, value in (self.logit_bias or {}).items():
-            if not _TOKEN_KEY.fullmatch(key):
-                raise ApiError(400, "invalid_request", f"logit_bias keys are token ids, got {key!r}",
-                               param="logit_bias")  # fmt: skip
+            if len(key) > MAX_TOKEN_KEY_CHARS or not _TOKEN_KEY.fullmatch(key):
+                raise ApiError(400, "invalid_request", f"logit_bias keys are token ids (at most "
+                               f"{MAX_TOKEN_KEY_CHARS} characters), got {cut(key)}", param="logit_bias")  # fmt: skip
             token = int(key)
             if token in given:
                 raise ApiError(400, "invalid_request", f"logit_bias names token {token} twice ({given[token]!r} "

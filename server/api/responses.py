@@ -30,6 +30,7 @@ from server.api.protocol import Bool, Int, SamplingFields
 from server.api.respond import Call, ChoiceEvents, generation, respond
 from server.http import sse
 from server.http.errors import ApiError
+from server.http.numbers import MAX_INT
 from server.ops.feedback import RecordKey
 from server.prompt.chat import TEXT_PART_TYPES, ChatMessage, ContentPart, template_messages
 from server.prompt.codec import check_prompt_bytes
@@ -54,7 +55,7 @@ class ResponsesRequest(SamplingFields):
     model: str | None = None
     input: Annotated[str, Field(min_length=1)] | Annotated[list[dict[str, Any]], Field(min_length=1)]
     instructions: str | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_output_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     stream: Bool = False
     store: Bool | None = None  # answered false: nothing is stored
     previous_response_id: str | None = None
@@ -142,20 +143,30 @@ def _chat_tool(tool: Any, field: str) -> Any:
 
 
 def _history_call(item: dict[str, Any], field: str) -> dict[str, Any]:
-    name, args = item.get("name"), item.get("arguments", "{}")
-    if not isinstance(name, str) or not isinstance(args, str):
-        raise ApiError(400, "invalid_request", "a function_call item needs a string name and arguments",
-                       param=f"{field}.name")  # fmt: skip
-    return {"id": str(item.get("call_id") or ""), "type": "function", "function": {"name": name, "arguments": args}}
+    """A `function_call` item: `call_id`, `name` and `arguments` (JSON text) are required, as the API
+    documents them; the call_id is what its `function_call_output` answers."""
+    call_id, name, args = (_required_text(item, key, field) for key in ("call_id", "name", "arguments"))
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def _tool_output(item: dict[str, Any], field: str) -> ChatMessage:
+    call_id = _required_text(item, "call_id", field)
     output = item.get("output")
     if isinstance(output, list):  # output parts: their text
         output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
     if not isinstance(output, str):
         raise ApiError(400, "invalid_request", "output must be a string", param=f"{field}.output")
-    return ChatMessage(role="tool", content=output, tool_call_id=item.get("call_id"))
+    return ChatMessage(role="tool", content=output, tool_call_id=call_id)
+
+
+def _required_text(item: dict[str, Any], key: str, field: str) -> str:
+    """item[key], a string (non-empty but for `arguments`); else 400 naming `field.key`."""
+    value = item.get(key)
+    if not isinstance(value, str) or (not value and key != "arguments"):
+        what = "a string" if key == "arguments" else "a non-empty string"
+        raise ApiError(400, "invalid_request", f"a {item.get('type')} item needs `{key}`, {what}",
+                       param=f"{field}.{key}")  # fmt: skip
+    return value
 
 
 def _message(item: dict[str, Any], field: str) -> ChatMessage:

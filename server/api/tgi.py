@@ -30,6 +30,7 @@ from server.api.respond import Call, ChoiceEvents, generation, respond
 from server.api.tokenize import deployment
 from server.http import sse
 from server.http.errors import ApiError
+from server.http.numbers import MAX_INT
 from server.ops.feedback import RecordKey
 from server.prompt.codec import PromptCodec, check_prompt_bytes
 from server.serving.dispatch import cache_scope, picked, request_owner
@@ -48,7 +49,7 @@ class TGIParameters(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    max_new_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_new_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     do_sample: Bool | None = None
     temperature: Num | None = None
     top_k: Int | None = None
@@ -61,7 +62,7 @@ class TGIParameters(BaseModel):
     details: Bool = False
     decoder_input_details: Bool = False
     return_full_text: Bool | None = False
-    truncate: Annotated[int, Field(ge=1)] | None = None
+    truncate: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
     typical_p: Num | None = None
     watermark: Bool | None = False
     best_of: Int | None = None

@@ -28,9 +28,13 @@ from server.config.lora import parse_lora_modules
 from server.config.units import parse_size, parse_token_count
 from server.config.versions import ModelEntry, check_version, parse_entries
 from server.config.vllm_flags import VLLM_DTYPES
-from server.http.connections import ConnectionLimits, default_max_connections
+from server.http.connections import FD_RESERVE, ConnectionLimits, default_max_connections
 
 ENV_PREFIX = "TOKENMILL_"
+# After drain_timeout_s: how long the responses have to send their error events (the requests are ended
+# at once, not after the engine's step in flight), before the connections left are closed (server/cli.py
+# DrainingServer). A client that reads nothing cannot hold the exit past it.
+DRAIN_FLUSH_S = 0.5
 
 
 PositiveSeconds = Annotated[float, Field(gt=0)] | None
@@ -119,7 +123,7 @@ class ServerSettings(BaseSettings):
     write_timeout_s: float = Field(30.0, gt=0, description="a client that accepts no bytes of its response for "
                                    "this long is disconnected (a stream's request is aborted)")
     max_connections: int | None = Field(None, ge=1, description="open connections at most; at the cap the oldest "
-                                        "idle one makes room, else 503; default: the open-files limit minus 96")
+                                        f"idle one makes room, else 503; default: the open-files limit minus {FD_RESERVE}")
     socket_send_buffer_bytes: int | None = Field(None, ge=1, description="SO_SNDBUF of client sockets: bounds "
                                                  "the kernel memory a client that stops reading holds; none: the "
                                                  "kernel's autotuning (up to net.ipv4.tcp_wmem)")

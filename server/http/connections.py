@@ -3,10 +3,18 @@ whole request or while it stops reading. uvicorn has no header or body timeout, 
 write timeout and no connection cap that keeps serving under a flood, so a small guard does it
 (`guarded_protocol.GuardedH11Protocol`, uvicorn's own h11 protocol with timers); see docs/SERVER.md.
 
-`ConnectionGuard` is the shared part: the live connections (oldest first), one sweep task that checks
-every connection's deadline and write progress each `tick_s`, counters for /metrics, and the loop's
-exception handler that turns asyncio's per-attempt "socket.accept() out of system resource" log into
-one line per interval.
+`ConnectionGuard` is the shared part: the live connections (oldest first), the client sockets the
+process holds (the budget `server/http/acceptor.py` accepts within, so a burst of connections never
+takes the files the process needs), one sweep task that checks every connection's deadline and write
+progress each `tick_s`, counters for /metrics, and accept() failures counted and logged once per
+interval.
+
+The open files: the default cap is the open-files limit less FD_RESERVE, and the sockets held never
+exceed the cap + max_lingering (refused connections still answered) + accept_batch (sockets accepted
+and not yet counted, or closing: evicted, refused at once). At 1,024 open files: a cap of 896, at
+most 960 client sockets, 64 files left for the process's own (13 when serving, measured: stdio, the
+event loop's epoll and pipes, the listening socket) and for what it opens later (a new version's
+files, the feedback database).
 """
 
 from __future__ import annotations
@@ -22,8 +30,10 @@ from typing import Protocol
 
 log = logging.getLogger("tokenmill.connections")
 
-FD_RESERVE = 96  # open files kept for the process itself (model files, logs, pipes, refused sockets)
-_ACCEPT_ERROR = "socket.accept() out of system resource"
+OWN_FILES = 64  # open files kept for the process's own use (13 measured while serving; model files, logs)
+MAX_LINGERING = 32  # refused connections read at once (each holds a socket for linger_s)
+ACCEPT_BATCH = 32  # sockets accepted per wake-up at most, and the budget's share for sockets being closed
+FD_RESERVE = OWN_FILES + MAX_LINGERING + ACCEPT_BATCH  # the default cap: the open-files limit less this
 
 
 @dataclass(frozen=True)
@@ -38,7 +48,8 @@ class ConnectionLimits:
     send_buffer_bytes: int | None = None  # SO_SNDBUF of client sockets; None: the kernel's autotuning
     retry_after_s: int = 1  # Retry-After of a 503 refusal at the cap
     linger_s: float = 2.0  # a refused connection is read (and discarded) this long, so the 503 arrives
-    max_lingering: int = 32  # refused connections read at once; more are closed right after the 503
+    max_lingering: int = MAX_LINGERING  # refused connections read at once; more are closed right after the 503
+    accept_batch: int = ACCEPT_BATCH  # sockets accepted per wake-up at most (server/http/acceptor.py)
     tick_s: float = 0.25  # how often deadlines are checked: each fires at most this late
     accept_log_interval_s: float = 10.0  # accept() failures are logged at most once per interval
 
@@ -49,8 +60,17 @@ class ConnectionLimits:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.send_buffer_bytes is not None and self.send_buffer_bytes < 1:
             raise ValueError(f"send_buffer_bytes must be >= 1, got {self.send_buffer_bytes}")
-        if self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        for name in ("max_connections", "accept_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_lingering < 0:
+            raise ValueError(f"max_lingering must be >= 0, got {self.max_lingering}")
+
+    @property
+    def max_sockets(self) -> int:
+        """Client sockets held at most: the cap's connections, refused ones still answered, and a batch
+        accepted but not yet counted or being closed (evicted, refused at once)."""
+        return self.max_connections + self.max_lingering + self.accept_batch
 
 
 class GuardedConnection(Protocol):
@@ -82,7 +102,10 @@ class ConnectionGuard:
         self.limits = limits
         self.clock = clock
         self._live: dict[GuardedConnection, None] = {}  # not yet lost, oldest first
-        self._lingering: dict[GuardedConnection, float] = {}  # refused -> when to close it
+        self._closing: set[GuardedConnection] = set()  # live ones the server is closing
+        self._refused: dict[GuardedConnection, float | None] = {}  # refused -> when its linger ends (None: closed at once)
+        self._pending: set[int] = set()  # file descriptors accepted whose connection is not made yet
+        self._room_waiters: list[Callable[[], None]] = []  # acceptors paused for want of room
         self.closed: Counter[str] = Counter()  # connections the server closed, by reason
         self.accept_errors = 0  # accept() failures (open-files limit), ever
         self._accept_unlogged = 0  # ... since the last log line
@@ -90,40 +113,92 @@ class ConnectionGuard:
         self._last_accept_error: BaseException | None = None
         self._task: asyncio.Task | None = None
 
+    # -- the socket budget (server/http/acceptor.py) ----------------------------------------------------
+    @property
+    def sockets_held(self) -> int:
+        """Client sockets the process holds: accepted and not yet made, live (closing ones too), refused."""
+        return len(self._pending) + len(self._live) + len(self._refused)
+
+    def room(self) -> int:
+        """How many more sockets may be accepted now."""
+        return max(0, self.limits.max_sockets - self.sockets_held)
+
+    def accepted(self, fd: int) -> None:
+        """A socket was accepted; its connection is made on a later loop iteration (`arrived`)."""
+        self._pending.add(fd)
+
+    def arrived(self, fd: int) -> None:
+        """The accepted socket's connection is made: from now on it is live or refused."""
+        self._pending.discard(fd)
+
+    def abandoned(self, fd: int) -> bool:
+        """The accepted socket's connection could not be made; True when it was still counted as pending
+        (the caller closes the socket)."""
+        if fd not in self._pending:
+            return False
+        self._pending.discard(fd)
+        self._wake()
+        return True
+
+    def when_room(self, callback: Callable[[], None]) -> None:
+        """Call `callback` whenever a socket is released (an acceptor that paused resumes)."""
+        self._room_waiters.append(callback)
+
+    def _wake(self) -> None:
+        if self.room() > 0:
+            for callback in self._room_waiters:
+                callback()
+
     # -- registry ------------------------------------------------------------------------------------
     @property
     def open_connections(self) -> int:
         """Connections counted against the cap: live and not being closed by the server."""
-        return sum(1 for conn in self._live if conn.close_reason is None)
+        return len(self._live) - len(self._closing)
 
     def make_room(self) -> bool:
         """Room for one more connection, evicting the oldest idle (then unfinished) one at the cap.
         False: every connection has a request being answered; the new one is refused."""
         if self.open_connections < self.limits.max_connections:
             return True
-        ranked = [(rank, i, c) for i, c in enumerate(self._live)
-                  if c.close_reason is None and (rank := c.eviction_rank()) is not None]  # fmt: skip
-        if not ranked:
+        unfinished = None  # the oldest connection still sending its request, in case none is idle
+        for conn in self._live:  # oldest first
+            if conn.close_reason is not None:
+                continue
+            rank = conn.eviction_rank()
+            if rank == 0:
+                conn.evict()
+                return True
+            if rank is not None and unfinished is None:
+                unfinished = conn
+        if unfinished is None:
             return False
-        min(ranked, key=lambda item: item[:2])[2].evict()  # idle before unfinished, oldest first
+        unfinished.evict()
         return True
 
     def add(self, conn: GuardedConnection) -> None:
         self._live[conn] = None
 
     def lost(self, conn: GuardedConnection) -> None:
+        """The connection's socket is closed: its room in the budget is free again."""
         self._live.pop(conn, None)
-        self._lingering.pop(conn, None)
+        self._closing.discard(conn)
+        self._refused.pop(conn, None)
+        self._wake()
 
-    def linger(self, conn: GuardedConnection) -> bool:
-        """Track a refused connection until linger_s passed; False when too many already linger."""
-        if len(self._lingering) >= self.limits.max_lingering:
-            return False
-        self._lingering[conn] = self.clock() + self.limits.linger_s
-        return True
+    def refuse(self, conn: GuardedConnection) -> bool:
+        """Track a refused connection until its socket is closed. True: it is read for linger_s (so its
+        503 arrives); False: too many linger already, it is closed at once."""
+        self.closed["refused"] += 1
+        lingering = sum(1 for until in self._refused.values() if until is not None)
+        until = self.clock() + self.limits.linger_s if lingering < self.limits.max_lingering else None
+        self._refused[conn] = until
+        return until is not None
 
-    def count_close(self, reason: str) -> None:
+    def closing(self, conn: GuardedConnection, reason: str) -> None:
+        """The server started closing `conn` for `reason` (counted once): no longer against the cap."""
         self.closed[reason] += 1
+        if conn in self._live:
+            self._closing.add(conn)
 
     def drop_all(self, reason: str) -> None:
         """Close every connection now (shutdown after the drain): those with a request in progress
@@ -131,7 +206,7 @@ class ConnectionGuard:
         for conn in list(self._live):
             if conn.close_reason is None:
                 conn.drop(reason, abort=conn.eviction_rank() is None)
-        for conn in list(self._lingering):
+        for conn in list(self._refused):
             conn.end_linger()
 
     # -- sweep -----------------------------------------------------------------------------------------
@@ -155,21 +230,19 @@ class ConnectionGuard:
     def sweep(self, now: float) -> None:
         for conn in list(self._live):
             conn.check(now)
-        for conn, until in list(self._lingering.items()):
-            if now >= until:
+        for conn, until in list(self._refused.items()):
+            if until is not None and now >= until:
                 conn.end_linger()
         self._flush_accept_log(now)
+        self._wake()  # an acceptor paused for room never waits longer than a tick, whatever was missed
 
     # -- accept() failures --------------------------------------------------------------------------------
-    def loop_exception_handler(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
-        """asyncio logs every failed accept() with a traceback (and, in CPython's accept loop, up to
-        `backlog` times per wake-up); count them and log one line per interval instead."""
-        if context.get("message") != _ACCEPT_ERROR:
-            loop.default_exception_handler(context)
-            return
+    def accept_failed(self, exc: OSError) -> None:
+        """accept() failed for want of files or memory (the acceptor retries shortly): counted, and
+        logged once per interval, not once per attempt."""
         self.accept_errors += 1
         self._accept_unlogged += 1
-        self._last_accept_error = context.get("exception")
+        self._last_accept_error = exc
         now = self.clock()
         if self._accept_logged_at is None or now - self._accept_logged_at >= self.limits.accept_log_interval_s:
             self._log_accept_errors(now)

@@ -20,6 +20,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.http.numbers import MAX_NUMBER_DIGITS, number_field
+
 log = logging.getLogger("tokenmill.server")
 
 _MAX_LISTED_ERRORS = 5
@@ -105,9 +107,15 @@ async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse
 
 def validation_to_api_error(path: str, errors: Sequence[Any]) -> ApiError:
     """Pydantic errors -> one ApiError naming the first bad field and listing a few."""
-    if any(e.get("type") == "json_invalid" for e in errors):
-        detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
-        return ApiError(400, "invalid_request", f"malformed JSON body: {detail}".rstrip(": "))
+    invalid = next((e for e in errors if e.get("type") == "json_invalid"), None)
+    if invalid is not None:
+        detail = invalid.get("ctx", {}).get("error", "")
+        raw = invalid.get("input")
+        field = number_field(raw, detail) if isinstance(raw, str | bytes) else None
+        if field is not None:  # a number longer than the parser reads: name where it is
+            return ApiError(400, "invalid_request", f"{field}: a number of more than {MAX_NUMBER_DIGITS} digits",
+                            param=field)  # fmt: skip
+        return ApiError(400, "invalid_request", f"malformed JSON body: {detail}".rstrip(": "), param="body")
     parts, first_param = [], None
     for e in errors[:_MAX_LISTED_ERRORS]:
         loc = [str(p) for p in e.get("loc", ()) if p != "body" and not _UNION_TAG.match(str(p))]

@@ -11,7 +11,8 @@ In every phase, bytes queued for the client that it accepts none of for write_ti
 connection (`slow_client`): the transport is aborted, its buffer discarded, and the app sees the
 disconnect (a stream then aborts its request in the engine). At the connection cap a new connection
 evicts the oldest idle, then unfinished, one; when every connection has a request being answered it
-gets 503 + Retry-After and is closed. Framing a proxy could read differently is refused (framing.py).
+gets 503 + Retry-After and is closed. Sockets are taken off the listening socket only as far as the
+guard's budget allows (server/http/acceptor.py). Framing a proxy could read differently is refused (framing.py).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class GuardedH11Protocol(H11Protocol):
 
     # -- asyncio.Protocol --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.guard.arrived(sock.fileno())  # accepted by server/http/acceptor.py: now live or refused
         if not self.guard.make_room():
             self._refuse(transport)
             return
@@ -80,7 +84,6 @@ class GuardedH11Protocol(H11Protocol):
         self.guard.add(self)
         self._enter(Phase.IDLE)
         size = self.guard.limits.send_buffer_bytes
-        sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             # asyncio sets TCP_NODELAY only on sockets made with proto IPPROTO_TCP, and uvicorn binds with 0:
             # without it, Nagle holds a response's body (a second write) until the client ACKs its headers,
@@ -147,7 +150,7 @@ class GuardedH11Protocol(H11Protocol):
             return
         if self.close_reason is None:
             self.close_reason = reason
-            self.guard.count_close(reason)
+            self.guard.closing(self, reason)
         cycle = self.cycle
         answering = cycle is not None and cycle.response_started and not cycle.response_complete
         if response is not None and not answering:
@@ -206,13 +209,13 @@ class GuardedH11Protocol(H11Protocol):
         self._refused = True
         self.transport = transport
         self.close_reason = "refused"
-        self.guard.count_close("refused")
+        lingers = self.guard.refuse(self)
         limits = self.guard.limits
         transport.write(raw_response(
             503, "Service Unavailable", "overloaded",
             f"the server holds its maximum of {limits.max_connections} connections; retry after "
             f"{limits.retry_after_s}s", retry_after_s=limits.retry_after_s))  # fmt: skip
-        if self.guard.linger(self) and transport.can_write_eof():
+        if lingers and transport.can_write_eof():
             transport.write_eof()
         else:
             transport.close()

@@ -18,6 +18,7 @@ from itertools import accumulate, repeat
 from typing import Any
 
 from server.http.errors import ApiError
+from server.http.numbers import json_int
 
 MAX_JSON_DEPTH = 64  # nested arrays/objects; the request body and each JSON text inside it
 
@@ -62,7 +63,8 @@ def check_depth(text: str | bytes, field: str) -> None:
 
 
 def loads(text: str | bytes, field: str) -> Any:
-    """json.loads with the depth bound. Raises ApiError 400 naming `field` when too deep, ValueError
-    when `text` is not JSON."""
+    """json.loads with the depth bound and numbers of at most MAX_NUMBER_DIGITS digits
+    (server/http/numbers.py). Raises ApiError 400 naming `field` when too deep, ValueError when `text`
+    is not JSON or holds a longer number."""
     check_depth(text, field)
-    return json.loads(text)
+    return json.loads(text, parse_int=json_int)

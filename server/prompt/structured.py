@@ -18,7 +18,6 @@ object comes from the engine, like its tokenizer.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -37,6 +36,7 @@ from engine.api import (
     InvalidParam,
     SamplingParams,
 )
+from server.http import json_limits
 from server.http.errors import ApiError
 
 # structured_outputs keys that tune vLLM's backends; accepted and ignored (our JSON's whitespace is bounded).
@@ -134,7 +134,7 @@ def _schema(value: Any, param: str) -> dict[str, Any]:
     """A JSON schema given as an object or as JSON text."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = json_limits.loads(value, param)
         except ValueError as exc:
             raise _bad(param, f"is not valid JSON: {exc}") from None
     if not isinstance(value, dict):

@@ -16,7 +16,7 @@ import time
 
 from engine.api import EngineProtocol
 from server.config.lanes import Lane
-from server.config.settings import ServerSettings
+from server.config.settings import DRAIN_FLUSH_S, ServerSettings
 from server.config.versions import ModelSpec
 from server.ops.feedback import FeedbackStore, RequestRecords
 from server.ops.metrics import CacheStats, ServerMetrics, VersionSnapshot
@@ -33,8 +33,6 @@ from server.serving.ticket import ServerError
 from server.serving.worker import Worker
 
 log = logging.getLogger("tokenmill.server")
-
-_FLUSH_AFTER_ABORT_S = 5.0
 
 
 class Runtime:
@@ -135,8 +133,9 @@ class Runtime:
             log.error(self.readiness.failure)
 
     async def drain(self) -> None:
-        """Refuse new requests, let in-flight ones finish within drain_timeout_s, abort the rest with an
-        error (event), and return once their responses were sent (or a few seconds passed)."""
+        """Refuse new requests, let in-flight ones finish within drain_timeout_s; at that deadline end the
+        rest at once with an error (event), whatever step the engine is in the middle of, and return
+        once their responses were sent or DRAIN_FLUSH_S passed."""
         self.readiness.draining = True
         timeout = self.settings.drain_timeout_s
         log.info("draining: %d requests in flight, up to %.0fs", self._in_flight(), timeout)
@@ -147,10 +146,11 @@ class Runtime:
             log.warning("drain timeout: aborting %d requests", self._in_flight())
             error = ServerError("shutdown", f"the server shut down (drain timeout {timeout:g}s)", 503)
             for _, dep in self.models.deployments():
-                dep.worker.abort_all(error)
-        end = self.loop.time() + _FLUSH_AFTER_ABORT_S
+                dep.worker.end_all_now(error)  # the responses' error events go out now ...
+                dep.worker.abort_all(error)  # ... the engine drops the requests after its step in flight
+        end = self.loop.time() + DRAIN_FLUSH_S
         while self.open_responses and self.loop.time() < end:
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.01)
         log.info("drained")
 
     def _in_flight(self) -> int:

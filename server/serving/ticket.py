@@ -41,6 +41,11 @@ class Finished:
     reason: str  # stop, length, timeout, abort, error
     error: ServerError | None = None
 
+    @property
+    def never_started(self) -> bool:
+        """Its queue deadline ended it before the engine scheduled it: nothing of it ran."""
+        return self.error is not None and self.error.kind == "queue_timeout"
+
 
 Event = Started | Tokens | Finished
 

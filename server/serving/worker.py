@@ -189,6 +189,20 @@ class Worker:
     def abort_all(self, error: ServerError) -> None:
         self._inbox.put(_AbortAll(error))
 
+    def end_all_now(self, error: ServerError) -> None:
+        """Post Finished("abort", error) to every admitted request's collector now, from the caller's thread,
+        not after the engine's step in flight: a step can take seconds (a long prompt chunk, a loaded
+        machine), and at the drain deadline each response must send its error event before the
+        connections close. The requests stay the worker's: abort_all() ends them in the engine and counts
+        them, and its own Finished comes second (a handle keeps the first)."""
+        with self._lock:
+            collectors = [ticket.collector for ticket in self._tickets.values()]
+        for collector in collectors:
+            try:
+                collector.loop.call_soon_threadsafe(collector.queue.put_nowait, Finished("abort", error))
+            except RuntimeError:
+                pass  # the loop is closed: nobody is listening any more
+
     def call(self, fn: Callable[[EngineProtocol], object]) -> concurrent.futures.Future:
         """fn(engine) on the worker thread, between two steps (the engine has one owner); await the result
         with asyncio.wrap_future. Raises WorkerUnavailable."""

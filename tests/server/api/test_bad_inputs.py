@@ -77,6 +77,22 @@ CASES = [
      "tools.0.function.name", "tools.0.function.name must be"),
     ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "x"}},
      400, "tool_choice", '{"type": "function", "name": ...}'),
+    # input items as the Responses API documents them: a function_call has call_id, name and arguments; its
+    # function_call_output a call_id and output
+    ("/v1/responses", {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400,
+     "input.0.call_id", "function_call item needs `call_id`"),
+    ("/v1/responses", {"input": [{"type": "function_call", "call_id": "", "name": "f", "arguments": "{}"}]}, 400,
+     "input.0.call_id", "non-empty string"),
+    ("/v1/responses", {"input": [{"role": "user", "content": "x"},
+                                 {"type": "function_call", "call_id": 7, "name": "f", "arguments": "{}"}]}, 400,
+     "input.1.call_id", "call_id"),
+    ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, 400,
+     "input.0.name", "needs `name`"),
+    ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, 400,
+     "input.0.arguments", "needs `arguments`"),
+    ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                                 {"type": "function_call_output", "output": "done"}]}, 400,
+     "input.1.call_id", "function_call_output item needs `call_id`"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens":
      TEST_MAX_MODEL_LEN}, 400, "max_completion_tokens", "max_completion_tokens"),
     ("/v1/completions", {"prompt": []}, 400, "prompt", "must not be empty"),

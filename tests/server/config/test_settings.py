@@ -13,6 +13,7 @@ from server import cli
 from server.config.flags import parse_settings
 from server.config.lanes import Lane
 from server.config.settings import ServerSettings
+from server.http.connections import FD_RESERVE
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
@@ -221,7 +222,7 @@ def test_connection_limits_from_settings():
     limits = s.connection_limits(open_files=1024)
     assert (limits.header_timeout_s, limits.body_timeout_s, limits.keep_alive_timeout_s, limits.write_timeout_s,
             limits.send_buffer_bytes) == (3, 4, 5, 6, 65536)  # fmt: skip
-    assert limits.max_connections == 1024 - 96  # default: what the open-files limit leaves
+    assert limits.max_connections == 1024 - FD_RESERVE == 896  # default: what the open-files limit leaves
     assert parse_settings(["--max-connections", "10"]).connection_limits(1024).max_connections == 10
     for flag in ("--header-timeout-s", "--write-timeout-s", "--max-connections", "--stream-max-pending-tokens"):
         with pytest.raises(ValidationError):

@@ -2,11 +2,13 @@
 100 prompts and 2 prompts x n=64 succeed on an idle server (each choice used to be its own request, so
 the 64-request interactive lane answered 429 forever); the unit counts once against the lane's request
 bound and with its tokens in all against the token bound; a busy lane refuses it whole (429) and a unit
-the lane can never hold gets 400 naming the bound; and a request's n cannot take every seat: another
-client's short request still starts within a step or two."""
+the lane can never hold gets 400 naming the bound; a request's n cannot take every seat: another
+client's short request still starts within a step or two; and choices its queue deadline ended before
+they started are marked in the answer beside the ones that ran."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 
@@ -165,3 +167,56 @@ def test_one_requests_n_cannot_take_every_seat(engine_with):
         print(f"TTFT idle {idle * 1000:.0f} ms, beside n=64 {[round(b * 1000) for b in busy]} ms")
         s.wait_idle()
         assert s.runtime.primary.leases == 0
+
+
+QUEUE_S = 0.5  # the interactive lane's queue deadline in the tests below
+
+
+def openai_stream(url: str, body: dict) -> list[dict]:
+    """The data objects of a streamed /v1/completions answer, [DONE] left out."""
+    with httpx.Client(timeout=60) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_choices_cut_by_their_queue_deadline_are_marked_and_the_others_kept(engine_with):
+    """One seat, a queue deadline of 0.5 s, four prompts whose first runs over 1 s: the other three end in
+    the queue without starting. The answer keeps what ran (before: a 503 for the whole request, the first
+    choice's work thrown away) and marks the others: empty, finish_reason `timeout`, the `error` they would
+    have been alone; usage counts only the prompt that ran. Streamed, each marked choice ends with its own
+    chunk while the first goes on. Only when no choice started is the request the 503 one choice gets."""
+    engine = ControlledEngine(engine_with(max_num_seqs=1), step_delay_s=0.05)  # 20 tokens take over 1 s
+    settings = make_settings(max_num_seqs=1, interactive_queue_timeout_s=QUEUE_S, warmup=False)
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [14]]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 20, "ignore_eos": True, "priority": "interactive"}
+    with run_server(settings, engine) as s:
+        r = completions(s.url, **body)
+        assert r.status_code == 200, r.text
+        first, *cut = r.json()["choices"]
+        assert first["finish_reason"] == "length" and first["text"] and "error" not in first, first
+        for choice in cut:
+            assert choice["finish_reason"] == "timeout" and choice["text"] == "", choice
+            assert choice["error"]["type"] == "queue_timeout" and choice["error"]["code"] == 503, choice
+        assert r.json()["usage"]["prompt_tokens"] == 3 and r.json()["usage"]["completion_tokens"] == 20
+
+        chunks = openai_stream(s.url, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        ends = {c["index"]: c for chunk in chunks for c in chunk["choices"] if c["finish_reason"] is not None}
+        assert ends[0]["finish_reason"] == "length" and "error" not in ends[0]
+        assert all(ends[i]["finish_reason"] == "timeout" and ends[i]["error"]["type"] == "queue_timeout"
+                   for i in (1, 2, 3)), ends  # fmt: skip
+        order = [c["index"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"] is not None]
+        assert order[-1] == 0  # the marked ones ended first; the stream went on with choice 0
+        assert "".join(c["text"] for chunk in chunks for c in chunk["choices"] if c["index"] == 0)
+        assert chunks[-1]["usage"]["prompt_tokens"] == 3 and chunks[-1]["usage"]["completion_tokens"] == 20
+
+        with Background() as bg:  # a blocker holds the seat past the deadline: no choice of the next starts
+            blocker = bg.post("blocker", f"{s.url}/generate", {"prompt": "x", "max_tokens": 400, "ignore_eos": True,
+                                                               "stream": False, "priority": "interactive",
+                                                               "timeout_s": 2 * QUEUE_S + 0.5})  # fmt: skip
+            wait_until(lambda: s.health()["running"] == 1, what="blocker running")
+            r = completions(s.url, **{**body, "prompt": prompts[:2]})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "queue_timeout", r.text
+            assert blocker.result(timeout=60).json()["finish_reason"] == "timeout"
+        s.wait_idle()

@@ -1,7 +1,8 @@
 """SIGTERM on the real process (`python -m server`) while streams run: readiness turns 503 (draining),
 new requests get 503, streams that can finish within drain_timeout_s finish, the rest end with an
 error event, and the process exits 0 (within drain_timeout_s + 2 s, even with clients that stopped
-reading)."""
+reading). The error events go out at the deadline even while the engine is in the middle of a step far
+longer than the flush time (tests/server/serving/slow_drain_server.py)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class StreamReader(threading.Thread):
         self.first_token = threading.Event()
         self.events: list[tuple[str, dict]] = []
         self.error: BaseException | None = None
+        self.ended_at: float | None = None  # time.monotonic() when the stream ended (or failed)
 
     def run(self) -> None:
         try:
@@ -49,6 +51,7 @@ class StreamReader(threading.Thread):
         except BaseException as exc:  # reported by the test
             self.error = exc
         finally:
+            self.ended_at = time.monotonic()
             self.first_token.set()
 
 
@@ -147,6 +150,48 @@ def test_sigterm_with_stalled_readers_exits_zero_within_the_drain_deadline(tiny_
     finally:
         for sock in stalled:
             sock.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_at_the_drain_deadline_every_stream_gets_its_error_event_however_long_the_step_in_flight():
+    """Every step after SIGTERM takes 4 s, so at the 1 s drain deadline the engine worker is mid-step and
+    cannot take the abort for 3 more seconds. Each stream still gets its `error` event and a clean end
+    within the flush time after the deadline (before: the connections were closed FLUSH_S = 0.5 s after
+    it, every stream ended in a bare reset), and the process exits 0 within its watchdog."""
+    from server.cli import DrainingServer
+
+    drain_s, slow_s = 1.0, 4.0
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENMILL_")}
+    cmd = [sys.executable, "-m", "tests.server.serving.slow_drain_server", "--port", str(port),
+           "--drain-timeout-s", str(drain_s), "--slow-step-s", str(slow_s)]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: _status(f"{url}/health") == 200 or proc.poll() is not None, 60, 0.1, "server ready")
+        assert proc.poll() is None, proc.stdout.read()
+        readers = [StreamReader(f"{url}/generate", {"prompt": f"stream {i}", "max_tokens": 400}) for i in range(6)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            assert reader.first_token.wait(30)
+
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for reader in readers:
+            reader.join(30)
+            assert not reader.is_alive() and reader.error is None, reader.error  # a clean end, no reset
+            kind, err = reader.events[-1]
+            assert kind == "error" and err["error"]["type"] == "shutdown", reader.events[-3:]
+            assert 0 < sum(k == "token" for k, _ in reader.events) < 400
+            # at the deadline (1 s), not after the step in flight (~4 s after SIGTERM); the slack is the
+            # event loop's wait on two loaded cores
+            assert reader.ended_at is not None and reader.ended_at - start < drain_s + DrainingServer.FLUSH_S + 1.0
+        assert proc.wait(timeout=drain_s + slow_s + 10) == 0
+        assert time.monotonic() - start < drain_s + DrainingServer.WATCHDOG_S + 1.0
+    finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
