@@ -69,7 +69,9 @@ X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 # The same for every file on every machine: the baseline of the architecture (the paths above it are
 # the sources' own target regions). -ffp-contract=off: no multiply-add is fused unless a source asks for
 # it (the layer kernels round where PyTorch's ops round; the paths of a group then agree bit for bit).
-FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fPIC", "-w", "-ffp-contract=off",
+# -fno-trapping-math: no kernel reads the floating-point exception flags, and without it GCC keeps a
+# loop with a float comparison in it (exp's range checks in softmax and sampling) scalar.
+FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-fPIC", "-w", "-ffp-contract=off", "-fno-trapping-math",
          *(("-march=x86-64", "-mtune=generic") if X86 else ()))
 ISA_CAPS = ("amx", "avx512", "avx-512", "avx2", "base", "portable")  # TOKENMILL_CPU_ISA's values
 

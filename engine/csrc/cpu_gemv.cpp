@@ -52,23 +52,37 @@ bool supported(const std::string& kind) {
   return (kind == "bf16" ? bf16_path() : int8_path()) != Isa::Base;
 }
 
-// Chunks [c0, c1) of a call on its path.
-void run_chunks(const Job& j, int64_t c0, int64_t c1) {
-  const Isa path = j.w_scale ? int8_path() : bf16_path();
-  if (path == Isa::Amx && tokenmill::gemv::amx::applies(j)) {
-    tokenmill::gemv::amx::run_chunks(j, c0, c1);
-  } else if (path >= Isa::Avx512) {
-    tokenmill::gemv::avx512::run_chunks(j, c0, c1);
-  } else {
-    tokenmill::gemv::avx2::run_chunks(j, c0, c1);
-  }
+// Rows of x per work item: all of them, but where a call has fewer chunks than 8 a thread, so that the
+// threads' shares even out (SmolLM2's 576x576 is 9 chunks: at 2 threads one does 5, the other 4 and
+// then waits); a multiple of 4 (the register tiles' rows). The AMX path keeps whole chunks.
+int64_t item_rows(int64_t m, int64_t chunks) {
+  const int64_t want = 8 * static_cast<int64_t>(at::get_num_threads());
+  if (chunks >= want || m <= 4) return m;
+  const int64_t groups = std::min((m + 3) / 4, (want + chunks - 1) / chunks);
+  return ((m + groups - 1) / groups + 3) / 4 * 4;
 }
 
 void run(const Job& j) {
+  const Isa path = j.w_scale ? int8_path() : bf16_path();
+  const int64_t chunks = j.g.nb / NB;
   // At least ~64 KiB of weights per task: below that starting a thread costs more than it saves.
   const int64_t chunk_bytes = NB * 16 * j.g.k2 * (j.w_scale ? 1 : 2);
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / chunk_bytes);
-  at::parallel_for(0, j.g.nb / NB, grain, [&](int64_t c0, int64_t c1) { run_chunks(j, c0, c1); });
+  if (path == Isa::Amx && tokenmill::gemv::amx::applies(j)) {
+    at::parallel_for(0, chunks, grain, [&](int64_t c0, int64_t c1) { tokenmill::gemv::amx::run_chunks(j, c0, c1); });
+    return;
+  }
+  const int64_t rows = item_rows(j.m, chunks), groups = (j.m + rows - 1) / rows;
+  at::parallel_for(0, chunks * groups, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t c = i / groups, r0 = i % groups * rows, r1 = std::min(j.m, r0 + rows);
+      if (path >= Isa::Avx512) {
+        tokenmill::gemv::avx512::run_rows(j, c, r0, r1);
+      } else {
+        tokenmill::gemv::avx2::run_rows(j, c, r0, r1);
+      }
+    }
+  });
 }
 
 // ---- packing -------------------------------------------------------------------------------------
@@ -321,8 +335,11 @@ at::Tensor silu_mul_rows(const at::Tensor& gu) {
   return out;
 }
 
-// Sums 64-bit words [b, e) in eight independent lanes (vectorised by the compiler).
+// Words [b, e) summed on the widest path here (the portable loop: eight lanes the compiler vectorises).
 uint64_t sum_words(const uint64_t* p, int64_t b, int64_t e) {
+  const Isa isa = tokenmill::vector_isa();
+  if (isa == Isa::Avx512) return tokenmill::gemv::avx512::sum_words(p, b, e);
+  if (isa == Isa::Avx2) return tokenmill::gemv::avx2::sum_words(p, b, e);
   uint64_t lane[8] = {};
   int64_t i = b;
   for (; i + 8 <= e; i += 8)

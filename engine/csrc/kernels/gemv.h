@@ -51,7 +51,9 @@ struct RowMap {
   int64_t lane(int64_t r) const { return (half ? r % half : r) % 16; }
 };
 
-// Each path: chunks [c0, c1) of a call, every row of x; silu(gate) * up of rows [r0, r1) of a bf16
+// The AMX path: chunks [c0, c1) of a call, every row of x. The others: one chunk and a range of rows
+// (rows split across threads too where a call has few chunks: each tile's sums do not depend on which
+// rows share its thread). Each path's silu(gate) * up of rows [r0, r1) of a bf16
 // [rows, 2 half] product (row stride ld) into out [rows, half]; int8 blocks [b0, b1) dequantized to
 // bf16 rows of out [n, k] (k even).
 namespace amx {
@@ -59,16 +61,18 @@ bool applies(const Job& j);  // bf16, 1..32 rows, k2 a multiple of 32
 void run_chunks(const Job& j, int64_t c0, int64_t c1);
 }  // namespace amx
 namespace avx512 {  // needs AVX512-BF16 for bf16, and VNNI for int8
-void run_chunks(const Job& j, int64_t c0, int64_t c1);
+void run_rows(const Job& j, int64_t c, int64_t r0, int64_t r1);  // chunk c, rows [r0, r1) of x
 void silu_rows(const uint16_t* gu, int64_t ld, uint16_t* out, int64_t half, int64_t r0, int64_t r1);
 void unpack_int8(const int8_t* packed, const float* scales, const Geometry& g, const RowMap& map, uint16_t* out,
                  int64_t b0, int64_t b1);
+uint64_t sum_words(const uint64_t* p, int64_t b, int64_t e);  // words [b, e) summed: a memory-read probe
 }  // namespace avx512
 namespace avx2 {  // AVX2 + FMA: the same sums as the AVX-512 path (bf16 products are exact in float32)
-void run_chunks(const Job& j, int64_t c0, int64_t c1);
+void run_rows(const Job& j, int64_t c, int64_t r0, int64_t r1);
 void silu_rows(const uint16_t* gu, int64_t ld, uint16_t* out, int64_t half, int64_t r0, int64_t r1);
 void unpack_int8(const int8_t* packed, const float* scales, const Geometry& g, const RowMap& map, uint16_t* out,
                  int64_t b0, int64_t b1);
+uint64_t sum_words(const uint64_t* p, int64_t b, int64_t e);
 }  // namespace avx2
 
 }  // namespace tokenmill::gemv

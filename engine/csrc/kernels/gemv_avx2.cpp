@@ -44,84 +44,153 @@ TM_AVX2 inline int32_t pair_at(const uint16_t* row, int64_t p) {
 
 // ---- bf16 ----------------------------------------------------------------------------------------
 
-// sums[r][16 b + 8 h + l] for R rows from m0 and NBT blocks from b0 (b0 relative to the chunk: bc),
-// one chain per output: per pair, + w_odd x_odd, then + w_even x_even.
+// A unit vector of 8 (w[2p], w[2p + 1]) pairs as float32: the even elements (shifted up) and the odd
+// ones (the low halves cleared).
+TM_AVX2 inline __m256 even_of(__m256i wv) { return _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)); }
+TM_AVX2 inline __m256 odd_of(__m256i wv) {
+  return _mm256_castsi256_ps(_mm256_and_si256(wv, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+TM_AVX2 inline __m256i unit_at(const uint16_t* w, int64_t kp, int64_t p, int v) {  // half v of the tile's blocks
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + ((v / 2) * kp + p) * 32 + (v % 2) * 16));
+}
+
+// The register tiles below keep their 8 accumulators in named variables (a0..a7, index r * V + v
+// for row r and half v of V = 2 NBT): GCC 12 keeps an accumulator array that lives across the loop
+// on the stack, storing it at every pair (the int8 tiles of kernels/gemv_avx512.h met the same); and
+// each tile is a function of its own (noinline): inlined into the chunk loop, GCC spills them again.
+#define TM_EACH8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+
+template <int I, typename T>  // the I-th of eight named accumulators
+TM_AVX2 inline T& acc(T& a0, T& a1, T& a2, T& a3, T& a4, T& a5, T& a6, T& a7) {
+  if constexpr (I == 0) return a0;
+  else if constexpr (I == 1) return a1;
+  else if constexpr (I == 2) return a2;
+  else if constexpr (I == 3) return a3;
+  else if constexpr (I == 4) return a4;
+  else if constexpr (I == 5) return a5;
+  else if constexpr (I == 6) return a6;
+  else return a7;
+}
+
+// sums[r][16 bc + 8 v + l] for R rows from m0 and NBT blocks from the chunk's block bc, one chain per
+// output: per pair, + w_odd x_odd, then + w_even x_even. One row takes its x pair once and each unit
+// as it is loaded; several rows take each unit once for all of them.
 template <int R, int NBT>
-TM_AVX2 inline void tile_bf16(const Job& j, int64_t m0, int64_t b0, int64_t bc, Sums& sums) {
-  const int64_t kp = j.g.k2 / 2;
+TM_AVX2 __attribute__((noinline)) void tile_bf16(const Job& j, int64_t m0, int64_t b0, int64_t bc, Sums& sums) {
+  constexpr int V = 2 * NBT;
+  static_assert(R * V <= 8, "8 accumulators at most");
+  const int64_t kp = j.g.k2 / 2, k2 = j.g.k2;
   const uint16_t* w = static_cast<const uint16_t*>(j.w) + (b0 + bc) * kp * 32;
-  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  __m256 acc[R][2 * NBT];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2 * NBT; ++v) acc[r][v] = _mm256_setzero_ps();
-  const float* xf = j.xf + m0 * j.g.k2;
+  const float* xf = j.xf + m0 * k2;
+  const __m256 z = _mm256_setzero_ps();
+  __m256 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z;
   for (int64_t p = 0; p < kp; ++p) {
-    for (int v = 0; v < 2 * NBT; ++v) {  // block v / 2, outputs 8 (v % 2) ..
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + ((v / 2) * kp + p) * 32 + (v % 2) * 16));
-      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
-      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, hi_mask));
-      for (int r = 0; r < R; ++r) {
-        const float* xr = xf + r * j.g.k2 + 2 * p;
-        acc[r][v] = _mm256_fmadd_ps(wo, _mm256_broadcast_ss(xr + 1), acc[r][v]);
-        acc[r][v] = _mm256_fmadd_ps(we, _mm256_broadcast_ss(xr), acc[r][v]);
-      }
+    const float* x = xf + 2 * p;
+    if constexpr (R == 1) {
+      const __m256 xo = _mm256_broadcast_ss(x + 1), xe = _mm256_broadcast_ss(x);
+#define TM_ONE(i)                                                                         \
+  if constexpr (V > i) {                                                                  \
+    const __m256i wv = unit_at(w, kp, p, i);                                              \
+    a##i = _mm256_fmadd_ps(even_of(wv), xe, _mm256_fmadd_ps(odd_of(wv), xo, a##i));       \
+  }
+      TM_EACH8(TM_ONE)
+#undef TM_ONE
+    } else if constexpr (NBT == 1) {  // the block's two units once, then every row
+      const __m256i w0 = unit_at(w, kp, p, 0), w1 = unit_at(w, kp, p, 1);
+      const __m256 we[2] = {even_of(w0), even_of(w1)}, wo[2] = {odd_of(w0), odd_of(w1)};
+#define TM_ROWS(i)                                                                                  \
+  if constexpr (R * V > i) {                                                                        \
+    constexpr int r = i / V, v = i % V;                                                             \
+    a##i = _mm256_fmadd_ps(we[v], _mm256_broadcast_ss(x + r * k2),                                  \
+                           _mm256_fmadd_ps(wo[v], _mm256_broadcast_ss(x + r * k2 + 1), a##i));      \
+  }
+      TM_EACH8(TM_ROWS)
+#undef TM_ROWS
+    } else {  // half by half (so a unit's even and odd values live only for its rows)
+#define TM_ROWS(j)                                                                                  \
+  if constexpr (R * V > j) {                                                                        \
+    constexpr int r = j % R, v = j / R, i = r * V + v;                                              \
+    const __m256i wv = unit_at(w, kp, p, v);                                                        \
+    acc<i>(a0, a1, a2, a3, a4, a5, a6, a7) = _mm256_fmadd_ps(                                      \
+        even_of(wv), _mm256_broadcast_ss(x + r * k2),                                               \
+        _mm256_fmadd_ps(odd_of(wv), _mm256_broadcast_ss(x + r * k2 + 1), acc<i>(a0, a1, a2, a3, a4, a5, a6, a7))); \
+  }
+      TM_EACH8(TM_ROWS)
+#undef TM_ROWS
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2 * NBT; ++v) _mm256_storeu_ps(sums[r] + bc * 16 + v * 8, acc[r][v]);
+#define TM_STORE(i) \
+  if constexpr (R * V > i) _mm256_storeu_ps(sums[i / V] + bc * 16 + (i % V) * 8, a##i);
+  TM_EACH8(TM_STORE)
+#undef TM_STORE
 }
 
 // The blocked order (kernels/gemv_avx512.h tile_bf16_blocked): per 16 pairs, the even columns' products
-// in one chain and the odd columns' in another, each from zero, then acc += (even + odd). One block.
+// in one chain and the odd columns' in another, each from zero, then sums += (even + odd). One block
+// (two halves) of R <= 2 rows: chains e0..e3 (even, index r * 2 + h) and o0..o3 (odd); the running
+// sums stay in the buffer, touched once per 16 pairs.
 template <int R>
-TM_AVX2 inline void tile_bf16_blocked(const Job& j, int64_t m0, int64_t b0, int64_t bc, Sums& sums) {
-  const int64_t kp = j.g.k2 / 2;
+TM_AVX2 __attribute__((noinline)) void tile_bf16_blocked(const Job& j, int64_t m0, int64_t b0, int64_t bc, Sums& sums) {
+  static_assert(R <= 2, "two rows of even and odd chains");
+  const int64_t kp = j.g.k2 / 2, k2 = j.g.k2;
   const uint16_t* w = static_cast<const uint16_t*>(j.w) + (b0 + bc) * kp * 32;
-  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  const float* xf = j.xf + m0 * j.g.k2;
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t p0 = 0; p0 < kp; p0 += 16) {
-    __m256 even[R][2], odd[R][2];
-    for (int r = 0; r < R; ++r) even[r][0] = even[r][1] = odd[r][0] = odd[r][1] = _mm256_setzero_ps();
-    const int64_t p1 = std::min(kp, p0 + 16);
-    for (int64_t p = p0; p < p1; ++p)
-      for (int h = 0; h < 2; ++h) {
-        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + h * 16));
-        const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
-        const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, hi_mask));
-        for (int r = 0; r < R; ++r) {
-          const float* xr = xf + r * j.g.k2 + 2 * p;
-          even[r][h] = _mm256_fmadd_ps(we, _mm256_broadcast_ss(xr), even[r][h]);
-          odd[r][h] = _mm256_fmadd_ps(wo, _mm256_broadcast_ss(xr + 1), odd[r][h]);
-        }
-      }
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_add_ps(even[r][h], odd[r][h]));
-  }
+  const float* xf = j.xf + m0 * k2;
+  const __m256 z = _mm256_setzero_ps();
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(sums[r] + bc * 16 + h * 8, acc[r][h]);
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(sums[r] + bc * 16 + h * 8, z);
+  for (int64_t p0 = 0; p0 < kp; p0 += 16) {
+    __m256 e0 = z, e1 = z, e2 = z, e3 = z, o0 = z, o1 = z, o2 = z, o3 = z;
+    const int64_t p1 = std::min(kp, p0 + 16);
+    for (int64_t p = p0; p < p1; ++p) {
+      const __m256i w0 = unit_at(w, kp, p, 0), w1 = unit_at(w, kp, p, 1);
+      const __m256 we[2] = {even_of(w0), even_of(w1)}, wo[2] = {odd_of(w0), odd_of(w1)};
+      const float* x = xf + 2 * p;
+#define TM_CHAINS(i)                                                                  \
+  if constexpr (2 * R > i) {                                                          \
+    constexpr int r = i / 2, h = i % 2;                                               \
+    e##i = _mm256_fmadd_ps(we[h], _mm256_broadcast_ss(x + r * k2), e##i);             \
+    o##i = _mm256_fmadd_ps(wo[h], _mm256_broadcast_ss(x + r * k2 + 1), o##i);         \
+  }
+      TM_CHAINS(0) TM_CHAINS(1) TM_CHAINS(2) TM_CHAINS(3)
+#undef TM_CHAINS
+    }
+#define TM_FOLD(i)                                                                                 \
+  if constexpr (2 * R > i) {                                                                       \
+    float* at = sums[i / 2] + bc * 16 + (i % 2) * 8;                                               \
+    _mm256_storeu_ps(at, _mm256_add_ps(_mm256_loadu_ps(at), _mm256_add_ps(e##i, o##i)));           \
+  }
+    TM_FOLD(0) TM_FOLD(1) TM_FOLD(2) TM_FOLD(3)
+#undef TM_FOLD
+  }
 }
 
 // ---- INT8 ----------------------------------------------------------------------------------------
 
-// isums[r][v] = int32 sums of x[row m0 + r] . W[block bc + v / 2, outputs 8 (v % 2)..] over pairs
-// [p0, p1) (at most FLUSH_PAIRS).
+// isums[i] (i = r * V + v) = int32 sums of x[row m0 + r] . W[block v / 2, outputs 8 (v % 2)..] over
+// pairs [p0, p1) (at most FLUSH_PAIRS), in named accumulators (see TM_EACH8).
 template <int R, int NBT>
-TM_AVX2 inline void dot_int8(const Job& j, const int8_t* w, int64_t m0, int64_t p0, int64_t p1,
-                             __m256i (&isums)[R][2 * NBT]) {
-  const int64_t kp = j.g.k2 / 2;
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 2 * NBT; ++v) isums[r][v] = _mm256_setzero_si256();
+TM_AVX2 __attribute__((noinline)) void dot_int8(const Job& j, const int8_t* w, int64_t m0, int64_t p0, int64_t p1, __m256i (&isums)[8]) {
+  constexpr int V = 2 * NBT;
+  static_assert(R * V <= 8, "8 accumulators at most");
+  const int64_t kp = j.g.k2 / 2, k2 = j.g.k2;
+  const uint16_t* x = j.x + m0 * k2;
+  const __m256i z = _mm256_setzero_si256();
+  __m256i a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z;
   for (int64_t p = p0; p < p1; ++p) {
-    __m256i xb[R];
-    for (int r = 0; r < R; ++r) xb[r] = _mm256_set1_epi32(pair_at(j.x + (m0 + r) * j.g.k2, p));
-    for (int v = 0; v < 2 * NBT; ++v) {
-      const __m256i wv = _mm256_cvtepi8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + ((v / 2) * kp + p) * 32 + (v % 2) * 16)));
-      for (int r = 0; r < R; ++r) isums[r][v] = _mm256_add_epi32(isums[r][v], _mm256_madd_epi16(wv, xb[r]));
-    }
+    __m256i wv[V];  // each half's 16 int8 widened to int16
+    for (int v = 0; v < V; ++v)
+      wv[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + ((v / 2) * kp + p) * 32 + (v % 2) * 16)));
+#define TM_DOT(i)                                                                                      \
+  if constexpr (R * V > i) {                                                                           \
+    constexpr int r = i / V, v = i % V;                                                                \
+    a##i = _mm256_add_epi32(a##i, _mm256_madd_epi16(wv[v], _mm256_set1_epi32(pair_at(x + r * k2, p)))); \
   }
+    TM_EACH8(TM_DOT)
+#undef TM_DOT
+  }
+#define TM_SAVE(i) isums[i] = a##i;
+  TM_EACH8(TM_SAVE)
+#undef TM_SAVE
 }
 
 // sums = (sum over groups of float(int32 sums) * w_scale[group]) * x_scale[row], and for per-channel
@@ -134,7 +203,7 @@ TM_AVX2 inline void tile_int8(const Job& j, int64_t m0, int64_t b0, int64_t bc, 
   __m256 acc[R][2 * NBT];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 2 * NBT; ++v) acc[r][v] = _mm256_setzero_ps();
-  __m256i isums[R][2 * NBT];
+  __m256i isums[8];
   for (int64_t gi = 0; gi < j.g.groups; ++gi) {
     const int64_t g_end = std::min(kp, (gi + 1) * j.g.group_pairs);
     for (int64_t p0 = gi * j.g.group_pairs; p0 < g_end; p0 += FLUSH_PAIRS) {
@@ -142,7 +211,7 @@ TM_AVX2 inline void tile_int8(const Job& j, int64_t m0, int64_t b0, int64_t bc, 
       for (int v = 0; v < 2 * NBT; ++v) {
         const __m256 sc = grouped ? _mm256_loadu_ps(j.w_scale + ((blk + v / 2) * j.g.groups + gi) * 16 + (v % 2) * 8)
                                   : _mm256_set1_ps(1.f);
-        for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isums[r][v]), sc, acc[r][v]);
+        for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isums[r * 2 * NBT + v]), sc, acc[r][v]);
       }
     }
   }
@@ -222,25 +291,23 @@ TM_AVX2 void rows_blocked(const Job& j, int64_t m0, int64_t b0, Sums& sums) {
 
 }  // namespace
 
-TM_AVX2 void run_chunks(const Job& j, int64_t c0, int64_t c1) {
-  // Every row of x against one chunk of NB blocks at a time: the chunk stays in L1/L2 across the
-  // row tiles, so the weights are read from memory once per call whatever the row count.
+TM_AVX2 void run_rows(const Job& j, int64_t c, int64_t r0, int64_t r1) {
+  // Every row of the range against one chunk of NB blocks: the chunk stays in L1/L2 across the row
+  // tiles, so the weights are read from memory once per range whatever its rows.
   alignas(32) Sums sums;
-  for (int64_t c = c0; c < c1; ++c) {
-    const int64_t b0 = c * NB;
-    int64_t m0 = 0;
-    if (j.blocked) {  // tiles of at most 2 rows
-      for (; m0 + 2 <= j.m; m0 += 2) rows_blocked<2>(j, m0, b0, sums);
-      if (m0 < j.m) rows_blocked<1>(j, m0, b0, sums);
-      continue;
-    }
-    for (; m0 + MR <= j.m; m0 += MR) rows<MR>(j, m0, b0, sums);
-    switch (j.m - m0) {
-      case 3: rows<3>(j, m0, b0, sums); break;
-      case 2: rows<2>(j, m0, b0, sums); break;
-      case 1: rows<1>(j, m0, b0, sums); break;
-      default: break;
-    }
+  const int64_t b0 = c * NB;
+  int64_t m0 = r0;
+  if (j.blocked) {  // tiles of at most 2 rows
+    for (; m0 + 2 <= r1; m0 += 2) rows_blocked<2>(j, m0, b0, sums);
+    if (m0 < r1) rows_blocked<1>(j, m0, b0, sums);
+    return;
+  }
+  for (; m0 + MR <= r1; m0 += MR) rows<MR>(j, m0, b0, sums);
+  switch (r1 - m0) {
+    case 3: rows<3>(j, m0, b0, sums); break;
+    case 2: rows<2>(j, m0, b0, sums); break;
+    case 1: rows<1>(j, m0, b0, sums); break;
+    default: break;
   }
 }
 
@@ -278,6 +345,23 @@ TM_AVX2 void unpack_int8(const int8_t* packed, const float* scales, const Geomet
         if (row_unit[l] >= 0) units[row_unit[l] + p] = pairs[l];
     }
   }
+}
+
+// Four independent 256-bit lanes of sums, so the loads are the limit (bench floor's bandwidth).
+TM_AVX2 uint64_t sum_words(const uint64_t* p, int64_t b, int64_t e) {
+  __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+  int64_t i = b;
+  for (; i + 16 <= e; i += 16) {
+    s0 = _mm256_add_epi64(s0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+    s1 = _mm256_add_epi64(s1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 4)));
+    s2 = _mm256_add_epi64(s2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 8)));
+    s3 = _mm256_add_epi64(s3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 12)));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi64(_mm256_add_epi64(s0, s1), _mm256_add_epi64(s2, s3)));
+  uint64_t s = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  for (; i < e; ++i) s += p[i];
+  return s;
 }
 
 }  // namespace tokenmill::gemv::avx2

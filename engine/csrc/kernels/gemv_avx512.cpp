@@ -5,24 +5,22 @@
 
 namespace tokenmill::gemv::avx512 {
 
-TM_AVX512 void run_chunks(const Job& j, int64_t c0, int64_t c1) {
-  // Every row of x against one chunk of NB blocks at a time: the chunk stays in L1/L2 across the
-  // row tiles, so the weights are read from memory once per call whatever the row count.
-  for (int64_t c = c0; c < c1; ++c) {
-    const int64_t b0 = c * NB;
-    int64_t m0 = 0;
-    if (j.blocked) {  // tiles of at most 2 rows (tile_bf16_blocked)
-      for (; m0 + 2 <= j.m; m0 += 2) tile<2>(j, m0, b0);
-      if (m0 < j.m) tile<1>(j, m0, b0);
-      continue;
-    }
-    for (; m0 + MR <= j.m; m0 += MR) tile<MR>(j, m0, b0);
-    switch (j.m - m0) {
-      case 3: tile<3>(j, m0, b0); break;
-      case 2: tile<2>(j, m0, b0); break;
-      case 1: tile<1>(j, m0, b0); break;
-      default: break;
-    }
+TM_AVX512 void run_rows(const Job& j, int64_t c, int64_t r0, int64_t r1) {
+  // Every row of the range against one chunk of NB blocks: the chunk stays in L1/L2 across the row
+  // tiles, so the weights are read from memory once per range whatever its rows.
+  const int64_t b0 = c * NB;
+  int64_t m0 = r0;
+  if (j.blocked) {  // tiles of at most 2 rows (tile_bf16_blocked)
+    for (; m0 + 2 <= r1; m0 += 2) tile<2>(j, m0, b0);
+    if (m0 < r1) tile<1>(j, m0, b0);
+    return;
+  }
+  for (; m0 + MR <= r1; m0 += MR) tile<MR>(j, m0, b0);
+  switch (r1 - m0) {
+    case 3: tile<3>(j, m0, b0); break;
+    case 2: tile<2>(j, m0, b0); break;
+    case 1: tile<1>(j, m0, b0); break;
+    default: break;
   }
 }
 
@@ -65,6 +63,21 @@ TM_AVX512 static void unpack_int8_block(const int8_t* packed, const float* scale
 TM_AVX512 void unpack_int8(const int8_t* packed, const float* scales, const Geometry& g, const RowMap& map, uint16_t* out,
                  int64_t b0, int64_t b1) {
   for (int64_t blk = b0; blk < b1; ++blk) unpack_int8_block(packed, scales, g, map, out, blk);
+}
+
+// Four independent 512-bit lanes of sums, so the loads are the limit (bench floor's bandwidth).
+TM_AVX512 uint64_t sum_words(const uint64_t* p, int64_t b, int64_t e) {
+  __m512i s0 = _mm512_setzero_si512(), s1 = s0, s2 = s0, s3 = s0;
+  int64_t i = b;
+  for (; i + 32 <= e; i += 32) {
+    s0 = _mm512_add_epi64(s0, _mm512_loadu_si512(p + i));
+    s1 = _mm512_add_epi64(s1, _mm512_loadu_si512(p + i + 8));
+    s2 = _mm512_add_epi64(s2, _mm512_loadu_si512(p + i + 16));
+    s3 = _mm512_add_epi64(s3, _mm512_loadu_si512(p + i + 24));
+  }
+  uint64_t s = static_cast<uint64_t>(_mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(s0, s1), _mm512_add_epi64(s2, s3))));
+  for (; i < e; ++i) s += p[i];
+  return s;
 }
 
 }  // namespace tokenmill::gemv::avx512

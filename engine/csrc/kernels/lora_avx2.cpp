@@ -43,55 +43,82 @@ TM_LORA_AVX2 inline float hsum(__m256 v) {  // (lanes 0-3 + 4-7), then pairs, th
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// tmp[rows[i], r] = A[r] . x[rows[i]] for the n <= GROUP rows of one adapter of rank R.
+// The tiles keep their 8 accumulators in named variables and are functions of their own (noinline):
+// GCC 12 spills an accumulator array that lives across a loop (kernels/gemv_avx2.cpp met the same).
+
+// tmp[rows[i], r] = A[r] . x[rows[i]] for the n <= GROUP rows of one adapter of rank R: two ranks x
+// four rows at a time (s<rank><row>); a short group repeats its last row and an odd rank its last
+// rank, whose sums are not stored.
 template <typename T, typename W>
-TM_LORA_AVX2 void shrink_group(const T* xp, const int64_t* rows, int n, int64_t in, const W* a, int64_t R,
-                               int64_t max_rank, float* tmp) {
-  const T* xr[GROUP];
-  for (int i = 0; i < GROUP; ++i) xr[i] = xp + rows[std::min(i, n - 1)] * in;  // short groups repeat a row
+TM_LORA_AVX2 __attribute__((noinline)) void shrink_group(const T* xp, const int64_t* rows, int n, int64_t in,
+                                                        const W* a, int64_t R, int64_t max_rank, float* tmp) {
+  static_assert(GROUP == 4, "written out for groups of 4 rows");
+  const T* x0 = xp + rows[0] * in;
+  const T* x1 = xp + rows[std::min(1, n - 1)] * in;
+  const T* x2 = xp + rows[std::min(2, n - 1)] * in;
+  const T* x3 = xp + rows[std::min(3, n - 1)] * in;
   for (int64_t r0 = 0; r0 < R; r0 += 2) {
-    const int nr = static_cast<int>(std::min<int64_t>(2, R - r0));
-    __m256 acc[2][GROUP];
-    for (int q = 0; q < 2; ++q)
-      for (int i = 0; i < GROUP; ++i) acc[q][i] = _mm256_setzero_ps();
+    const bool two = r0 + 1 < R;
+    const W* a0 = a + r0 * in;
+    const W* a1 = two ? a0 + in : a0;
+    const __m256 z = _mm256_setzero_ps();
+    __m256 s00 = z, s01 = z, s02 = z, s03 = z, s10 = z, s11 = z, s12 = z, s13 = z;
     for (int64_t c = 0; c < in; c += 8) {
       const int64_t m = in - c;
-      __m256 xv[GROUP];
-      for (int i = 0; i < GROUP; ++i) xv[i] = load8(xr[i] + c, m);
-      for (int q = 0; q < 2; ++q) {
-        if (q >= nr) break;
-        const __m256 av = load8(a + (r0 + q) * in + c, m);
-        for (int i = 0; i < GROUP; ++i) acc[q][i] = _mm256_fmadd_ps(av, xv[i], acc[q][i]);
-      }
+      const __m256 v0 = load8(x0 + c, m), v1 = load8(x1 + c, m), v2 = load8(x2 + c, m), v3 = load8(x3 + c, m);
+      const __m256 b0 = load8(a0 + c, m);
+      s00 = _mm256_fmadd_ps(b0, v0, s00), s01 = _mm256_fmadd_ps(b0, v1, s01);
+      s02 = _mm256_fmadd_ps(b0, v2, s02), s03 = _mm256_fmadd_ps(b0, v3, s03);
+      const __m256 b1 = load8(a1 + c, m);
+      s10 = _mm256_fmadd_ps(b1, v0, s10), s11 = _mm256_fmadd_ps(b1, v1, s11);
+      s12 = _mm256_fmadd_ps(b1, v2, s12), s13 = _mm256_fmadd_ps(b1, v3, s13);
     }
-    for (int q = 0; q < nr; ++q)
-      for (int i = 0; i < n; ++i) tmp[rows[i] * max_rank + r0 + q] = hsum(acc[q][i]);
+    const float first[GROUP] = {hsum(s00), hsum(s01), hsum(s02), hsum(s03)};
+    const float second[GROUP] = {hsum(s10), hsum(s11), hsum(s12), hsum(s13)};
+    for (int i = 0; i < n; ++i) {
+      tmp[rows[i] * max_rank + r0] = first[i];
+      if (two) tmp[rows[i] * max_rank + r0 + 1] = second[i];
+    }
   }
 }
 
 // y[rows[i], o0:o0+w] += tmp[rows[i], r_lo:r_hi] B^T[r_lo:r_hi, o0:o0+w] for n <= GROUP rows of one
-// adapter, 16 columns (2 registers) at a time: each output is y, then + tmp[r] * B^T[r] for r in
-// order (fused), one store.
+// adapter, 16 columns (two registers: y<row><half>) at a time: each output is y, then + tmp[r] *
+// B^T[r] for r in order (fused), one store. A short group repeats its last row, never stored.
 template <typename T, typename W>
-TM_LORA_AVX2 void expand_group(T* yp, const int64_t* rows, int n, int64_t out, const W* bt, int64_t r_lo,
-                               int64_t r_hi, int64_t max_rank, const float* tmp, int64_t o0, int64_t w) {
+TM_LORA_AVX2 __attribute__((noinline)) void expand_group(T* yp, const int64_t* rows, int n, int64_t out, const W* bt,
+                                                        int64_t r_lo, int64_t r_hi, int64_t max_rank, const float* tmp,
+                                                        int64_t o0, int64_t w) {
+  static_assert(GROUP == 4, "written out for groups of 4 rows");
+  const int64_t row[GROUP] = {rows[0], rows[std::min(1, n - 1)], rows[std::min(2, n - 1)], rows[std::min(3, n - 1)]};
+  const float* t0 = tmp + row[0] * max_rank;
+  const float* t1 = tmp + row[1] * max_rank;
+  const float* t2 = tmp + row[2] * max_rank;
+  const float* t3 = tmp + row[3] * max_rank;
   for (int64_t o = o0; o < o0 + w; o += 16) {
-    const int64_t m[2] = {std::max<int64_t>(0, o0 + w - o), std::max<int64_t>(0, o0 + w - (o + 8))};
-    __m256 acc[GROUP][2];
-    for (int i = 0; i < n; ++i)
-      for (int v = 0; v < 2; ++v) acc[i][v] = m[v] > 0 ? load8(yp + rows[i] * out + o + 8 * v, m[v]) : _mm256_setzero_ps();
+    const int64_t m0 = o0 + w - o, m1 = std::max<int64_t>(0, m0 - 8);  // valid columns of each half
+    T* const yr[GROUP] = {yp + row[0] * out + o, yp + row[1] * out + o, yp + row[2] * out + o, yp + row[3] * out + o};
+    __m256 y00 = load8(yr[0], m0), y10 = load8(yr[1], m0), y20 = load8(yr[2], m0), y30 = load8(yr[3], m0);
+    const __m256 z = _mm256_setzero_ps();
+    __m256 y01 = m1 ? load8(yr[0] + 8, m1) : z, y11 = m1 ? load8(yr[1] + 8, m1) : z;
+    __m256 y21 = m1 ? load8(yr[2] + 8, m1) : z, y31 = m1 ? load8(yr[3] + 8, m1) : z;
     for (int64_t r = r_lo; r < r_hi; ++r) {
-      __m256 bv[2];
-      for (int v = 0; v < 2; ++v) bv[v] = m[v] > 0 ? load8(bt + r * out + o + 8 * v, m[v]) : _mm256_setzero_ps();
-      for (int i = 0; i < GROUP; ++i) {
-        if (i >= n) break;
-        const __m256 t = _mm256_set1_ps(tmp[rows[i] * max_rank + r]);
-        for (int v = 0; v < 2; ++v) acc[i][v] = _mm256_fmadd_ps(t, bv[v], acc[i][v]);
-      }
+      const W* br = bt + r * out + o;
+      const __m256 b0 = load8(br, m0), b1 = m1 ? load8(br + 8, m1) : z;
+      __m256 t = _mm256_set1_ps(t0[r]);
+      y00 = _mm256_fmadd_ps(t, b0, y00), y01 = _mm256_fmadd_ps(t, b1, y01);
+      t = _mm256_set1_ps(t1[r]);
+      y10 = _mm256_fmadd_ps(t, b0, y10), y11 = _mm256_fmadd_ps(t, b1, y11);
+      t = _mm256_set1_ps(t2[r]);
+      y20 = _mm256_fmadd_ps(t, b0, y20), y21 = _mm256_fmadd_ps(t, b1, y21);
+      t = _mm256_set1_ps(t3[r]);
+      y30 = _mm256_fmadd_ps(t, b0, y30), y31 = _mm256_fmadd_ps(t, b1, y31);
     }
-    for (int i = 0; i < n; ++i)
-      for (int v = 0; v < 2; ++v)
-        if (m[v] > 0) store8(yp + rows[i] * out + o + 8 * v, acc[i][v], m[v]);
+    const __m256 out0[GROUP] = {y00, y10, y20, y30}, out1[GROUP] = {y01, y11, y21, y31};
+    for (int i = 0; i < n; ++i) {
+      store8(yr[i], out0[i], m0);
+      if (m1) store8(yr[i] + 8, out1[i], m1);
+    }
   }
 }
 

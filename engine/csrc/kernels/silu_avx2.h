@@ -23,12 +23,15 @@ TM_AVX2_SILU inline __m256i bf16_lanes(__m256 v) {
   const __m256i lsb = _mm256_and_si256(top, _mm256_set1_epi32(1));
   const __m256i rne = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
   const __m256i exp = _mm256_and_si256(u, _mm256_set1_epi32(0x7F800000));
+  const __m256i zero = _mm256_setzero_si256(), inf_exp = _mm256_set1_epi32(0x7F800000);
+  const __m256i is_small = _mm256_cmpeq_epi32(exp, zero), is_top = _mm256_cmpeq_epi32(exp, inf_exp);
+  const __m256i special = _mm256_or_si256(is_small, is_top);
+  if (_mm256_testz_si256(special, special)) return rne;  // every lane normal (the common case)
   const __m256i mant = _mm256_and_si256(u, _mm256_set1_epi32(0x007FFFFF));
-  const __m256i zero = _mm256_setzero_si256();
-  const __m256i is_nan = _mm256_andnot_si256(_mm256_cmpeq_epi32(mant, zero), _mm256_cmpeq_epi32(exp, _mm256_set1_epi32(0x7F800000)));
+  const __m256i is_nan = _mm256_andnot_si256(_mm256_cmpeq_epi32(mant, zero), is_top);
   const __m256i flushed = _mm256_and_si256(top, _mm256_set1_epi32(0x8000));
   __m256i r = _mm256_blendv_epi8(rne, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), is_nan);
-  return _mm256_blendv_epi8(r, flushed, _mm256_cmpeq_epi32(exp, zero));
+  return _mm256_blendv_epi8(r, flushed, is_small);
 }
 
 TM_AVX2_SILU inline __m128i narrow_bf16(__m256 v) {  // 8 float32 to 8 bf16 (vcvtneps2bf16)
