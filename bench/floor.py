@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bench.workloads import DEFAULT_MODEL
-from engine import Engine, EngineConfig, SamplingParams, cpu_kernels
+from engine import Engine, EngineConfig, SamplingParams
+from engine.kernels import cpu_kernels
 from engine.models.cpu_linear import GemvF32Linear, GemvLinear, Int8Linear
 from engine.models.packed_linear import PackedLinear
 

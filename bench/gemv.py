@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from engine.models.cpu_linear import GemvLinear, Int8Linear, kernels_unavailable, silu_mul
 from engine.models.packed_linear import PackedLinear, packing_supported
-from engine.quantization import group_for, quantize_int8
+from engine.models.quantization import group_for, quantize_int8
 
 
 @dataclass

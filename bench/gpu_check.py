@@ -44,8 +44,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from engine.testing.make_model import ensure_model  # noqa: E402
+from engine.text.detokenizer import IncrementalDetokenizer  # noqa: E402
 
 log = logging.getLogger("gpu_check")
 

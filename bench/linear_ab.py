@@ -4,7 +4,7 @@ settings alternating per round.
 
 Each round runs c random prompts of --input-len tokens to --output-len tokens (greedy, ignore_eos) in
 a closed loop at concurrency c (bench/spec.py's loop). On a CPU that serves in float32 (no AVX-512 BF16)
-`auto` is the float32 kernel up to 32 rows (engine/csrc/cpu_gemv_f32.cpp) and `off` is MKL's F.linear;
+`auto` is the float32 kernel up to 32 rows (engine/kernels/csrc/cpu_gemv_f32.cpp) and `off` is MKL's F.linear;
 in bf16 `auto` is the measured small-batch plan against oneDNN only.
 """
 

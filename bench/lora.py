@@ -26,7 +26,7 @@ import torch
 from bench.machine import machine_info
 from bench.workloads import DEFAULT_MODEL, resolve_model
 from engine import Engine, EngineConfig, SamplingParams
-from engine.lora.config import LoraConfig
+from engine.config.lora import LoraConfig
 from engine.lora.shapes import TARGETS, BaseShapes
 
 

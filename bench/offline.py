@@ -39,7 +39,7 @@ from bench.workloads import (
     resolve_model,
 )
 from engine import Engine, EngineConfig, SamplingParams
-from engine.setup import resolve_block_size, resolve_device
+from engine.runner.startup import resolve_block_size, resolve_device
 
 SYSTEMS = ("engine", "hf-static", "hf-serial")
 _WARMUP = (BenchRequest(tuple(range(100, 108)), 4), BenchRequest(tuple(range(200, 205)), 3))

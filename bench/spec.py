@@ -28,7 +28,7 @@ from bench.machine import machine_info
 from bench.spec_prompts import CHAT_WORKLOADS
 from bench.workloads import default_gguf
 from engine import Engine, EngineConfig, SamplingParams
-from engine.spec_config import SpeculativeConfig
+from engine.config.speculative import SpeculativeConfig
 
 
 def chat_prompts(engine: Engine, workload: str, n: int) -> list[list[int]]:

@@ -31,8 +31,8 @@ _PROBE = """
 import json, sys, time
 t0 = time.perf_counter()
 import torch, transformers
-from engine.loader import load_model, peak_rss_bytes, rss_bytes
-from engine.model_open import open_model_source
+from engine.weights.loader import load_model, peak_rss_bytes, rss_bytes
+from engine.weights.model_open import open_model_source
 rss0 = rss_bytes()
 t1 = time.perf_counter()
 src = open_model_source(sys.argv[1])

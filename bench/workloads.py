@@ -155,8 +155,8 @@ def real_model_folder() -> Path:
     import os
     import tempfile
 
-    from engine.gguf.convert import convert
     from engine.testing.make_model import default_cache_dir
+    from engine.weights.gguf.convert import convert
     from server.config.default_model import DEFAULT_MODEL as SMOLLM2
     from server.config.default_model import default_model_file
 

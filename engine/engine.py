@@ -1,5 +1,5 @@
 """The engine with its model: loads the weights, sizes the KV cache, builds the model runner, and hands
-them to `EngineCore` (engine/core.py), which does everything else (schedule, run, update)."""
+them to `StepLoop` (engine/core/step_loop.py), which does everything else (schedule, run, update)."""
 
 from __future__ import annotations
 
@@ -10,51 +10,55 @@ import time
 
 import torch
 
-from engine import batch_invariant, cpu_kernels, setup
+from engine.api.errors import LoraError
 from engine.attention import select_backend
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.core import EngineCore, GenerationResult
-from engine.cpu_weights import prepare_weights
-from engine.cuda_graphs import DecodeGraphRunner, graph_buckets, graphs_enabled
-from engine.kv_cache import allocate_kv_cache
-from engine.kv_events import KVEventSink
-from engine.loader import load_model
-from engine.lora.errors import LoraError
-from engine.lora.setup import make_registry
-from engine.model_open import open_model_source, with_tokenizer
-from engine.model_runner import ModelRunner
-from engine.sampler import Sampler
-from engine.scheduler import SchedulerConfig
+from engine.config.engine_config import resolve_step_budget
+from engine.core.step_loop import GenerationResult, StepLoop
+from engine.core.thread_count import ThreadPin, per_thread_setter
+from engine.core.thread_governor import GovernorConfig, ThreadGovernor
+from engine.kernels import cpu_kernels
+from engine.kv.block_manager import BlockManager
+from engine.kv.cache import allocate_kv_cache
+from engine.kv.events import KVEventSink
+from engine.lora.loading import make_registry
+from engine.models import batch_invariant
+from engine.runner import startup
+from engine.runner.cuda_graphs import capture_graphs, graph_buckets, graphs_enabled
+from engine.runner.model_runner import ModelRunner
+from engine.runner.profiling import activation_peak_bytes
+from engine.sample.sampler import Sampler
+from engine.sched.scheduler import SchedulerConfig
 from engine.structured import make_compiler
-from engine.thread_count import ThreadPin, per_thread_setter
-from engine.thread_governor import GovernorConfig, ThreadGovernor
+from engine.weights.cpu_weights import prepare_weights
+from engine.weights.loader import load_model
+from engine.weights.model_open import open_model_source, with_tokenizer
 
 __all__ = ["Engine", "GenerationResult"]
 
 log = logging.getLogger("tokenmill.engine")
 
 
-class Engine(EngineCore):
+class Engine(StepLoop):
     def __init__(self, config: EngineConfig, clock=time.monotonic, kv_event_sink: KVEventSink | None = None) -> None:
-        """`kv_event_sink`: where the prefix cache's changes are published (engine/kv_events.py); None: off."""
+        """`kv_event_sink`: where the prefix cache's changes are published (engine/kv/events.py); None: off."""
         source = open_model_source(config.model)  # a HF folder or a GGUF file; every check before loading
         if config.tokenizer is not None:
             source = with_tokenizer(source, config.tokenizer)
         self.hf_config = source.hf_config
-        self.device = setup.resolve_device(config.device)
+        self.device = startup.resolve_device(config.device)
         # every CPU kernel group and its path, for the ready line (TOKENMILL_REQUIRE_KERNELS=1: a group
         # that does not build or load stops the start here, before the weights are read)
         self.kernel_paths = cpu_kernels.describe() if self.device.type == "cpu" else "none (CUDA: Triton and torch)"
-        budget = setup.resolve_step_budget(config.max_num_batched_tokens, self.device)
+        budget = resolve_step_budget(config.max_num_batched_tokens, self.device)
         config = dataclasses.replace(config, max_num_batched_tokens=budget)
         self.config = config
         if self.device.type == "cuda":  # an engine freed earlier in this process (an unloaded model version)
             torch.cuda.empty_cache()  # leaves its blocks cached: give them back before measuring free memory
-        setup.apply_cpu_threads(config.cpu_threads, self.device)
-        self.dtype = setup.resolve_dtype(config.dtype, self.hf_config, self.device)
-        self.max_model_len = setup.resolve_max_model_len(config, self.hf_config)
-        self.block_size = setup.resolve_block_size(config.block_size, self.device)
+        startup.apply_cpu_threads(config.cpu_threads, self.device)
+        self.dtype = startup.resolve_dtype(config.dtype, self.hf_config, self.device)
+        self.max_model_len = startup.resolve_max_model_len(config, self.hf_config)
+        self.block_size = startup.resolve_block_size(config.block_size, self.device)
         model = load_model(source, self.dtype, self.device, self.max_model_len, config.show_progress)
         self.weights = prepare_weights(model, config, self.device, self.dtype)  # packing, kernels, INT8
         self.packed_weights = self.weights.packed
@@ -67,19 +71,21 @@ class Engine(EngineCore):
                                   fused_decode=config.fused_decode)
         use_graphs = graphs_enabled(self.device, config.enforce_eager, backend)
         buckets = graph_buckets(config.max_num_seqs)
-        spec = setup.kv_spec(self.hf_config, self.block_size, self.dtype)
+        spec = startup.kv_spec(self.hf_config, self.block_size, self.dtype)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
             cuda_profile = self.device.type == "cuda" and config.kv_cache_memory is None
-            peak = self._profile_activations(model, backend, buckets[-1] if use_graphs else 0) if cuda_profile else 0
-            num_blocks = spec.num_blocks_for(setup.kv_budget_bytes(config, self.device, peak))
+            peak = activation_peak_bytes(model, backend, spec, self.device, min(budget, self.max_model_len),
+                                         config.max_num_seqs, buckets[-1] if use_graphs else 0) if cuda_profile else 0
+            num_blocks = spec.num_blocks_for(startup.kv_budget_bytes(config, self.device, peak))
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small for one KV block")
         rows_kernel = backend.name == "cpu" and cpu_kernels.load("sampling") is None
         self.sampler = Sampler(config.seed, rows_kernel=rows_kernel)
         kv = allocate_kv_cache(spec, num_blocks, self.device, backend)
         self.kv_cache_bytes = num_blocks * spec.bytes_per_block
-        graphs = self._capture_graphs(model, backend, kv, buckets) if use_graphs else None
+        graphs = capture_graphs(model, backend, kv, buckets, self.block_size, self.max_model_len,
+                                self.device) if use_graphs else None
         loras = make_registry(config.lora, self.hf_config, self.device, self.dtype) if config.lora else None
         super().__init__(
             model_name=source.name,
@@ -110,7 +116,7 @@ class Engine(EngineCore):
         elif setter is not None:
             self.thread_pin = ThreadPin(setter, lambda: threads)
         if config.speculative is not None and config.speculative.method == "draft_model":
-            from engine.draft_model import load_draft_proposer
+            from engine.runner.draft_model import load_draft_proposer
 
             self.scheduler.proposer = load_draft_proposer(config.speculative, int(self.hf_config.vocab_size),
                                                           self.device, self.dtype, self.max_model_len)  # fmt: skip
@@ -151,60 +157,3 @@ class Engine(EngineCore):
             "reserved_bytes": int(torch.cuda.memory_reserved(self.device)),
             "kv_cache_bytes": int(self.kv_cache_bytes),
         }
-
-    def _profile_activations(self, model, backend, graph_batch: int = 0) -> int:
-        """Bytes to keep free besides the weights, measured, not guessed: the activation peak of one
-        forward at the largest step, plus, when decode graphs will be captured (graph_batch > 0),
-        that of a decode forward at the largest bucket (the graphs' memory pool stays allocated)."""
-        from engine.attention import BatchLayout
-
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        bs = self.block_size
-        blocks = -(-n // bs)
-        prefill = BatchLayout(0, [n], [n], [list(range(blocks))], bs, torch.arange(n))
-        peak = self._peak_bytes(model, backend, prefill, blocks, logits_rows=self.config.max_num_seqs)
-        if graph_batch:  # one context token each, read from block 0; slot -1 stores nothing
-            decode = BatchLayout(graph_batch, [1] * graph_batch, [1] * graph_batch, [[0]] * graph_batch, bs,
-                                 torch.full((graph_batch,), -1, dtype=torch.long))
-            graph_peak = self._peak_bytes(model, backend, decode, blocks, logits_rows=0)
-            log.info("profiled activations: step peak %.0f MiB, decode graphs ~%.0f MiB",
-                     peak / 2**20, graph_peak / 2**20)
-            peak += graph_peak
-        return peak
-
-    def _peak_bytes(self, model, backend, layout, blocks: int, logits_rows: int) -> int:
-        from engine.kv_cache import allocate_kv_cache as alloc
-        from engine.models.layers import ForwardContext
-
-        n = len(layout.slot_mapping)
-        spec = setup.kv_spec(self.hf_config, self.block_size, self.dtype)
-        kv = alloc(spec, blocks, self.device, backend)
-        pos = [p for c, q in zip(layout.context_lens, layout.query_lens, strict=True) for p in range(c - q, c)]
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        with torch.inference_mode():
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            ctx = ForwardContext(backend, backend.build_metadata(layout, self.device), kv)
-            hidden = model(ids, positions, ctx)
-            if logits_rows:
-                model.compute_logits(hidden[-logits_rows:])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del kv, ctx, hidden
-        torch.cuda.empty_cache()
-        return int(peak)
-
-    def _capture_graphs(self, model, backend, kv, buckets) -> DecodeGraphRunner:
-        """Capture the decode graphs; logs the memory they took."""
-        before = torch.cuda.memory_reserved(self.device)
-        graphs = DecodeGraphRunner(
-            model, backend, kv, buckets=buckets, block_size=self.block_size,
-            max_model_len=self.max_model_len, device=self.device,
-        )
-        with torch.inference_mode():
-            graphs.capture_all()
-        torch.cuda.synchronize(self.device)
-        log.info("decode graphs hold %.0f MiB", (torch.cuda.memory_reserved(self.device) - before) / 2**20)
-        return graphs

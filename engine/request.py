@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api import Deadlines, FinishReason
-from engine.sampling_params import SamplingParams
+from engine.api.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -26,12 +26,12 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    priority: int  # lower runs first (engine/ordering.py)
+    priority: int  # lower runs first (engine/sched/ordering.py)
     arrival_time: float  # clock seconds the caller received it; orders requests and anchors deadlines
     eos_token_ids: frozenset[int]
     deadlines: Deadlines = field(default_factory=Deadlines)
     # The LoRA adapter it runs on (engine/lora/registry.py LoraInfo.lora_id, unique per load); 0: the base
-    # model. Salts its prefix-cache hashes, so no block is shared across adapters (engine/block_manager.py).
+    # model. Salts its prefix-cache hashes, so no block is shared across adapters (engine/kv/block_manager.py).
     lora_id: int = 0
     # -- the scheduler's --------------------------------------------------------------------------------
     status: RequestStatus = RequestStatus.WAITING
@@ -40,7 +40,7 @@ class Request:
     started: bool = False  # scheduled at least once (its queue deadline no longer applies)
     num_preemptions: int = 0
     budget_deferred: bool = False  # left out of a step by more important work; counted once until it runs
-    spec_acceptance: float = 1.0  # recent share of draft tokens accepted (engine/speculative.py); sets k
+    spec_acceptance: float = 1.0  # recent share of draft tokens accepted (engine/spec/drafts.py); sets k
     # Tokens whose K/V are in the cache. Reset to 0 on preemption (we recompute).
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache at the first schedule (reported as cached_tokens).

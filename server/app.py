@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from engine.kv_events import KVEventSink
+from engine.kv.events import KVEventSink
 from server.api import admin as routes_admin
 from server.api import feedback as routes_feedback
 from server.api import fleet as routes_fleet

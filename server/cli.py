@@ -76,7 +76,7 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add_flags(serve_parser)
     serve_parser.set_defaults(func=serve)
     sub.add_parser("bench", help="benchmark a server (bench.cli), arguments passed through", add_help=False)
-    sub.add_parser("convert", help="write a GGUF file as a Hugging Face folder (engine.gguf.convert)",
+    sub.add_parser("convert", help="write a GGUF file as a Hugging Face folder (engine.weights.gguf.convert)",
                    add_help=False)
     return parser, serve_parser
 
@@ -91,8 +91,8 @@ def _bench(argv: list[str]) -> int:
 
 
 def _convert(argv: list[str]) -> int:
-    """`tokenmill convert ...` -> engine.gguf.convert.main(argv) (loads torch, so imported only here)."""
-    return int(importlib.import_module("engine.gguf.convert").main(argv) or 0)
+    """`tokenmill convert ...` -> engine.weights.gguf.convert.main(argv) (loads torch, so imported only here)."""
+    return int(importlib.import_module("engine.weights.gguf.convert").main(argv) or 0)
 
 
 def serve_settings(args: argparse.Namespace) -> ServerSettings:

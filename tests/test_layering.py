@@ -1,6 +1,6 @@
-"""The engine knows nothing of HTTP; the server knows nothing of tensors; server/ is packages in layers
-(http < prompt < config < ops < serving < api < app.py, cli.py), each importing only those below it;
-and no module of engine/ or server/ is part of an import cycle. Every import counts, at any depth of a
+"""The engine knows nothing of HTTP; the server knows nothing of tensors; server/ and engine/ are each
+packages in layers (ENGINE_LAYERS, LAYERS below), each importing only its own and those below it; and
+no module of engine/ or server/ is part of an import cycle. Every import counts, at any depth of a
 module (a function's lazy import and a TYPE_CHECKING import too): a cycle is broken by moving names,
 not by hiding an import."""
 
@@ -20,6 +20,10 @@ SERVER_FORBIDDEN = {"torch", "safetensors", "xgrammar"}  # xgrammar loads torch
 # server's packages, lowest first: a module may import its own package and those listed before it.
 LAYERS = ("http", "prompt", "config", "ops", "serving", "api")
 TOP = len(LAYERS)  # server/app.py, server/cli.py, server/__main__.py, server/__init__.py
+# engine's packages (and its three top-level modules), lowest first; docs/ENGINE.md reads them in order.
+ENGINE_LAYERS = ("config", "kernels", "structured", "api", "text", "attention", "lora", "request", "models", "kv",
+                 "spec", "sched", "sample", "weights", "runner", "core", "testing", "engine", "conformance")
+ENGINE_TOP = len(ENGINE_LAYERS)  # engine/__init__.py: the public API, resolved lazily
 
 
 def _imports(path: Path) -> set[str]:
@@ -61,11 +65,15 @@ def module_graph(root: Path, packages: tuple[str, ...] = ("engine", "server")) -
 
 
 def layer_of(module: str) -> int | None:
-    """The rank of a server module's package (None: not a server module)."""
+    """The rank of a server or engine module's package among its own tree's layers (None: neither)."""
     parts = module.split(".")
-    if parts[0] != "server":
-        return None
-    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else TOP
+    if parts[0] == "server":
+        return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else TOP
+    if parts[0] == "engine":
+        if len(parts) == 1:
+            return ENGINE_TOP
+        return ENGINE_LAYERS.index(parts[1]) if parts[1] in ENGINE_LAYERS else -1  # -1: unplaced (a test fails)
+    return None
 
 
 def layering_violations(graph: dict[str, set[str]]) -> list[str]:
@@ -76,8 +84,9 @@ def layering_violations(graph: dict[str, set[str]]) -> list[str]:
             target_rank = layer_of(target)
             if module.startswith("engine") and target.startswith("server"):
                 bad.append(f"{module} -> {target} (the engine imports no server code)")
-            elif rank is not None and target_rank is not None and target_rank > rank:
-                bad.append(f"{module} -> {target} ({_name(rank)} may not import {_name(target_rank)})")
+            elif (rank is not None and target_rank is not None and module.split(".")[0] == target.split(".")[0]
+                  and target_rank > rank):
+                bad.append(f"{module} -> {target} ({_name(module, rank)} may not import {_name(target, target_rank)})")
     return bad
 
 
@@ -117,7 +126,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-def _name(rank: int) -> str:
+def _name(module: str, rank: int) -> str:
+    if module.startswith("engine"):
+        return f"engine.{ENGINE_LAYERS[rank]}" if rank < ENGINE_TOP else "engine's top (__init__)"
     return f"server.{LAYERS[rank]}" if rank < TOP else "server's top (app, cli)"
 
 
@@ -146,6 +157,45 @@ def test_every_server_module_sits_in_a_layer():
     assert folders == set(LAYERS)
     top = {p.name for p in (ROOT / "server").glob("*.py")}
     assert top == {"__init__.py", "__main__.py", "app.py", "cli.py"}
+
+
+def test_every_engine_module_sits_in_a_layer():
+    """A new package or top-level module of engine/ must be placed in ENGINE_LAYERS; the top level stays
+    small (packages by concern, not flat modules)."""
+    names = {p.stem for p in (ROOT / "engine").iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem != "__init__")}  # fmt: skip
+    assert names == set(ENGINE_LAYERS)
+    assert len([p for p in (ROOT / "engine").glob("*.py")]) <= 8
+
+
+def test_docs_engine_map_names_every_package_and_module():
+    """docs/ENGINE.md's map names each engine package (as `name/`) and, within the package's entry, each
+    of its modules, so the map cannot fall behind the code."""
+    doc = (ROOT / "docs" / "ENGINE.md").read_text()
+    section = doc[doc.index("### The map, lowest layer first"):]
+    entries = {}
+    for block in section.split("\n- **`")[1:]:
+        name = block.split("`", 1)[0]
+        entries[name.rstrip("/").removesuffix(".py")] = block.split("\n- **`")[0].split("\n\n")[0]
+    assert set(entries) == set(ENGINE_LAYERS), "docs/ENGINE.md's map and ENGINE_LAYERS differ"
+    missing = []
+    for pkg in ENGINE_LAYERS:
+        folder = ROOT / "engine" / pkg
+        if not folder.is_dir():
+            continue
+        for module in sorted(folder.iterdir()):
+            named = module.name if module.suffix == ".py" else f"{module.name}/"
+            if module.name in ("__init__.py", "__pycache__") or not (module.suffix == ".py" or module.is_dir()):
+                continue
+            if f"`{named}`" not in entries[pkg] and f"`{named.rstrip('/')}`" not in entries[pkg]:
+                missing.append(f"engine/{pkg}/{named}")
+    assert missing == [], f"docs/ENGINE.md's map does not name {missing}"
+
+
+def test_engine_packages_import_only_those_below_them():
+    graph = module_graph(ROOT)
+    assert len([m for m in graph if m.startswith("engine.")]) > 80
+    assert layering_violations(graph) == []
 
 
 def test_server_packages_import_only_those_below_them():
@@ -183,6 +233,13 @@ def test_the_check_catches_an_import_cycle(planted):
     assert layering_violations(module_graph(planted)) == []  # same package: allowed, but not in a cycle
 
 
+def test_the_check_catches_an_engine_package_importing_a_higher_one(planted):
+    (planted / "engine" / "kv" / "planted.py").write_text(
+        "def f():\n    from engine.sample.sampler import Sampler  # a lazy import counts too\n    return Sampler\n")
+    bad = layering_violations(module_graph(planted))
+    assert bad == ["engine.kv.planted -> engine.sample.sampler (engine.kv may not import engine.sample)"]
+
+
 def test_the_check_catches_the_engine_importing_the_server(planted):
     (planted / "engine" / "planted.py").write_text("import server.app\n")
     assert layering_violations(module_graph(planted)) == ["engine.planted -> server.app (the engine imports no server code)"]
@@ -199,6 +256,34 @@ def test_importing_the_server_loads_no_torch():
 
 
 def test_engine_api_is_torch_free():
-    code = ("import sys, engine.api, engine.core, engine.scheduler, engine.structured; "
+    """The packages the server and the fake engine import stay torch-free (their __init__ too)."""
+    code = ("import sys, engine.api, engine.config, engine.core.step_loop, engine.sched.scheduler, engine.structured, "
+            "engine.kv, engine.kv.events, engine.kv.events_zmq, engine.kv.block_manager, engine.spec.proposers, "
+            "engine.text.tokenization, engine.text.detokenizer; "
             "sys.exit('torch' in sys.modules or 'xgrammar' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120).returncode == 0
+
+
+def import_map(root: Path, package: str) -> str:
+    """One line: modules and import arrows between files; packages (and top-level modules) of the tree,
+    the arrows between them, and its floors (the longest chain of those arrows, counted in nodes)."""
+    graph = {m: ts for m, ts in module_graph(root, (package,)).items()}
+    def top(m: str) -> str:
+        return m.split(".")[1] if "." in m else "__init__"
+    tops: dict[str, set[str]] = {}
+    for m, ts in graph.items():
+        tops.setdefault(top(m), set()).update(top(x) for x in ts if top(x) != top(m))
+    depth: dict[str, int] = {}
+    def floor(n: str, seen: tuple[str, ...] = ()) -> int:
+        if n not in depth:
+            depth[n] = 1 + max((floor(x, (*seen, n)) for x in tops.get(n, ()) if x not in seen), default=0)
+        return depth[n]
+    return (f"{package}: {len(graph)} modules, {sum(map(len, graph.values()))} arrows between files; top level "
+            f"{len(tops)} packages/modules, {sum(map(len, tops.values()))} arrows, {max(map(floor, tops))} floors")
+
+
+if __name__ == "__main__":  # python -m tests.test_layering [ROOT]: the import map's counts
+    tree = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT
+    for pkg in ("engine", "server", "bench"):
+        if (tree / pkg).is_dir():
+            print(import_map(tree, pkg))

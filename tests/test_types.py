@@ -1,4 +1,4 @@
-"""mypy over the typed boundary (pyproject.toml [tool.mypy]): engine/api.py's EngineProtocol, the engine
+"""mypy over the typed boundary (pyproject.toml [tool.mypy]): engine/api/'s EngineProtocol, the engine
 core, the server, and the tests' fake engine; the real Engine and the fake must satisfy the protocol."""
 
 from __future__ import annotations

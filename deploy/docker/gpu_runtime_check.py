@@ -28,7 +28,7 @@ def check(ok: bool, what: str) -> None:
 
 
 def main() -> None:
-    from engine import cpu_kernels
+    from engine.kernels import cpu_kernels
     from engine.attention import triton_probe
 
     check(os.getuid() != 0, f"runs as uid {os.getuid()}, not root")

@@ -17,7 +17,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata, BatchLayout
 from engine.attention.torch_ref import TorchAttentionBackend
-from engine.config import ATTENTION_BACKENDS
+from engine.config.engine_config import ATTENTION_BACKENDS
 
 __all__ = [
     "ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "BatchLayout", "TorchAttentionBackend",
@@ -91,8 +91,7 @@ def select_backend(
 
 
 def _cpu_backend(dev: torch.device, required: bool) -> AttentionBackend:
-    from engine import cpu_kernels
-
+    from engine.kernels import cpu_kernels
     reason = "the C++ kernels run on the CPU only" if dev.type != "cpu" else cpu_kernels.load("attention")
     if reason is None:
         from engine.attention.cpu_backend import CpuAttentionBackend

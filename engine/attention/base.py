@@ -31,7 +31,7 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str = "abstract"
-    supports_cuda_graphs: bool = False  # implements graph_decode_metadata (engine/cuda_graphs.py)
+    supports_cuda_graphs: bool = False  # implements graph_decode_metadata (engine/runner/cuda_graphs.py)
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:

@@ -1,4 +1,4 @@
-"""CPU attention with this repository's C++ decode kernels (engine/csrc/cpu_attention.cpp).
+"""CPU attention with this repository's C++ decode kernels (engine/kernels/csrc/cpu_attention.cpp).
 
 Decode attention reads the paged cache in place: one kernel computes, per (sequence, KV head), the
 scores q k^T straight from the cache blocks, their softmax, and the sum p v from the V blocks. The

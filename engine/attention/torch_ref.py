@@ -67,7 +67,7 @@ class TorchAttentionBackend(AttentionBackend):
             max_blocks = -(-int(lens.max()) // bs)
             max_ctx = max_blocks * bs  # whole blocks are gathered; the tail is masked
             # padded block tables (pad: block 0), built as one tensor (a step may hold hundreds of rows:
-            # a prompt chunk packed as one decode per position, engine/batch_invariant.py)
+            # a prompt chunk packed as one decode per position, engine/models/batch_invariant.py)
             rows = [t[:max_blocks] for t in layout.block_tables[:nd]]
             tables = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.long)
             decode_gather = tables.flatten().to(device)

@@ -4,7 +4,7 @@ reference backend: per layer [num_kv_heads, num_blocks * block_size, head_dim].
 Per step, every integer the kernels read (slots, context lengths, block tables, prefill tiles) is
 packed into one int64 host tensor, pinned on CUDA, and sent with a single non-blocking copy; the
 device-side tensors are views into it. Decode-only steps can instead run inside a CUDA graph on
-persistent buffers (graph_decode_metadata; see engine/cuda_graphs.py).
+persistent buffers (graph_decode_metadata; see engine/runner/cuda_graphs.py).
 """
 
 from __future__ import annotations

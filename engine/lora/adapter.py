@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from engine.lora.errors import (
+from engine.api.errors import (
     LoraBadConfig,
     LoraBaseMismatch,
     LoraFilesMissing,
@@ -41,7 +41,7 @@ class Pair(tuple):
     """One fused module's pair, unpacked as the 2-tuple (A [R, in], B [out, R]) (scale folded into B;
     placed on a device: (A, B^T [R, out])), with `spans`: int64 [S, 4], a row (c0, c1, r0, r1) per
     shard: output features [c0, c1) take ranks [r0, r1), B being zero elsewhere (block-diagonal);
-    tokenmill::lora_add_ reads and multiplies only the spans (engine/csrc/cpu_lora.cpp). `packed`: the
+    tokenmill::lora_add_ reads and multiplies only the spans (engine/kernels/csrc/cpu_lora.cpp). `packed`: the
     pair in the tile layouts of lora_add_'s AMX path (bf16 on a CPU with AMX, made once when placed),
     else None."""
 

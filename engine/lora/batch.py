@@ -8,7 +8,7 @@ untouched, base-model rows cost nothing, and each adapter costs two thin product
 (R_s <= max_lora_rank * shards, so about 2 * T_s * R_s * (in + out) flops).
 
 How (delta_path): float32 or bf16 on the CPU, one C++ call per linear for every segment
-(tokenmill::lora_add_, engine/csrc/cpu_lora.cpp: each row's slot says its segment; float32 sums; the
+(tokenmill::lora_add_, engine/kernels/csrc/cpu_lora.cpp: each row's slot says its segment; float32 sums; the
 pairs in the model's dtype) for steps of at most CPP_MAX_ROWS rows; on CUDA, when Triton can build and
 launch kernels there, two Triton launches per linear for every segment (engine/lora/triton_lora.py,
 the same contract); otherwise (prompt chunks, other dtypes, no kernels) per segment in PyTorch,
@@ -42,8 +42,7 @@ _NO_SPANS = torch.empty(0, 4, dtype=torch.long)  # a pair without spans: the who
 
 def kernel_available() -> bool:
     """Whether the C++ delta (tokenmill::lora_add_, the kernel group "lora") is loaded."""
-    from engine import cpu_kernels
-
+    from engine.kernels import cpu_kernels
     return cpu_kernels.load("lora") is None
 
 

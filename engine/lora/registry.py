@@ -17,20 +17,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from engine.lora.config import LoraConfig
-from engine.lora.errors import LoraCapacity, LoraError, LoraNameTaken, LoraUnknown
-
-
-@dataclass(frozen=True)
-class LoraInfo:
-    """One registered adapter, as the server lists it."""
-
-    name: str
-    lora_id: int  # unique per load in this engine (a reload under the same name gets a new one); > 0
-    path: str
-    rank: int
-    targets: tuple[str, ...]
-    nbytes: int  # host copy
+from engine.api.errors import LoraCapacity, LoraError, LoraNameTaken, LoraUnknown
+from engine.api.outputs import LoraInfo
+from engine.config.lora import LoraConfig
 
 
 @dataclass

@@ -6,7 +6,7 @@ and of the base model share one launch):
   expand   y[t]        += tmp[t, :R_s] B_s^T
 
 with A_s [R_s, in] and B_s^T [R_s, out] as LoraAdapter.to places them (contiguous, the adapter's scale
-folded into B, the model's dtype). The contract is tokenmill::lora_add_'s (engine/csrc/cpu_lora.cpp):
+folded into B, the model's dtype). The contract is tokenmill::lora_add_'s (engine/kernels/csrc/cpu_lora.cpp):
 one A and one B^T per segment, two empty tensors for an adapter that does not target the linear.
 
 How the adapters reach the kernel: a table of raw addresses, not stacked copies. Row 0 is the base

@@ -1,11 +1,11 @@
-"""Linear layers on the C++ small-batch kernels (engine/csrc/cpu_gemv.cpp).
+"""Linear layers on the C++ small-batch kernels (engine/kernels/csrc/cpu_gemv.cpp).
 
 `GemvLinear` (bf16 weights): the kernel for up to `max_rows` rows of x, where it streams the weight
 at close to memory bandwidth and oneDNN pays a fixed cost per call; oneDNN's packed product
 (packed_linear.py) above that, where its AMX/AVX-512 blocking wins. It keeps both layouts, so twice
 the weight memory; `max_rows` is measured per shape at start-up (`measure_max_rows`).
 
-`Int8Linear` (INT8 weight-only, engine/quantization.py): the kernel (int16 activations x int8
+`Int8Linear` (INT8 weight-only, engine/models/quantization.py): the kernel (int16 activations x int8
 weights: VNNI, or AVX2's vpmaddwd) for up to `max_rows` rows; above that, and wherever the kernels cannot run, the
 weight is dequantized for the call and multiplied by PyTorch. One int8 copy: half the bf16 bytes.
 `Int8Embedding` looks token rows up in int8 (a tied model's in the logits head's own weight).
@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernels
+from engine.kernels import cpu_kernels
 from engine.models.packed_linear import PackedLinear
-from engine.quantization import Int8Weight
+from engine.models.quantization import Int8Weight
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # row counts measure_max_rows times (it stops at a loss)
 ALWAYS = 1 << 62  # max_rows: the kernel for every row count
@@ -44,7 +44,7 @@ def kernels_unavailable(kind: str) -> str | None:
 
 
 def cpu_supports(kind: str) -> bool:
-    """The loaded kernels' own check of this CPU's instructions (engine/csrc/isa.h): whether `kind`
+    """The loaded kernels' own check of this CPU's instructions (engine/kernels/csrc/isa.h): whether `kind`
     ("bf16", "int8"; "amx": bf16 calls of 1..32 rows on the tile unit) has a path here."""
     return cpu_kernels.load("linear") is None and bool(torch.ops.tokenmill.gemv_supported(kind))
 
@@ -101,7 +101,7 @@ class GemvLinear(nn.Module):
 
 
 class GemvF32Linear(nn.Module):
-    """float32 y = x W^T + b: the AVX2 kernel (engine/csrc/cpu_gemv_f32.cpp) up to max_rows rows, where
+    """float32 y = x W^T + b: the AVX2 kernel (engine/kernels/csrc/cpu_gemv_f32.cpp) up to max_rows rows, where
     it streams the weight once and MKL re-reads it per call; MKL's F.linear above. It keeps both
     layouts, so twice the weight memory. x: [..., in_features] float32."""
 

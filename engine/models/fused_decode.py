@@ -1,4 +1,4 @@
-"""The decoder stack of a decode-only CPU step in one C++ call (engine/csrc/cpu_decode.cpp).
+"""The decoder stack of a decode-only CPU step in one C++ call (engine/kernels/csrc/cpu_decode.cpp).
 
 The Python layers make about 13 calls a layer (norms, linears, rotary, the KV store, the attention
 kernels, views), ~400 for a 30-layer model: 2-3 ms of interpreter and dispatcher time a step, a fifth
@@ -67,8 +67,7 @@ class FusedDecode:
     @staticmethod
     def available() -> bool:
         # the loop calls the attention and layer groups' ops (and the linear group's, where its plan says)
-        from engine import cpu_kernels
-
+        from engine.kernels import cpu_kernels
         return all(cpu_kernels.load(group) is None for group in ("decode", "attention", "layers"))
 
     def run(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor] | None:

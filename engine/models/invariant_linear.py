@@ -1,4 +1,4 @@
-"""Linears whose rows do not depend on the batch (batch-invariant mode, engine/batch_invariant.py).
+"""Linears whose rows do not depend on the batch (batch-invariant mode, engine/models/batch_invariant.py).
 
 `TiledLinear` (bf16): oneDNN's packed product in calls of at most CALL_ROWS rows, within which oneDNN
 computes each row as it computes it alone (checked per weight shape by `rows_agree` at start-up), and

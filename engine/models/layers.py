@@ -35,7 +35,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        # The fused C++ kernel (engine/csrc/cpu_layers.cpp); set by LlamaForCausalLM.use_cpu_kernels.
+        # The fused C++ kernel (engine/kernels/csrc/cpu_layers.cpp); set by LlamaForCausalLM.use_cpu_kernels.
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,7 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gu = [gate | up] ([T, 2I]): bf16 on the CPU through tokenmill::silu_mul where
     the small-batch kernels built (the fused gate/up product's arithmetic, as the C++ decode loop's
-    LoRA steps: engine/csrc/cpu_decode.cpp makes the same choice), else PyTorch's silu and mul."""
+    LoRA steps: engine/kernels/csrc/cpu_decode.cpp makes the same choice), else PyTorch's silu and mul."""
     if gu.device.type == "cpu" and gu.dtype == torch.bfloat16 and gu.stride(-1) == 1 and hasattr(torch.ops.tokenmill, "silu_mul"):
         return torch.ops.tokenmill.silu_mul(gu.reshape(-1, gu.shape[-1])).view(*gu.shape[:-1], gu.shape[-1] // 2)
     gate, up = gu.chunk(2, dim=-1)

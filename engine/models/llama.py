@@ -130,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_kernels(self, norms: bool, fused_decode: bool = True) -> None:
         """Route rotary (and, with norms, every RMSNorm and residual add) through the C++ CPU
-        kernels (engine/cpu_kernels.py, loaded by the caller). Rotary is bit-exact in any dtype;
+        kernels (engine/kernels/cpu_kernels.py, loaded by the caller). Rotary is bit-exact in any dtype;
         the norms' float32 mean sums in another order than PyTorch's, so they are for bf16 only.
         With fused_decode, decode-only steps run the layer loop in C++ (models/fused_decode.py); call
         it after the linears are final (pack_weights / replace_linears)."""
@@ -154,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
 
     def replace_linears(self, make) -> None:
         """Every linear, the logits head included, by make(weight, bias, role) (CPU kernels, INT8:
-        engine/cpu_weights.py). role: "gate_up" for each gated MLP's fused gate/up weight (a module
+        engine/weights/cpu_weights.py). role: "gate_up" for each gated MLP's fused gate/up weight (a module
         with silu_mul(x) returned there computes silu(gate) * up itself, and the MLP calls it),
         "lm_head" for the logits head (a tied model's is built from the embedding matrix; the lookup
         keeps its own), "linear" for the rest."""

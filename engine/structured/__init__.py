@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from engine.config import GRAMMAR_BACKENDS
+from engine.config.engine_config import GRAMMAR_BACKENDS
 from engine.structured.backend import (
     CachingCompiler,
     CompiledGrammar,

@@ -23,7 +23,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
 
-from engine.gguf.tensors import gguf_name, permute
+from engine.weights.gguf.tensors import gguf_name, permute
 
 # transformers class -> llama.cpp architecture (its converter writes Mistral as llama)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from engine.api import SamplingParams
-from engine.tokenization import message_texts
+from engine.text.tokenization import message_texts
 from server.api.choices import sample_params, start_choices
 from server.api.openai_shapes import ChatShape, CompletionShape
 from server.api.protocol import ChatRequest, CompletionRequest, OpenAIFields

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from pydantic import ConfigDict, Field
 from sse_starlette import ServerSentEvent
 
-from engine.tokenization import message_texts
+from engine.text.tokenization import message_texts
 from server.api.choices import start_choices
 from server.api.protocol import Bool, Int, SamplingFields
 from server.api.respond import Call, ChoiceEvents, generation, respond

@@ -20,9 +20,9 @@ from pydantic_settings import (
 )
 
 from engine.config import EngineConfig, default_engine_threads
-from engine.kv_events_config import KVEventsConfig
-from engine.lora.config import LoraConfig
-from engine.spec_config import SpeculativeConfig
+from engine.config.kv_events import KVEventsConfig
+from engine.config.lora import LoraConfig
+from engine.config.speculative import SpeculativeConfig
 from server.config.lanes import Lane, LaneBounds, LaneDeadlines
 from server.config.lora import parse_lora_modules
 from server.config.units import parse_size, parse_token_count

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.kv_events import KVEventsStats
+from engine.kv.events import KVEventsStats
 
 
 class KVEventsCollector(Collector):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from server.ops.memory import DeviceMemory
 
-DEFAULT_KV_BYTES = 1 << 30  # the engine's CPU default KV budget (engine/setup.py), when nothing says more
+DEFAULT_KV_BYTES = 1 << 30  # the engine's CPU default KV budget (engine/runner/startup.py), when nothing says more
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 GIB = float(1 << 30)

@@ -1,6 +1,6 @@
 """Prompt tokenization on the server side, on private copies of the engine's tokenizer: the engine
 itself belongs to the worker thread. Uses the engine's own tokenization functions
-(engine/tokenization.py), so both sides agree.
+(engine/text/tokenization.py), so both sides agree.
 
 Two tokenize threads, each with its own tokenizer copy (a copy is not safe to share across threads):
 prompts up to LARGE_PROMPT_CHARS go to one, longer ones to the other, so a small request never waits
@@ -19,7 +19,7 @@ import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from engine.tokenization import chat_prompt_ids, encode_prompt, max_bytes_per_token, message_texts
+from engine.text.tokenization import chat_prompt_ids, encode_prompt, max_bytes_per_token, message_texts
 from server.http.errors import ApiError
 
 LARGE_PROMPT_CHARS = 16384  # prompts longer than this tokenize on the large-prompt thread

@@ -25,17 +25,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from engine.api import (
-    CompileQueueFull,
-    GrammarCompiler,
-    GrammarDeadEnd,
-    GrammarError,
-    GrammarSpec,
-    GrammarTimeout,
-    GrammarTooLarge,
-    InvalidParam,
-    SamplingParams,
-)
+from engine.api import InvalidParam, SamplingParams
+from engine.structured.backend import GrammarCompiler
+from engine.structured.compile_workers import CompileQueueFull
+from engine.structured.spec import GrammarDeadEnd, GrammarError, GrammarSpec, GrammarTimeout, GrammarTooLarge
 from server.http import json_limits
 from server.http.errors import ApiError
 

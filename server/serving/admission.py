@@ -1,6 +1,6 @@
 """Admission: per-lane bounds on what may wait, and Retry-After for what may not. Plain Python, no locks,
 no I/O. Who runs next is not decided here: lanes are the engine scheduler's priority levels
-(engine/ordering.py: interactive 0, standard 1, batch 2, with aging and deadlines).
+(engine/sched/ordering.py: interactive 0, standard 1, batch 2, with aging and deadlines).
 
 What is admitted is a *unit*: the engine requests of one HTTP request (its choices: a list of prompts,
 `n` samples), admitted or refused together. A unit counts as one request against its lane's request

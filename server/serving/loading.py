@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.api import EngineProtocol
-from engine.kv_events import KVEventSink
+from engine.kv.events import KVEventSink
 from server.config.settings import ServerSettings
 from server.config.versions import ModelSpec, fingerprint, startup_specs
 from server.serving.fresh_thread import in_fresh_thread
@@ -29,7 +29,7 @@ def demo_model_path() -> str:
 def open_kv_events(settings: ServerSettings) -> KVEventSink | None:
     """The process's KV-cache events publisher (one socket for every model version's engine), bound
     now; None when events are off. Raises ValueError naming the endpoint it cannot open."""
-    from engine.kv_events_zmq import open_publisher
+    from engine.kv.events_zmq import open_publisher
 
     return open_publisher(settings.kv_events())
 

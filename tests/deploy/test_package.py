@@ -32,5 +32,5 @@ def test_the_wheel_holds_every_package_file(tmp_path):
     inside = set(zipfile.ZipFile(wheel).namelist())
     wanted = {n for n in tracked_files() if n.split("/")[0] in PACKAGES and Path(n).suffix not in (".md",)}
     assert wanted - inside == set()
-    assert {"bench/data/quality.txt", "engine/csrc/cpu_attention.cpp", "engine/csrc/isa.h",
-            "engine/csrc/kernels/gemv_avx2.cpp", "engine/csrc/kernels/attention_body.inc"} <= inside
+    assert {"bench/data/quality.txt", "engine/kernels/csrc/cpu_attention.cpp", "engine/kernels/csrc/isa.h",
+            "engine/kernels/csrc/kernels/gemv_avx2.cpp", "engine/kernels/csrc/kernels/attention_body.inc"} <= inside

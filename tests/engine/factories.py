@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from engine.api import Deadlines
-from engine.block_manager import BlockManager
+from engine.api.sampling_params import SamplingParams
+from engine.kv.block_manager import BlockManager
 from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sched.scheduler import Scheduler, SchedulerConfig
 
 
 class Clock:

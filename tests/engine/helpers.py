@@ -101,8 +101,7 @@ def require_cpu_kernels(*groups: str) -> None:
     """Module-level guard of the CPU-kernel tests: the kernel groups (default: every one) must build
     under CI and wherever a C++ compiler is on PATH (a failure there fails the module); only a machine
     without one skips."""
-    from engine import cpu_kernels
-
+    from engine.kernels import cpu_kernels
     reasons = [f"{g}: {r}" for g in groups or cpu_kernels.GROUPS if (r := cpu_kernels._load_all()[g]) is not None]
     reason = "; ".join(reasons) or None
     if reason is None:

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from engine.kv_events_zmq import END_SEQ
+from engine.kv.events_zmq import END_SEQ
 
 
 # -- vLLM's event classes, as a consumer declares them (vllm/distributed/kv_events.py). The batch is

@@ -36,8 +36,7 @@ def test_cpu_auto_is_the_cpu_kernels_never_triton():
 
 
 def test_cpu_auto_falls_back_to_the_reference_and_says_why(monkeypatch, caplog):
-    from engine import cpu_kernels
-
+    from engine.kernels import cpu_kernels
     monkeypatch.setattr(cpu_kernels, "load", lambda group: "no C++ compiler")
     with caplog.at_level(logging.WARNING, logger="tokenmill.engine"):
         backend = select_backend("cpu")

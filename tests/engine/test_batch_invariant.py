@@ -1,4 +1,4 @@
-"""Batch-invariant mode (EngineConfig.deterministic, engine/batch_invariant.py).
+"""Batch-invariant mode (EngineConfig.deterministic, engine/models/batch_invariant.py).
 
 One prompt set (chat and completion prompts, greedy and seeded, some sharing a prefix) is run one
 request at a time as the reference, then in batches of 2, 8 and 32 with shuffled neighbours, with
@@ -17,8 +17,8 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.config.speculative import SpeculativeConfig
 from engine.models.packed_linear import packing_supported
-from engine.spec_config import SpeculativeConfig
 
 from .helpers import make_engine, require_cpu_kernels
 
@@ -170,8 +170,8 @@ def test_the_kernel_everywhere_keeps_rows_independent_of_the_batch(tiny, monkeyp
     on cancelling inputs (any change of summation order shows) a row has the same bits alone and at
     any position among 5, 37 or 300 rows (the tile unit up to 32 rows, the AVX-512 tiles beyond, one
     order); and an engine built that way keeps the one-request tokens."""
-    from engine import cpu_weights
     from engine.models.invariant_linear import cancelling_inputs
+    from engine.weights import cpu_weights
 
     x, w = cancelling_inputs(300, 192, 400, seed=5)
     assert cpu_weights._kernel_keeps_rows(w.shape)
@@ -192,7 +192,7 @@ def test_the_kernel_everywhere_keeps_rows_independent_of_the_batch(tiny, monkeyp
 def test_tiled_onednn_rows_do_not_depend_on_the_batch():
     """Calls of at most 32 rows: each row's bits are its one-row bits at any batch size, 300 included
     (one oneDNN call of 33+ rows changes them on this machine: that is why the calls are tiled)."""
-    from engine.batch_invariant import TiledLinear, rows_agree
+    from engine.models.invariant_linear import TiledLinear, rows_agree
     from engine.models.packed_linear import PackedLinear
 
     g = torch.Generator().manual_seed(3)
@@ -215,8 +215,7 @@ AMX = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 def test_blocked_kernel_gives_onednns_bits(shape):
     """gemv_blocked sums as oneDNN's AMX GEMM does (per 32 columns an even and an odd chain): the same
     bits at 1..32 rows on random and on cancelling inputs, where the one-chain kernel differs in many."""
-    from engine.batch_invariant import TiledLinear, kernel_agrees
-    from engine.models.invariant_linear import cancelling_inputs
+    from engine.models.invariant_linear import TiledLinear, cancelling_inputs, kernel_agrees
 
     n, k = shape
     x, w = cancelling_inputs(32, k, n, seed=4)
@@ -239,7 +238,7 @@ def test_the_modes_small_batch_kernel_changes_no_bit(tiny):
     """In the mode, the kernel in oneDNN's order for every call of up to 32 rows (cpu_gemv "on") or for
     none ("off") gives the same tokens and log-probabilities, alone and batched; where it cannot give
     oneDNN's bits (kernel_agrees fails) the mode keeps oneDNN (kernel_rows 0)."""
-    from engine.batch_invariant import TiledLinear
+    from engine.models.invariant_linear import TiledLinear
 
     runs = {}
     prompts = [list(range(10 + i, 40 + 3 * i)) for i in range(6)]
@@ -273,7 +272,7 @@ def test_float32_mode_takes_the_float32_kernel_at_every_row_count(tiny):
 
 
 def test_one_row_float32_linear_does_not_depend_on_the_batch():
-    from engine.batch_invariant import RowLinear
+    from engine.models.invariant_linear import RowLinear
 
     g = torch.Generator().manual_seed(1)
     lin = RowLinear(torch.randn(300, 200, generator=g), torch.randn(300, generator=g))
@@ -361,7 +360,7 @@ def adapters(tiny, tmp_path_factory):
 
 
 def _lora_engine(tiny, adapters, dtype: str, **kw) -> Engine:
-    from engine.lora.config import LoraConfig
+    from engine.config.lora import LoraConfig
 
     lora = LoraConfig(max_loras=len(adapters), max_lora_rank=16, modules=tuple((n, str(p)) for n, p in adapters.items()))
     return _engine(tiny, dtype, lora=lora, **kw)
@@ -378,7 +377,7 @@ def test_mixed_adapter_batches_match_one_request_runs(tiny, references, adapters
     """LoRA in the mode: the prompt set on the base model and two adapters, alone, then in batches of 8
     and 32 whose neighbours are on random adapters too, with prefix-cache hits and 16-token prefill
     chunks: every request's tokens equal its one-request run (the delta sums each row in a fixed
-    order on every row count: engine/csrc/cpu_lora.cpp; the kernel at every chunk size)."""
+    order on every row count: engine/kernels/csrc/cpu_lora.cpp; the kernel at every chunk size)."""
     prompts, base_params, base_alone = references(dtype)
     names = [None, *adapters]
     params = _on_adapters(base_params, names, seed=7)

@@ -1,4 +1,4 @@
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 
 from .factories import make_request
 
@@ -66,7 +66,7 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru():
 
 
 def test_hash_collision_is_caught_by_token_comparison(monkeypatch):
-    import engine.block_manager as mod
+    import engine.kv.block_manager as mod
 
     monkeypatch.setattr(mod, "chain_hash", lambda parent, tokens: 42)  # every block collides
     bm = BlockManager(8, 4)

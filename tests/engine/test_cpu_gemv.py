@@ -1,4 +1,4 @@
-"""The C++ small-batch linear kernels (engine/csrc/cpu_gemv.cpp) against float64 math: bf16 and
+"""The C++ small-batch linear kernels (engine/kernels/csrc/cpu_gemv.cpp) against float64 math: bf16 and
 INT8 weights, shapes with odd and ragged sizes (N not a multiple of 16, odd K), 1..64 rows, bias,
 the fused silu(gate) * up epilogue, per-channel and grouped scales, the int32 overflow guard, the
 packed layout's round trip, and the checks that refuse bad operands."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.quantization import int8_from_blocks, quantize_int8
+from engine.models.quantization import int8_from_blocks, quantize_int8
 
 from .helpers import require_cpu_kernels
 
@@ -67,8 +67,7 @@ def test_the_amx_tile_path_matches_float64_and_onednn(rows):
     33+ rows and K = 1537 take the AVX-512 tiles (covered above). The tile unit sums as oneDNN's AMX
     GEMM does, so without bias the bits are oneDNN's packed product's at every row count (on
     cancelling inputs too, where the AVX-512 tiles' one chain per output differs)."""
-    from engine.batch_invariant import TiledLinear
-    from engine.models.invariant_linear import cancelling_inputs
+    from engine.models.invariant_linear import TiledLinear, cancelling_inputs
 
     g = torch.Generator().manual_seed(rows)
     for n, k in [(960, 576), (576, 1536), (100, 64)]:

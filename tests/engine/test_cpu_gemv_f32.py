@@ -1,4 +1,4 @@
-"""The float32 small-batch kernel (engine/csrc/cpu_gemv_f32.cpp, GemvF32Linear) and its start-up
+"""The float32 small-batch kernel (engine/kernels/csrc/cpu_gemv_f32.cpp, GemvF32Linear) and its start-up
 choice: products against a float64 reference at every row-tile size and ragged shapes, bias, empty
 and 3-D inputs, refused operands, routing by row count, what prepare_weights puts in a float32
 model, and greedy tokens of the engine with it on against it off."""
@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.api import SamplingParams
-from engine.cpu_weights import f32_max_rows
 from engine.models import cpu_linear
 from engine.models.cpu_linear import GemvF32Linear
+from engine.weights.cpu_weights import f32_max_rows
 
 from .helpers import make_case, make_engine, require_cpu_kernels
 

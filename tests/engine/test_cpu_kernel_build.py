@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import cpu_kernels
+from engine.kernels import cpu_kernels
 
 ROOT = str(Path(__file__).resolve().parents[2])
 HAS_CXX = shutil.which("g++") is not None or shutil.which("c++") is not None
@@ -32,7 +32,7 @@ SOME_GROUPS = """
     import logging, sys
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     from pathlib import Path
-    from engine import cpu_kernels
+    from engine.kernels import cpu_kernels
     cpu_kernels.CSRC = Path({csrc!r}) if {csrc!r} else cpu_kernels.CSRC
     cpu_kernels.GROUPS = {groups!r}
     reasons = {{g: cpu_kernels.load(g) for g in cpu_kernels.GROUPS}}
@@ -143,7 +143,7 @@ def test_every_group_has_a_path_here():
 
 @pytest.mark.skipif(not HAS_CXX, reason="no C++ compiler")
 def test_the_cap_lowers_every_groups_path(tmp_path):
-    code = "from engine import cpu_kernels; print(cpu_kernels.describe())"
+    code = "from engine.kernels import cpu_kernels; print(cpu_kernels.describe())"
     base = _run(code, {"TOKENMILL_CPU_ISA": "base"}, tmp_path)
     assert base.returncode == 0, base.stderr
     line = base.stdout.strip()

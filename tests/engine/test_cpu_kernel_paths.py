@@ -1,4 +1,4 @@
-"""The kernels' paths (engine/csrc/isa.h: AMX, AVX-512, AVX2, portable) give the same bits where the
+"""The kernels' paths (engine/kernels/csrc/isa.h: AMX, AVX-512, AVX2, portable) give the same bits where the
 code promises it, on every path this machine has: each path runs in its own process
 (TOKENMILL_CPU_ISA caps it), on the same inputs, and the outputs are compared bit for bit.
 
@@ -38,8 +38,8 @@ AGREE = {  # output -> the paths that must give its bits
 OUTPUTS = """
 import sys
 import torch
-from engine import cpu_kernels
-from engine.quantization import quantize_int8
+from engine.kernels import cpu_kernels
+from engine.models.quantization import quantize_int8
 for g in cpu_kernels.GROUPS:
     assert cpu_kernels.load(g) is None, g
 ops = torch.ops.tokenmill

@@ -1,9 +1,9 @@
 """Every kernel source compiles for every x86-64 CPU kind, whatever CPU runs the tests.
 
-The kernels are built with the same portable flags everywhere (engine/cpu_kernels.py FLAGS) and pick
+The kernels are built with the same portable flags everywhere (engine/kernels/cpu_kernels.py FLAGS) and pick
 their path at run time, so the code for an instruction set must sit in functions (or `#pragma GCC
 target` regions) that carry its target: an AMX or AVX-512 intrinsic in a lambda, say, compiles on a
-CPU whose default target has it and nowhere else. This compiles each source of engine/csrc/kernels/
+CPU whose default target has it and nowhere else. This compiles each source of engine/kernels/csrc/kernels/
 (where every intrinsic lives, without torch's headers, so a build takes a second) for several -march
 targets, with code generation on (-O0 -c: -fsyntax-only misses the inlining errors), and checks that
 the files around them (the groups' bindings, which include torch) hold no intrinsic at all."""
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import cpu_kernels
+from engine.kernels import cpu_kernels
 
 CXX = shutil.which("g++")
 if CXX is None and shutil.which("c++") is None:
@@ -71,7 +71,7 @@ def test_intrinsics_live_only_in_kernels_and_kernels_do_not_include_torch():
     for path in sorted(cpu_kernels.CSRC.glob("*")):
         if path.suffix in (".cpp", ".h", ".inc"):
             text = re.sub(r"//[^\n]*", "", path.read_text())  # comments may name them
-            assert not INTRINSICS.search(text), f"{path.name} uses an intrinsic outside engine/csrc/kernels/"
+            assert not INTRINSICS.search(text), f"{path.name} uses an intrinsic outside engine/kernels/csrc/kernels/"
     for path in sorted(KERNELS.glob("*")):
         text = path.read_text()
         assert not re.search(r'#include\s*[<"](ATen|torch|c10)/', text), f"kernels/{path.name} includes torch"

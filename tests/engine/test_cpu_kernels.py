@@ -1,4 +1,4 @@
-"""The C++ CPU decode kernels (engine/csrc/cpu_attention.cpp, backend "cpu") against float64 math
+"""The C++ CPU decode kernels (engine/kernels/csrc/cpu_attention.cpp, backend "cpu") against float64 math
 and the reference backend: block sizes on and off the specialised paths, GQA groups in and past
 the unrolled range, head sizes, slot -1, shuffled block tables, mixed decode + prefill steps."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import cpu_kernels
 from engine.attention import TorchAttentionBackend, select_backend
 from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.kernels import cpu_kernels
 
 from .attention_cases import random_step, reference, rel_err
 from .helpers import greedy, make_engine, require_cpu_kernels

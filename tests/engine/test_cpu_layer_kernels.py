@@ -1,4 +1,4 @@
-"""The fused C++ layer kernels (engine/csrc/cpu_layers.cpp) against the PyTorch ops they replace:
+"""The fused C++ layer kernels (engine/kernels/csrc/cpu_layers.cpp) against the PyTorch ops they replace:
 rotary bit-exact in float32 and bf16; RMSNorm and the residual-fused RMSNorm within one bf16 ulp
 (only the mean's summation order differs); the model wiring that turns them on."""
 

@@ -1,5 +1,5 @@
 """The CPU linear modules on the small-batch kernels (engine/models/cpu_linear.py) and their start-up
-choice (engine/cpu_weights.py): routing by row count, the measured plan, INT8 end to end on tiny
+choice (engine/weights/cpu_weights.py): routing by row count, the measured plan, INT8 end to end on tiny
 models (tokens, half the weight bytes), the engine with the kernels on vs off, and every fallback
 (kernels off, no compiler, a CPU without the instructions) with its log line."""
 
@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from engine import EngineConfig, SamplingParams
-from engine.cpu_weights import prepare_weights
 from engine.models import cpu_linear
 from engine.models.cpu_linear import GemvLinear, Int8Embedding, Int8Linear, measure_max_rows
 from engine.models.layers import GatedMLP
 from engine.models.packed_linear import PackedLinear, packing_supported
-from engine.quantization import quantize_int8
+from engine.models.quantization import quantize_int8
+from engine.weights.cpu_weights import prepare_weights
 
 from .helpers import make_case, make_engine, mismatches, require_cpu_kernels, run_all
 
@@ -128,8 +128,7 @@ def test_bf16_on_uses_the_kernels_everywhere(build_model):
 
 
 def test_auto_measures_each_shape_once(build_model, monkeypatch):
-    from engine import cpu_weights
-
+    from engine.weights import cpu_weights
     seen = []
     monkeypatch.setattr(cpu_weights, "_measure", lambda lin, *a: seen.append((lin.out_features, lin.in_features, lin.interleave)) or 2)
     engine, model = _weights(build_model("tiny-qwen3"), dtype="bfloat16", max_num_seqs=8)

@@ -1,4 +1,4 @@
-"""The C++ row sampler (engine/csrc/cpu_sampling.cpp, torch.ops.tokenmill.sample_rows) against a float64
+"""The C++ row sampler (engine/kernels/csrc/cpu_sampling.cpp, torch.ops.tokenmill.sample_rows) against a float64
 reference over odd vocabularies and 1..64 rows, and the Sampler wired to it: the same draws as the
 PyTorch path from the same seeds, batch-independent, non-finite rows failed alone."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.api.sampling_params import SamplingParams
+from engine.sample.sampler import Sampler
 
 from .factories import make_request
 from .helpers import require_cpu_kernels

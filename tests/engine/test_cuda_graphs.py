@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from engine.attention import BatchLayout, TorchAttentionBackend  # noqa: E402
-from engine.cuda_graphs import (  # noqa: E402
+from engine.runner.cuda_graphs import (  # noqa: E402
     CONTEXT_LENS,
     IDS,
     POSITIONS,

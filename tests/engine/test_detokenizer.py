@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringFilter
+from engine.text.detokenizer import IncrementalDetokenizer, StopStringFilter
 
 TEXTS = [
     "Hello, world! 你好，世界。今天天气很好 🚀✨👍🏽 👨‍👩‍👧 🇯🇵 end",

@@ -1,4 +1,4 @@
-"""The draft-model proposer (engine/draft_model.py): greedy output with a draft model is token for token
+"""The draft-model proposer (engine/runner/draft_model.py): greedy output with a draft model is token for token
 the non-speculative output (float32); a draft that is the target itself is accepted almost always (its
 window recompute matches the paged KV), another model of the same tokenizer mostly rejected."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.draft_model import DraftModelProposer
-from engine.spec_config import SpeculativeConfig
+from engine.config.speculative import SpeculativeConfig
+from engine.runner.draft_model import DraftModelProposer
 
 from .helpers import Case, make_case, make_engine, mismatches, spec_engine
 from .test_speculative import _run

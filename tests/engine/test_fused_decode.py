@@ -1,4 +1,4 @@
-"""The C++ layer loop of decode-only CPU steps (engine/csrc/cpu_decode.cpp, models/fused_decode.py)
+"""The C++ layer loop of decode-only CPU steps (engine/kernels/csrc/cpu_decode.cpp, models/fused_decode.py)
 against the Python layers it replaces: the same tokens and bit-identical log-probabilities for every
 model family, in float32 and bf16, with every kind of linear it calls (plain, oneDNN-packed, the
 small-batch gemv kernels, INT8), at batch sizes that switch between them; and it really runs."""

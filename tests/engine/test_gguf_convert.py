@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.gguf.convert import convert
+from engine.weights.gguf.convert import convert
 
 from .gguf_helpers import gguf_path, hf_from_gguf, hf_greedy, small_case
 from .helpers import greedy, make_engine

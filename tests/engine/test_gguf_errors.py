@@ -10,8 +10,8 @@ import sys
 import pytest
 from gguf import GGUFReader
 
-from engine.gguf import GGUFError
 from engine.testing.make_gguf import write_gguf
+from engine.weights.gguf import GGUFError
 
 from .gguf_helpers import gguf_path
 from .helpers import make_engine

@@ -12,13 +12,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from engine.gguf import dequant
-from engine.gguf.config import hf_config
-from engine.gguf.reader import open_gguf
-from engine.gguf.tensors import gguf_name, hf_name, permute, unpermute
-from engine.gguf.tokenizer import eos_token_ids, load_tokenizer
-from engine.model_open import open_model_source
 from engine.testing.make_gguf import quantize_q4_k
+from engine.weights.gguf import dequant
+from engine.weights.gguf.config import hf_config
+from engine.weights.gguf.reader import open_gguf
+from engine.weights.gguf.tensors import gguf_name, hf_name, permute, unpermute
+from engine.weights.gguf.tokenizer import eos_token_ids, load_tokenizer
+from engine.weights.model_open import open_model_source
 
 from .gguf_helpers import gguf_path
 

@@ -97,8 +97,8 @@ def test_f32_file_serves_exactly_like_its_source_folder(build_model, gguf_dir):
 
 @pytest.mark.parametrize("qtype", ["F32", "BF16", "Q8_0", "Q4_1"])
 def test_auto_dtype_serves_quantized_files_in_bf16_where_the_cpu_has_it(build_model, gguf_dir, qtype):
-    from engine.model_open import open_model_source
-    from engine.setup import cpu_has_bf16, resolve_dtype
+    from engine.runner.startup import cpu_has_bf16, resolve_dtype
+    from engine.weights.model_open import open_model_source
 
     source = open_model_source(str(gguf_path(build_model, gguf_dir, "tiny-llama", qtype)))
     got = resolve_dtype("auto", source.hf_config, torch.device("cpu"))

@@ -11,10 +11,10 @@ import pytest
 import zmq
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine import kv_events as ours
-from engine.block_manager import BlockManager
-from engine.kv_events_config import KVEventsConfig
-from engine.kv_events_zmq import ZmqEventPublisher, encode_batch
+from engine.config.kv_events import KVEventsConfig
+from engine.kv import events as ours
+from engine.kv.block_manager import BlockManager
+from engine.kv.events_zmq import ZmqEventPublisher, encode_batch
 from engine.request import Request
 
 from . import kv_subscriber as vllm

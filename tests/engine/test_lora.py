@@ -11,8 +11,7 @@ import torch
 
 from engine import SamplingParams
 from engine.api import InvalidParam
-from engine.lora.config import LoraConfig
-from engine.lora.errors import (
+from engine.api.errors import (
     LoraBaseMismatch,
     LoraFilesMissing,
     LoraNameTaken,
@@ -21,6 +20,7 @@ from engine.lora.errors import (
     LoraUnknown,
     LoraUnsupportedTarget,
 )
+from engine.config.lora import LoraConfig
 
 from .helpers import TINY_PRESETS, assert_idle, make_engine
 from .lora_helpers import SPECS, AdapterSpec, make_adapter, peft_greedy, random_prompts
@@ -312,7 +312,7 @@ def fused_and_python_runs(path, adapters, jobs, **engine_kw):
 
 
 def test_mixed_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family):
-    """float32: a decode step with adapter rows goes through the C++ layer loop (engine/csrc/cpu_decode.cpp,
+    """float32: a decode step with adapter rows goes through the C++ layer loop (engine/kernels/csrc/cpu_decode.cpp,
     which adds the deltas with tokenmill::lora_add_) and gives the Python layers' log-probabilities
     bit for bit."""
     path, adapters, prompts, refs = family

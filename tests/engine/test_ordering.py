@@ -1,4 +1,4 @@
-"""The one ordering of requests (engine/ordering.py), stated as tests:
+"""The one ordering of requests (engine/sched/ordering.py), stated as tests:
 
 - key = (effective priority, arrival time, request id), smallest runs first;
 - effective priority = priority, one level better per aging_s of waiting in all (before the first run
@@ -16,9 +16,9 @@ import random
 
 import pytest
 
-from engine.ordering import PriorityPolicy
 from engine.request import RequestStatus
-from engine.waiting_queue import WaitingQueue
+from engine.sched.ordering import PriorityPolicy
+from engine.sched.waiting_queue import WaitingQueue
 
 from .factories import make_request
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine import prompt_logprobs as plp
 from engine.api import FinishReason, InvalidParam
+from engine.sample import prompt_logprobs as plp
 
 from .helpers import assert_idle, make_engine
 

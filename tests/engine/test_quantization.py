@@ -1,4 +1,4 @@
-"""INT8 weight-only quantization (engine/quantization.py): the round trip's error bound, the scales'
+"""INT8 weight-only quantization (engine/models/quantization.py): the round trip's error bound, the scales'
 shapes and validation, and the entry for weights that arrive quantized (GGUF Q8_0's int8 blocks)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.quantization import INT8_MAX, Int8Weight, group_for, int8_from_blocks, quantize_int8
+from engine.models.quantization import INT8_MAX, Int8Weight, group_for, int8_from_blocks, quantize_int8
 
 
 @pytest.mark.parametrize("n,k,group", [(7, 3, None), (64, 576, None), (64, 576, 64), (33, 96, 32), (5, 2, 2)])
@@ -73,10 +73,10 @@ def test_q8_0_blocks_go_in_as_they_are():
 def test_preloaded_int8_weights_are_used_as_they_are(build_model):
     """The entry for a GGUF Q8_0 loader: int8 blocks by parameter name go into the model untouched."""
     from engine import EngineConfig
-    from engine.cpu_weights import prepare_weights
-    from engine.loader import load_model
-    from engine.model_open import open_model_source
     from engine.models.cpu_linear import Int8Embedding, Int8Linear
+    from engine.weights.cpu_weights import prepare_weights
+    from engine.weights.loader import load_model
+    from engine.weights.model_open import open_model_source
 
     path = build_model("tiny-llama")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.api.sampling_params import SamplingParams
+from engine.sample.sampler import Sampler
 
 from .factories import make_request
 
@@ -87,11 +87,11 @@ def test_draws_follow_the_tempered_distribution():
 
 
 def test_inverse_cdf_never_lands_past_the_last_token_with_mass():
-    from engine.sampler import _inverse_cdf
+    from engine.sample.sampler import inverse_cdf
 
     probs = torch.tensor([[0.3, 0.7, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
     u = torch.tensor([1.0 - 1e-12, 0.0, 0.9999999])  # the first rounds to 1.0 in float32
-    assert _inverse_cdf(probs, u).tolist() == [1, 3, 0]
+    assert inverse_cdf(probs, u).tolist() == [1, 3, 0]
 
 
 def test_repetition_penalty_discourages_seen_tokens():
@@ -128,7 +128,7 @@ def test_ignore_eos_with_min_tokens_does_not_mask_eos():
 
 # -- numerics at the edges -------------------------------------------------------------------------
 def test_tiny_temperatures_are_greedy_and_penalties_are_bounded():
-    from engine.sampling_params import GREEDY_TEMPERATURE_EPS
+    from engine.api.sampling_params import GREEDY_TEMPERATURE_EPS
 
     for t in (0.0, 1e-45, 1e-300, GREEDY_TEMPERATURE_EPS / 2):
         assert SamplingParams(temperature=t).greedy
@@ -195,7 +195,7 @@ def test_logit_bias_tensors_are_built_once_per_request_and_match_the_reference(m
     """A full-vocabulary bias on several rows: its tensors are built on the request's first step and
     reused after (not rebuilt from the pairs each step), and every step's draws equal those of an
     unbiased request (same seed) given logits with the bias added by hand."""
-    import engine.sampler as sampler_mod
+    import engine.sample.sampler as sampler_mod
 
     builds: list[str] = []
     real_build = sampler_mod._bias_row

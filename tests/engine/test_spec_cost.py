@@ -1,4 +1,4 @@
-"""The measured speculation gate (engine/spec_cost.py), with injected step times: speculation stays on
+"""The measured speculation gate (engine/spec/gate.py), with injected step times: speculation stays on
 at a batch size where its time per emitted token is lower, goes off where it is higher, and the losing
 arm is measured again now and then."""
 
@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.spec_config import SpeculativeConfig
-from engine.spec_cost import SpecGate, bucket_of
+from engine.config.speculative import SpeculativeConfig
+from engine.sched.outputs import ScheduledRequest, SchedulerOutput
+from engine.sched.scheduler import Scheduler, SchedulerConfig
+from engine.spec.gate import SpecGate, bucket_of
 
 
 def _drive(gate: SpecGate, batch: int, step_s: dict[bool, float], tokens: dict[bool, int], steps: int) -> list[bool]:
@@ -49,7 +50,7 @@ def test_the_decision_follows_a_change_in_acceptance():
 
 def test_scheduler_feeds_only_pure_decode_steps():
     from engine import SamplingParams
-    from engine.block_manager import BlockManager
+    from engine.kv.block_manager import BlockManager
     from engine.request import Request
 
     cfg = SchedulerConfig(4, 64, speculative=SpeculativeConfig())

@@ -1,5 +1,5 @@
 """Speculative decoding with the sampling features that depend on the tokens before each position
-(engine/spec_positions.py): penalties, a pending min_tokens, logprobs of the emitted tokens and
+(engine/sample/draft_positions.py): penalties, a pending min_tokens, logprobs of the emitted tokens and
 structured-output masks. Greedy output with speculation is token for token the non-speculative output
 (float32, tiny-llama), drafts from the oracle proposer (the reference continuation with every third
 draft corrupted, so positions are both accepted and rejected)."""

@@ -1,4 +1,4 @@
-"""Speculation never delays a more important lane (engine/scheduler.py, `_StepPlanner.spec_level`): while
+"""Speculation never delays a more important lane (engine/sched/scheduler.py, `_StepPlanner.spec_level`): while
 an interactive request waits, prefills or decodes, batch-lane rows carry no drafts, so they neither
 take step budget it needs nor lengthen its steps; the interactive request itself speculates, the batch
 rows speculate again once it is gone, and every output is still non-speculative greedy (float32)."""
@@ -9,7 +9,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.api import PreemptionCause
-from engine.scheduler import SchedulerOutput
+from engine.sched.outputs import SchedulerOutput
 
 from .helpers import Case, make_case, make_engine, spec_engine
 from .test_speculative import SPEC, OracleProposer, _run
@@ -117,9 +117,9 @@ def _drafting(sched, steps: int = 3) -> dict[str, int]:
 
 
 def _spec_scheduler(aging_s: float = 0.0, clock=None):
-    from engine.block_manager import BlockManager
-    from engine.scheduler import Scheduler, SchedulerConfig
-    from engine.speculative import SpeculativeConfig
+    from engine.kv.block_manager import BlockManager
+    from engine.sched.scheduler import Scheduler, SchedulerConfig
+    from engine.spec.drafts import SpeculativeConfig
 
     from .factories import Clock
 

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/speculative.py, engine/spec_verify.py): greedy output is token for token
+"""Speculative decoding (engine/spec/drafts.py, engine/sample/verify.py): greedy output is token for token
 that of non-speculative greedy (float32) under concurrency, preemption, prefix-cache hits and chunked
 prefill; rejected drafts leave the KV bookkeeping exact after every step; sampled output keeps the
 target distribution and reproduces itself with a seed.
@@ -17,8 +17,8 @@ import torch
 
 from engine import SamplingParams
 from engine.request import Request
-from engine.spec_verify import accepted_prefix, verify_sampled
-from engine.speculative import SpeculativeConfig, draft_length, ngram_propose, update_acceptance
+from engine.sample.verify import accepted_prefix, verify_sampled
+from engine.spec.drafts import SpeculativeConfig, draft_length, ngram_propose, update_acceptance
 
 from .helpers import Case, make_case, make_engine, mismatches, spec_engine
 
@@ -76,8 +76,8 @@ def test_rejection_sampling_keeps_the_target_distribution():
     logits = torch.randn(3, 6) * 1.5
     params = SamplingParams(temperature=0.8, top_k=4, logit_bias={2: 1.0}, seed=7)
     req = Request("r", [1], params, 0, 0.0, frozenset())
-    from engine.sampler import Sampler
-    from engine.spec_verify import target_probs
+    from engine.sample.sampler import Sampler
+    from engine.sample.verify import target_probs
 
     p = target_probs(logits, [req] * 3)
     p = p / p.sum(dim=-1, keepdim=True)

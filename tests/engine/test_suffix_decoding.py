@@ -1,4 +1,4 @@
-"""Suffix decoding (engine/suffix_tree.py): the tree's counts, bounds and eviction; greedy parity with
+"""Suffix decoding (engine/spec/suffix_tree.py): the tree's counts, bounds and eviction; greedy parity with
 the suffix proposer; drafts taken from an earlier request's output."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
+from engine.config.speculative import SpeculativeConfig
 from engine.request import Request
-from engine.spec_config import SpeculativeConfig
-from engine.suffix_tree import SuffixProposer, SuffixTree
+from engine.spec.suffix_tree import SuffixProposer, SuffixTree
 
 from .helpers import Case, make_case, make_engine, mismatches, spec_engine
 from .test_speculative import _run

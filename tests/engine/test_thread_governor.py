@@ -1,4 +1,4 @@
-"""engine/thread_governor.py: the steps' CPU thread count follows measured step times: down to one
+"""engine/core/thread_governor.py: the steps' CPU thread count follows measured step times: down to one
 thread when a probe at one is faster per token (a core taken), back when the other count wins, never
 on prefill steps, and a probe that goes badly ends after one step."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.thread_count import ThreadCountSetter, per_thread_setter
-from engine.thread_governor import GovernorConfig, ThreadGovernor
+from engine.api.sampling_params import SamplingParams
+from engine.core.thread_count import ThreadCountSetter, per_thread_setter
+from engine.core.thread_governor import GovernorConfig, ThreadGovernor
 
 from .helpers import make_engine
 
@@ -225,7 +225,7 @@ def test_two_engines_on_one_thread_each_step_at_their_own_count(build_model, res
     """The count is the thread's: a governed engine's probe at one thread must not leak into the steps
     of another engine that steps on the same thread (benchmarks run two side by side), nor theirs into
     its own: each step starts at its engine's count (ThreadPin)."""
-    from engine.thread_count import ThreadPin
+    from engine.core.thread_count import ThreadPin
 
     torch.set_num_threads(2)
     path = build_model("tiny-llama")

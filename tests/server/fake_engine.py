@@ -1,4 +1,4 @@
-"""A torch-free engine for server tests: the real `EngineCore` (scheduler, block manager, deadlines,
+"""A torch-free engine for server tests: the real `StepLoop` (scheduler, block manager, deadlines,
 outputs) over a made-up model. `FakeRunner` "samples" a token from the request's tokens, so outputs
 are deterministic; tests replace `runner.execute` to inject faults, hold `step_gate` to freeze the
 engine, or set `step_delay_s` to slow it down.
@@ -11,10 +11,11 @@ import time
 from typing import TYPE_CHECKING
 
 from engine.api import RequestOutput
-from engine.block_manager import BlockManager
-from engine.core import EngineCore, ModelRunnerOutput
-from engine.kv_events import KVEventSink
-from engine.scheduler import SchedulerConfig, SchedulerOutput
+from engine.core.step_loop import StepLoop
+from engine.kv.block_manager import BlockManager
+from engine.kv.events import KVEventSink
+from engine.sched.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.sched.scheduler import SchedulerConfig
 
 if TYPE_CHECKING:
     from engine.api import EngineProtocol
@@ -82,8 +83,8 @@ class FakeRunner:
         return ModelRunnerOutput(sampled, {})
 
 
-class FakeEngine(EngineCore):
-    """EngineCore over FakeRunner and FakeTokenizer, checked to be called from one thread only."""
+class FakeEngine(StepLoop):
+    """StepLoop over FakeRunner and FakeTokenizer, checked to be called from one thread only."""
 
     def __init__(self, max_model_len: int = 512, max_num_seqs: int = 8, block_size: int = 4,
                  num_blocks: int = 1024, step_delay_s: float = 0.0, aging_s: float = 0.0,

@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.api import TokenLogprob
-from engine.core import ModelRunnerOutput
-from engine.scheduler import SchedulerOutput
+from engine.sched.outputs import ModelRunnerOutput, SchedulerOutput
 
 from .fake_engine import OFFSET, FakeEngine
 

@@ -35,7 +35,7 @@ def refs(tiny_model_path, adapters):
 
 @pytest.fixture(scope="module")
 def lora_srv(tiny_model_path, adapters, tmp_path_factory):
-    from engine.lora.config import LoraConfig
+    from engine.config.lora import LoraConfig
 
     settings = make_settings(enable_lora=True, admin_api_keys="adm", max_loras=2, served_model_name="tiny",
                              response_cache_bytes=1 << 20,

@@ -43,7 +43,7 @@ def body(prompt: list[int], name: str | None) -> dict:
 
 
 def test_mixed_batch_under_preemption_equals_one_request_runs(tiny_model_path, setup):
-    from engine.lora.config import LoraConfig
+    from engine.config.lora import LoraConfig
 
     adapters, prompts, refs = setup
     modules = tuple((name, str(path)) for name, path in adapters.items())

@@ -85,7 +85,9 @@ def test_engine_config_and_lane_bounds():
 
 
 def test_quantization_and_engine_threads(monkeypatch):
-    from engine import config as engine_config  # the engine sizes its threads (engine/config.py)
+    from engine.config import (
+        threads as engine_threads,  # the engine sizes its threads (engine/config/threads.py)
+    )
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cfg = parse_settings(["--quantization", "int8", "--engine-threads", "3"]).engine_config("/m")
@@ -96,26 +98,28 @@ def test_quantization_and_engine_threads(monkeypatch):
     with pytest.raises(ValidationError, match="engine_threads"):
         parse_settings(["--engine-threads", "0"])
     # Default: every core up to 4, then one left to the HTTP side, unless OMP_NUM_THREADS says.
-    monkeypatch.setattr(engine_config, "CGROUP_CPU_MAX", "/no/such/cpu.max")  # no container limit
-    monkeypatch.setattr(engine_config.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(engine_threads, "CGROUP_CPU_MAX", "/no/such/cpu.max")  # no container limit
+    monkeypatch.setattr(engine_threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert parse_settings([]).engine_config("/m").cpu_threads == 2
-    monkeypatch.setattr(engine_config.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    monkeypatch.setattr(engine_threads.os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
     assert parse_settings([]).engine_config("/m").cpu_threads == 4
-    monkeypatch.setattr(engine_config.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(engine_threads.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     assert parse_settings([]).engine_config("/m").cpu_threads == 7
-    monkeypatch.setattr(engine_config.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(engine_threads.os, "sched_getaffinity", lambda pid: {0}, raising=False)
     assert parse_settings([]).engine_config("/m").cpu_threads == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert parse_settings([]).engine_config("/m").cpu_threads == 3
 
 
 def test_engine_threads_respect_a_container_cpu_limit(monkeypatch, tmp_path):
-    from engine import config as engine_config  # the engine sizes its threads (engine/config.py)
+    from engine.config import (
+        threads as engine_threads,  # the engine sizes its threads (engine/config/threads.py)
+    )
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(engine_config.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(engine_threads.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     cpu_max = tmp_path / "cpu.max"
-    monkeypatch.setattr(engine_config, "CGROUP_CPU_MAX", str(cpu_max))
+    monkeypatch.setattr(engine_threads, "CGROUP_CPU_MAX", str(cpu_max))
     for text, want in (("200000 100000\n", 2), ("150000 100000", 2), ("max 100000", 63), ("800000 100000", 7),
                        ("garbage", 63)):  # fmt: skip
         cpu_max.write_text(text)

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.api import Deadline, EngineStats
-from engine.sampling_params import SamplingParams
+from engine.api.sampling_params import SamplingParams
 from server.config.lanes import Lane
 from server.ops.memory import DeviceMemory, memory_probe
 from server.ops.metrics import (

@@ -61,7 +61,7 @@ def test_render_options():
 
 
 def test_a_template_that_renders_tool_calls_sees_decoded_arguments():
-    from engine.tokenization import chat_prompt_ids
+    from engine.text.tokenization import chat_prompt_ids
 
     template = ("{% for m in messages %}{{ m.role }}:{{ m.content }}"
                 "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.arguments | tojson }}</tool_call>{% endfor %}"

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from engine.tokenization import _ids, chat_prompt_ids, max_bytes_per_token
+from engine.text.tokenization import _ids, chat_prompt_ids, max_bytes_per_token
 from server.prompt.codec import LARGE_PROMPT_CHARS, PromptCodec
 
 from ..helpers import TEST_MAX_MODEL_LEN, build_real_engine, make_settings, run_server

@@ -16,10 +16,9 @@ import jsonschema
 import openai
 import pytest
 
-from engine.core import ModelRunnerOutput
-from engine.scheduler import SchedulerOutput
+from engine.sched.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.testing.make_model import ensure_model
-from engine.tokenization import chat_prompt_ids
+from engine.text.tokenization import chat_prompt_ids
 from server.api.protocol import ChatRequest
 from server.prompt.chat import ChatMessage, template_messages
 from server.prompt.codec import STRING

@@ -12,7 +12,7 @@ import pytest
 import zmq
 from pydantic import ValidationError
 
-from engine.kv_events import BlockRemoved, KVCacheEvent, KVEventsStats
+from engine.kv.events import BlockRemoved, KVCacheEvent, KVEventsStats
 from server.cli import build_parsers, main
 from server.config.flags import parse_settings
 from server.config.vllm_flags import flag_problems

@@ -1,0 +1,43 @@
+// Paged decode attention's per-item arithmetic (torch-free; engine/kernels/csrc/cpu_attention.cpp checks the
+// tensors and spreads the items over the threads). One body (kernels/attention_body.inc) compiled for
+// AVX-512, AVX2 and no extension (kernels/attention_isa.cpp); each path gives the same bits, but for
+// the portable one (no FMA).
+#pragma once
+
+#include <cstdint>
+
+namespace tokenmill::attention {
+
+struct Shapes {
+  int64_t num_seqs, heads, dim, kv_heads, group, block_size, head_slots, width;
+};
+
+// One call's operands: q [num_seqs, heads, D] (rows strided by q_s0, q_s1), the caches [kv_heads,
+// slots, D] (K used dimension-major per block, V token-major), the tables [num_seqs, width], the
+// context lengths, out [num_seqs, heads, D]; float32, or bf16 where `bf16`.
+struct Call {
+  const void* q;
+  int64_t q_s0, q_s1;
+  const void* k;
+  const void* v;
+  const int64_t* tables;
+  const int64_t* lens;
+  void* out;
+  Shapes sh;
+  float scale;
+  int64_t max_context;
+  bool bf16;
+};
+
+// Items [begin, end) of a call: item = sequence * kv_heads + KV head.
+namespace avx512 {
+void items(const Call& c, int64_t begin, int64_t end);
+}
+namespace avx2 {
+void items(const Call& c, int64_t begin, int64_t end);
+}
+namespace portable {
+void items(const Call& c, int64_t begin, int64_t end);
+}
+
+}  // namespace tokenmill::attention

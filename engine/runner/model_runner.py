@@ -1,0 +1,125 @@
+"""Runs one scheduled step: packs the batch, runs the model over the paged cache, samples."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionBackend, BatchLayout
+from engine.lora.batch import LoraBatch, build_batch
+from engine.lora.registry import LoraRegistry
+from engine.models.layers import ForwardContext
+from engine.models.llama import LlamaForCausalLM
+from engine.runner.cuda_graphs import DecodeGraphRunner
+from engine.sample.prompt_logprobs import compute_prompt_logprobs
+from engine.sample.sampler import Sampler
+from engine.sample.verify import verify_rows
+from engine.sched.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches, backend: AttentionBackend, block_size: int,
+        device: torch.device, sampler: Sampler, graphs: DecodeGraphRunner | None = None,
+        loras: LoraRegistry | None = None,
+        one_row_attention: bool = False,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler
+        self.graphs = graphs  # CUDA graphs for decode-only steps; None: every step runs eagerly
+        self.loras = loras  # adapters' device copies by lora_id; None: LoRA off
+        # Every prompt chunk packed as one decode per position, so each query row attends through the
+        # decode kernel whatever its chunk (batch-invariant mode, engine/models/batch_invariant.py).
+        self.one_row_attention = one_row_attention
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        # Decodes first (the backend batches them; a row with drafts is one decode per position), then
+        # prefill chunks.
+        items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1 and not s.draft_token_ids)
+        input_ids, positions, layout = self._pack(items)
+        hidden = self._forward(input_ids, positions, layout, self._lora_batch(items))  # [T, hidden]
+        prompt_lps = compute_prompt_logprobs(self.model, hidden, items)  # {} unless a request asked
+        ends: list[int] = []  # rows of `hidden` whose logits are needed
+        plain: list[int] = []  # of those, the rows sampled as usual (index into ends)
+        reqs: list = []
+        spec: list[tuple[ScheduledRequest, int]] = []  # rows with drafts, index of their first row in ends
+        offset = 0
+        for s in items:
+            offset += s.num_tokens
+            if s.sample and s.draft_token_ids:  # logits at the known token and at every draft
+                spec.append((s, len(ends)))
+                ends.extend(range(offset - len(s.draft_token_ids) - 1, offset))
+            elif s.sample:
+                plain.append(len(ends))
+                ends.append(offset - 1)
+                reqs.append(s.request)
+        if not ends:
+            return ModelRunnerOutput({}, {}, prompt_logprobs=prompt_lps)
+        logits = self.model.compute_logits(hidden[torch.tensor(ends, device=self.device)])
+        tokens, lps = self.sampler.sample(logits[plain] if spec else logits, reqs) if reqs else ([], [])
+        sampled = {r.request_id: t for r, t in zip(reqs, tokens, strict=True) if t is not None}
+        failed = [r.request_id for r, t in zip(reqs, tokens, strict=True) if t is None]
+        logprobs = {r.request_id: lp for r, lp in zip(reqs, lps, strict=True) if lp is not None}
+        verified, spec_lps = verify_rows(self.sampler, logits, spec)
+        failed += [rid for rid, toks in verified.items() if toks is None]
+        spec_tokens = {rid: toks for rid, toks in verified.items() if toks is not None}
+        return ModelRunnerOutput(sampled, logprobs, failed, prompt_lps, spec_tokens, spec_lps)
+
+    def _lora_batch(self, items: list[ScheduledRequest]) -> LoraBatch | None:
+        """The step's rows by adapter (in packing order); None when every row is on the base model."""
+        if self.loras is None or not any(s.request.lora_id for s in items):
+            return None
+        runs = [(s.num_tokens, s.request.lora_id,
+                 self.loras.resident(s.request.lora_id) if s.request.lora_id else None) for s in items]  # fmt: skip
+        return build_batch(runs, self.device, invariant=self.one_row_attention)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
+                 lora: LoraBatch | None = None) -> torch.Tensor:  # fmt: skip
+        """The model over one packed step (host tensors in): a decode graph's replay when one fits
+        (graphs are captured without adapters: a step with adapter rows runs eagerly)."""
+        bucket = self.graphs.bucket_for(layout) if self.graphs is not None and lora is None else None
+        if bucket is not None:
+            return self.graphs.run(bucket, input_ids, positions, layout)
+        meta = self.backend.build_metadata(layout, self.device)
+        ctx = ForwardContext(self.backend, meta, self.kv_caches, lora=lora)
+        return self.model(self._send(input_ids), self._send(positions), ctx)
+
+    def _send(self, host: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":  # pinned, so the copy does not block the host
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
+
+    def _pack(self, items: list[ScheduledRequest]):
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        bs = self.block_size
+        for s in items:
+            req, start, end = s.request, s.start, s.start + s.num_tokens
+            ids.extend(req.tokens(start, end - len(s.draft_token_ids)) + s.draft_token_ids)
+            pos.extend(range(start, end))
+            table = req.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            # A row with drafts (a decode) attends as one decode per position over the same block table:
+            # every token's K/V is stored before attention, so position p sees the drafts before it.
+            split = bool(s.draft_token_ids) or self.one_row_attention  # (drafts come with a one-token decode only)
+            for a, b in ([(p, p + 1) for p in range(start, end)] if split else [(start, end)]):
+                query_lens.append(b - a)
+                context_lens.append(b)
+                tables.append(table)
+        layout = BatchLayout(
+            num_decodes=sum(1 for q in query_lens if q == 1),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=tables,
+            block_size=bs,
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+        )
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), layout  # on the host

@@ -1,0 +1,380 @@
+"""Iteration-level scheduler: decides, each step, which tokens of which requests run. Plain Python, no torch.
+
+Each step it (1) ends requests whose deadlines passed, then (2) walks running and waiting requests
+together in the one order of engine/sched/ordering.py, spending the token budget (max_num_batched_tokens)
+as it goes: a running request gets its next chunk (a decode is one token); a waiting request starts
+if a seat (max_num_seqs) and KV blocks are free or can be taken from running requests it outranks.
+Preemption is by recompute: the victim's blocks are freed (their prefix stays findable in the prefix
+cache) and it waits again with its original arrival, so it keeps its place in line.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.api import Deadline, FinishReason, PreemptionCause
+from engine.kv.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from engine.sched.ordering import PriorityPolicy
+from engine.sched.outputs import ScheduledRequest, SchedulerOutput
+from engine.sched.waiting_queue import WaitingQueue
+from engine.spec.drafts import Proposer, SpeculativeConfig, draft_length, may_speculate, update_acceptance
+from engine.spec.gate import SpecGate
+from engine.spec.proposers import BatchProposer, LearningProposer, make_proposer
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int  # most requests running at once
+    max_num_batched_tokens: int  # token budget of one step
+    aging_s: float = 0.0  # seconds of waiting per priority level gained (engine/sched/ordering.py); 0: off
+    # A prompt chunk of a request in a step that also runs a more important request: at most this
+    # many tokens (None: the whole budget), so that step, and the more important request's next token,
+    # is not held up by a long low-priority prefill (the step's time grows with its tokens).
+    outranked_chunk_tokens: int | None = 256
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # Most distinct LoRA adapters among running requests (their device copies, engine/lora/registry.py);
+    # a waiting request on another adapter waits for one to finish. None: LoRA off.
+    max_loras: int | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.config = config
+        self.blocks = block_manager
+        self.policy = PriorityPolicy(config.aging_s)
+        self.clock = clock  # the callers' clock: arrival times and deadlines are read on it
+        self.waiting = WaitingQueue(self.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.preemptions_by: Counter[tuple[int, PreemptionCause]] = Counter()  # (victim priority, cause)
+        self._deadlines = _DeadlineHeap()
+        spec = config.speculative
+        self.proposer: Proposer | None = make_proposer(spec)  # drafts tokens (a draft model's: set by the engine)
+        # Whether a step's decodes carry drafts, from measured step times (engine/spec/gate.py); None:
+        # whenever speculation is on (tests that count drafts)
+        self.spec_gate: SpecGate | None = SpecGate() if spec is not None else None
+
+    # ---- admission ----------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.waiting_since = request.arrival_time
+        self.waiting.add(request)
+        self._deadlines.add(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """End a request (any state): free its blocks at once and forget it."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.blocks.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.requests.pop(request.request_id, None)
+        self._deadlines.compact(len(self.requests))
+        if isinstance(self.proposer, LearningProposer):  # suffix decoding caches what it generated
+            self.proposer.finished(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        out = SchedulerOutput()
+        for req, kind in self._deadlines.expired(now):
+            self.finish(req, FinishReason.TIMEOUT)
+            out.expired.append((req, kind))
+        _StepPlanner(self, now, out).plan()
+        return out
+
+    def preempt(self, victim: Request, cause: PreemptionCause, now: float) -> None:
+        """Free a running request's blocks and queue it again (same arrival: same place in line)."""
+        self.running.remove(victim)
+        self.blocks.free(victim)
+        victim.status = RequestStatus.WAITING
+        victim.waiting_since = now
+        self.count_preemption(victim, cause)
+        self.waiting.add(victim)
+
+    def count_preemption(self, victim: Request, cause: PreemptionCause) -> None:
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.preemptions_by[(victim.priority, cause)] += 1
+
+    # ---- after the model ran -------------------------------------------------------------------
+    def advance(self, out: SchedulerOutput) -> None:
+        """Mark this step's tokens computed and register newly full blocks in the prefix cache. Draft
+        tokens are not counted: `settle_drafts` adds the accepted ones once they are appended."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens = s.start + s.num_tokens - len(s.draft_token_ids)
+            self.blocks.register_computed_blocks(s.request)
+
+    def record_step_time(self, out: SchedulerOutput, elapsed_s: float, emitted_tokens: int) -> None:
+        """Feed a finished step's time to the speculation gate, when every row of it was a decode."""
+        if self.spec_gate is None or not out.scheduled:
+            return
+        if all(s.sample and s.num_tokens == 1 + len(s.draft_token_ids) for s in out.scheduled):
+            speculated = any(s.draft_token_ids for s in out.scheduled)
+            self.spec_gate.record(len(out.scheduled), speculated, elapsed_s, emitted_tokens)
+
+    def settle_drafts(self, s: ScheduledRequest, accepted: int) -> None:
+        """After a verified row's tokens were appended: its first `accepted` drafts' K/V are valid, the
+        rest are rolled back (the block table shrinks to the computed tokens), full blocks are registered
+        and the request's acceptance rate (its next draft length) is updated."""
+        req = s.request
+        req.num_computed_tokens += accepted
+        self.blocks.truncate(req)
+        self.blocks.register_computed_blocks(req)
+        update_acceptance(req, len(s.draft_token_ids), accepted)
+
+
+class _StepPlanner:
+    """One step's decisions (see the module docstring). Lives for one schedule() call."""
+
+    def __init__(self, sched: Scheduler, now: float, out: SchedulerOutput) -> None:
+        self.s = sched
+        self.policy = sched.policy
+        self.now = now
+        self.out = out
+        self.budget = sched.config.max_num_batched_tokens
+        self.preempted_now: set[str] = set()  # preempted in this step: not started again in it
+        self.best: int | None = None  # the most important effective priority scheduled so far this step
+        # Whether decodes may carry drafts in this step: not in a large batch (disable_by_batch_size)
+        spec = sched.config.speculative
+        cap = spec.disable_by_batch_size if spec is not None else None
+        self.speculate = spec is not None and (cap is None or len(sched.running) <= cap)
+        if self.speculate and sched.spec_gate is not None:  # and measured to pay at this batch size
+            self.speculate = sched.spec_gate.should_speculate(len(sched.running))
+        # Only the most important level present (running or waiting) speculates: drafts of an outranked
+        # row would lengthen the step of a more important request in it, or take budget it needs.
+        self.spec_level = self._top_level() if self.speculate else None
+        # A batched proposer drafts for every row that may speculate, before the walk (id(req) -> drafts)
+        self.prefetched: dict[int, list[int]] | None = None
+        if self.speculate and isinstance(sched.proposer, BatchProposer):
+            items = [(r, k) for r in sched.running if (k := min(self._draft_cap(r), self.budget - 1)) > 0]
+            drafts = sched.proposer.propose_all(items) if items else []
+            self.prefetched = {id(r): d for (r, _), d in zip(items, drafts, strict=True)}
+
+    def plan(self) -> None:
+        running = sorted(self.s.running, key=self._key)
+        i, waiting_blocked = 0, False
+        while self.budget > 0:
+            while i < len(running) and running[i].status != RequestStatus.RUNNING:
+                i += 1  # preempted earlier in this step
+            r = running[i] if i < len(running) else None
+            w = None if waiting_blocked else self.s.waiting.peek(self.now)
+            if r is None and w is None:
+                break
+            if w is not None and (r is None or self._key(w) < self._key(r)):
+                waiting_blocked = not self._start(w)  # strict order: nobody may jump a blocked head
+            else:
+                i += 1
+                self._continue(r)
+        self._count_budget_deferrals()
+
+    def _key(self, req: Request) -> tuple[int, float, str]:
+        return self.policy.key(req, self.now)
+
+    def _top_level(self) -> int | None:
+        """The most important effective priority among running requests and the waiting head (the
+        waiting queue's best key, so its best level); None when there are none."""
+        levels = [self.policy.effective_priority(r, self.now) for r in self.s.running]
+        head = self.s.waiting.peek(self.now)
+        if head is not None:
+            levels.append(self.policy.effective_priority(head, self.now))
+        return min(levels, default=None)
+
+    # -- running requests ---------------------------------------------------------------------------
+    def _continue(self, req: Request) -> None:
+        """Schedule req's next chunk (a decode may carry draft tokens), preempting the least important
+        running requests (maybe req itself) while KV blocks are short; drafts are dropped first."""
+        n = self._chunk(req, req.num_tokens - req.num_computed_tokens)
+        drafts = self._drafts(req, n)
+        while not self.s.blocks.allocate(req, n + len(drafts)):
+            if drafts:
+                drafts = []
+                continue
+            victim = max(self.s.running, key=lambda r: self.policy.victim_key(r, self.now))
+            self._preempt(victim, PreemptionCause.KV)
+            if victim is req:
+                return
+        self._schedule(req, n, drafts)
+
+    def _drafts(self, req: Request, n: int) -> list[int]:
+        """Draft tokens for req's decode (n == 1) when it speculates in this step: only at the step's most
+        important level (`spec_level`), within the budget left and the tokens it may still emit (max_tokens)."""
+        k = min(self._draft_cap(req), self.budget - 1) if n == 1 else 0
+        if k <= 0:
+            return []
+        if self.prefetched is not None:
+            return self.prefetched.get(id(req), [])[:k]
+        return self.s.proposer.propose(req, k)
+
+    def _draft_cap(self, req: Request) -> int:
+        """How many drafts req's decode may carry in this step, the budget aside: 0 unless it is at one
+        known token, speculates (this step, its lane, its params), its draft length and max_tokens."""
+        spec = self.s.config.speculative
+        if spec is None or self.s.proposer is None or not self.speculate or req.status != RequestStatus.RUNNING:
+            return 0
+        if req.num_tokens - req.num_computed_tokens != 1 or not may_speculate(req):
+            return 0
+        if self.policy.effective_priority(req, self.now) != self.spec_level:
+            return 0
+        return min(draft_length(req, spec.num_speculative_tokens), req.params.max_tokens - req.num_output_tokens - 1)
+
+    # -- waiting requests ---------------------------------------------------------------------------
+    def _start(self, req: Request) -> bool:
+        """Start req (a seat, its cached prefix, blocks for its first chunk), taking them from running
+        requests it outranks when needed. False when it cannot start in this step."""
+        if req.request_id in self.preempted_now:
+            return False
+        if len(self.s.running) >= self.s.config.max_num_seqs and not self._preempt_for(req, PreemptionCause.SLOTS):
+            return False
+        if not self._adapter_fits(req):
+            return False
+        # A request that wants prompt log-probabilities runs its whole prompt: cached blocks have no logits.
+        cached = [] if req.needs_prompt_logprobs else self.s.blocks.find_cached_prefix(req)
+        n = self._chunk(req, req.num_tokens - len(cached) * self.s.blocks.block_size)
+        while not self._fits(req, cached, n):
+            if not self._preempt_for(req, PreemptionCause.KV):
+                return False
+        self.s.waiting.remove(req)
+        req.waited_s += max(0.0, self.now - req.waiting_since)
+        self.s.blocks.acquire_cached_prefix(req, cached)
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = req.num_computed_tokens
+        if not self.s.blocks.allocate(req, n):
+            raise RuntimeError("block allocation failed after _fits said yes")
+        req.status = RequestStatus.RUNNING
+        self.s.running.append(req)
+        if not req.started:
+            req.started = True
+            self.out.started.append(req)
+        self._schedule(req, n)
+        return True
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether req's adapter is running already or a step may hold one more (max_loras)."""
+        limit = self.s.config.max_loras
+        if limit is None or req.lora_id == 0:
+            return True
+        running = {r.lora_id for r in self.s.running if r.lora_id}
+        return req.lora_id in running or len(running) < limit
+
+    def _fits(self, req: Request, cached: list[int], n: int) -> bool:
+        """Whether req can take its cached prefix blocks plus blocks for n new tokens."""
+        bs = self.s.blocks.block_size
+        new_blocks = -(-(len(cached) * bs + n) // bs) - len(cached)
+        # Cached prefix blocks that sit in the free list stop being free once acquired.
+        cached_free = sum(1 for b in cached if self.s.blocks.blocks[b].ref_count == 0)
+        return new_blocks + cached_free <= self.s.blocks.num_free_blocks
+
+    def _preempt_for(self, req: Request, cause: PreemptionCause) -> bool:
+        """Preempt the least important running request if req outranks it."""
+        if not self.s.running:
+            return False
+        victim = max(self.s.running, key=lambda r: self.policy.victim_key(r, self.now))
+        if not self.policy.outranks(req, victim, self.now):
+            return False
+        self._preempt(victim, cause)
+        return True
+
+    # -- bookkeeping --------------------------------------------------------------------------------
+    def _chunk(self, req: Request, left: int) -> int:
+        """How many of req's `left` tokens run this step: what the budget allows, and for a prompt
+        chunk of a request that a request already in this step outranks, `outranked_chunk_tokens`."""
+        n = min(left, self.budget)
+        cap = self.s.config.outranked_chunk_tokens
+        if n > 1 and cap is not None and self.best is not None and self.best < self.policy.effective_priority(req, self.now):
+            n = min(n, cap)
+        return n
+
+    def _schedule(self, req: Request, n: int, drafts: list[int] | None = None) -> None:
+        start = req.num_computed_tokens
+        ends = start + n == req.num_tokens
+        drafts = drafts or []
+        # max_tokens 0 (prompt log-probabilities only): the prompt runs, nothing is sampled
+        sample = ends and req.params.max_tokens > 0
+        self.out.scheduled.append(ScheduledRequest(req, start, n + len(drafts), sample, drafts))
+        self.budget -= n + len(drafts)
+        req.budget_deferred = False
+        eff = self.policy.effective_priority(req, self.now)
+        self.best = eff if self.best is None else min(self.best, eff)
+
+    def _preempt(self, victim: Request, cause: PreemptionCause) -> None:
+        """Preempt victim; the tokens it was given in this step go back into the budget."""
+        kept = []
+        for s in self.out.scheduled:
+            if s.request is victim:
+                self.budget += s.num_tokens
+            else:
+                kept.append(s)
+        self.out.scheduled = kept
+        if any(r is victim for r in self.out.started):  # it never ran: it has not started after all
+            self.out.started = [r for r in self.out.started if r is not victim]
+            victim.started = False
+        self.s.preempt(victim, cause, self.now)
+        self.preempted_now.add(victim.request_id)
+
+    def _count_budget_deferrals(self) -> None:
+        """A running request left out of this step while a request that outranks it ran lost its turn
+        to priority: a budget preemption (counted once until it is scheduled again)."""
+        if not self.out.scheduled:
+            return
+        best = min(self.policy.effective_priority(s.request, self.now) for s in self.out.scheduled)
+        scheduled = {id(s.request) for s in self.out.scheduled}
+        for req in self.s.running:
+            if id(req) in scheduled or req.budget_deferred:
+                continue
+            if best < self.policy.effective_priority(req, self.now):
+                req.budget_deferred = True
+                self.s.count_preemption(req, PreemptionCause.BUDGET)
+
+
+class _DeadlineHeap:
+    """Every request's deadlines as absolute clock times, earliest first; finished requests' entries are
+    dropped lazily (when they surface, or in a compaction once they outnumber the live requests)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Deadline, Request]] = []
+        self._seq = 0  # tie-break, so Requests are never compared
+
+    def add(self, req: Request) -> None:
+        d = req.deadlines
+        for kind, seconds in ((Deadline.QUEUE, d.queue_s), (Deadline.FIRST_TOKEN, d.first_token_s),
+                              (Deadline.TOTAL, d.total_s)):  # fmt: skip
+            if seconds is not None:
+                self._seq += 1
+                heapq.heappush(self._heap, (req.arrival_time + seconds, self._seq, kind, req))
+
+    def expired(self, now: float) -> list[tuple[Request, Deadline]]:
+        """Requests whose deadline has passed and still applies, each once."""
+        out: list[tuple[Request, Deadline]] = []
+        while self._heap and self._heap[0][0] <= now:
+            _, _, kind, req = heapq.heappop(self._heap)
+            if req.status != RequestStatus.FINISHED and _applies(req, kind) and all(r is not req for r, _ in out):
+                out.append((req, kind))
+        return out
+
+    def compact(self, live: int) -> None:
+        if len(self._heap) > 2 * live + 64:
+            self._heap = [e for e in self._heap if e[3].status != RequestStatus.FINISHED]
+            heapq.heapify(self._heap)
+
+
+def _applies(req: Request, kind: Deadline) -> bool:
+    if kind is Deadline.QUEUE:
+        return not req.started
+    if kind is Deadline.FIRST_TOKEN:
+        return req.num_output_tokens == 0
+    return True

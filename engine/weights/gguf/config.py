@@ -1,0 +1,146 @@
+"""GGUF metadata -> a transformers config. llama.cpp keeps the model's shape under
+`{architecture}.*` keys (llama.block_count, llama.attention.head_count, ...); this maps them onto the
+config fields our model classes (engine/models) and transformers read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gguf import GGMLQuantizationType as Q
+
+from engine.weights.gguf.errors import GGUFError
+from engine.weights.gguf.reader import GGUFFile
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one llama.cpp architecture maps onto ours."""
+
+    hf_class: str  # the config's `architectures` entry (engine/models picks the class by it)
+    model_type: str  # transformers' model_type, for AutoConfig.for_model
+    permuted_qk: bool  # llama.cpp's converter permuted the Q/K rows (engine/weights/gguf/tensors.py)
+
+
+ARCHITECTURES = {
+    "llama": Architecture("LlamaForCausalLM", "llama", permuted_qk=True),
+    "mistral": Architecture("MistralForCausalLM", "mistral", permuted_qk=True),
+    "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", permuted_qk=False),
+    "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", permuted_qk=False),
+}
+_DTYPE_OF_TYPE = {Q.BF16: "bfloat16", Q.F16: "float16"}
+
+
+def architecture_of(gf: GGUFFile) -> Architecture:
+    """The file's architecture; GGUFError naming it (and the supported ones) otherwise."""
+    arch = ARCHITECTURES.get(gf.architecture)
+    if arch is None:
+        raise GGUFError(gf.path, f"unsupported architecture {gf.architecture!r} "
+                                 f"(supported: {', '.join(ARCHITECTURES)})")  # fmt: skip
+    return arch
+
+
+def hf_config(gf: GGUFFile):
+    """A transformers PretrainedConfig for the file (its class from the architecture)."""
+    from transformers import AutoConfig
+
+    arch = architecture_of(gf)
+    return AutoConfig.for_model(arch.model_type, **config_fields(gf, arch))
+
+
+def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
+    """config.json fields from the metadata (and the tensor list, for vocab size, ties and biases)."""
+    hidden = _required(gf, "embedding_length")
+    heads = _required(gf, "attention.head_count")
+    head_dim = _head_dim(gf, hidden, heads)
+    names = gf.tensor_names()
+    fields = {
+        "architectures": [arch.hf_class],
+        "vocab_size": _vocab_size(gf),
+        "hidden_size": hidden,
+        "intermediate_size": _required(gf, "feed_forward_length"),
+        "num_hidden_layers": _required(gf, "block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _optional(gf, "attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": _required(gf, "context_length"),
+        "rms_norm_eps": float(_required(gf, "attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_optional(gf, "rope.freq_base", 10000.0)),
+        # llama.cpp writes the output projection only when it is not the embedding matrix
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": gf.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gf.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": gf.get("tokenizer.ggml.padding_token_id"),
+        "dtype": _float_dtype(gf),
+        "torch_dtype": _float_dtype(gf),
+        # quantized matrices: `dtype=auto` may serve them in bf16 on a CPU with bf16 instructions
+        "tokenmill_quantized": any(t.tensor_type not in (Q.F32, Q.F16, Q.BF16) for t in gf.tensors
+                                   if len(t.shape) > 1),
+    }
+    if arch.model_type in ("llama", "mistral"):
+        fields["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch.model_type == "mistral":
+        fields["sliding_window"] = _optional(gf, "attention.sliding_window", None)
+    if arch.model_type == "qwen2":
+        fields["use_sliding_window"] = False
+    scaling = _rope_scaling(gf)
+    if scaling:
+        fields["rope_scaling"] = scaling
+        fields["rope_parameters"] = {**scaling, "rope_theta": fields["rope_theta"]}
+    return fields
+
+
+def _required(gf: GGUFFile, suffix: str) -> Any:
+    value = _optional(gf, suffix, None)
+    if value is None:
+        raise GGUFError(gf.path, f"metadata {gf.architecture}.{suffix} is missing")
+    return value
+
+
+def _optional(gf: GGUFFile, suffix: str, default: Any) -> Any:
+    key = f"{gf.architecture}.{suffix}"
+    if key in gf.array_lengths:  # per-layer values (hybrid / sliding-window-pattern models)
+        raise GGUFError(gf.path, f"metadata {key} differs per layer, which tokenmill does not support")
+    value = gf.get(key, default)
+    if isinstance(value, bool) or (value is not None and not isinstance(value, (int, float))):
+        raise GGUFError(gf.path, f"metadata {key} is {value!r}, expected a number")
+    return value
+
+
+def _head_dim(gf: GGUFFile, hidden: int, heads: int) -> int:
+    head_dim = _optional(gf, "attention.key_length", None) or hidden // heads
+    value_dim = _optional(gf, "attention.value_length", head_dim)
+    rotary = _optional(gf, "rope.dimension_count", head_dim)
+    if value_dim != head_dim:
+        raise GGUFError(gf.path, f"key length {head_dim} != value length {value_dim}: not supported")
+    if rotary != head_dim:
+        raise GGUFError(gf.path, f"rotary over {rotary} of {head_dim} head dimensions (partial rotary): "
+                                 "not supported")  # fmt: skip
+    return int(head_dim)
+
+
+def _vocab_size(gf: GGUFFile) -> int:
+    """Rows of the embedding matrix (GGUF shapes list the fastest axis first: [hidden, vocab])."""
+    embed = next((t for t in gf.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise GGUFError(gf.path, "tensor token_embd.weight is missing")
+    return int(embed.shape[-1])
+
+
+def _float_dtype(gf: GGUFFile) -> str:
+    """The checkpoint dtype `dtype="auto"` resolves from: bf16/f16 when every matrix is stored so,
+    float32 for float32 and for quantized files (dequantized values need float32 to stay exact)."""
+    types = {t.tensor_type for t in gf.tensors if len(t.shape) > 1}
+    return _DTYPE_OF_TYPE.get(types.pop(), "float32") if len(types) == 1 else "float32"
+
+
+def _rope_scaling(gf: GGUFFile) -> dict[str, Any] | None:
+    if "rope_freqs.weight" in gf.tensor_names():
+        raise GGUFError(gf.path, "tensor rope_freqs.weight (Llama 3 rope frequency factors) is not supported")
+    kind = gf.get(f"{gf.architecture}.rope.scaling.type", "none")
+    if kind in ("none", None):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(_required(gf, "rope.scaling.factor"))}
+    raise GGUFError(gf.path, f"rope scaling {kind!r} is not supported (supported: none, linear)")

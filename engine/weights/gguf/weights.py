@@ -1,0 +1,55 @@
+"""A GGUF file's tensors as a WeightSource: Hugging Face names, HF layout (Q/K rows unpermuted),
+values dequantized one tensor at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from gguf import ReaderTensor
+
+from engine.weights.gguf.config import Architecture
+from engine.weights.gguf.dequant import to_torch
+from engine.weights.gguf.errors import GGUFError
+from engine.weights.gguf.reader import GGUFFile
+from engine.weights.gguf.tensors import hf_name, permuted_heads, unpermute
+
+
+class GGUFWeights:
+    """Iterates (HF name, tensor); float tensors view the memory map, quantized ones are float32 copies."""
+
+    def __init__(self, gf: GGUFFile, arch: Architecture, num_heads: int, num_kv_heads: int) -> None:
+        self.gf = gf  # the opened file
+        self.arch = arch  # says whether Q/K rows were permuted
+        self.num_heads = num_heads  # query heads (q_proj's permutation groups)
+        self.num_kv_heads = num_kv_heads  # key/value heads (k_proj's)
+        self.names = {t.name: _mapped(gf, t.name) for t in gf.tensors}  # checked at once: fail before loading
+        self._by_name = {t.name: t for t in gf.tensors}
+
+    def __len__(self) -> int:
+        return len(self.gf.tensors)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for t in self.gf.tensors:
+            yield self.names[t.name], self.tensor(t.name)
+            self.gf.release(t)  # the consumer is done with it (WeightSource: valid until the next item)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor by its llama.cpp name, in HF layout."""
+        t, heads = self.stored(name)
+        value = to_torch(t)
+        return unpermute(value, heads) if heads else value
+
+    def stored(self, name: str) -> tuple[ReaderTensor, int | None]:
+        """The tensor as the file stores it, and the heads its rows must be unpermuted with (None: they
+        are not permuted). The INT8 seam: `dequant.q8_0_blocks(t)` then `unpermute(values, heads)` and
+        `unpermute(scales, heads)` give a Q8_0 matrix's int8 rows and scales in HF layout, no float copy."""
+        heads = permuted_heads(name, self.num_heads, self.num_kv_heads) if self.arch.permuted_qk else None
+        return self._by_name[name], heads
+
+
+def _mapped(gf: GGUFFile, name: str) -> str:
+    hf = hf_name(name)
+    if hf is None:
+        raise GGUFError(gf.path, f"tensor {name!r} has no place in a {gf.architecture} model")
+    return hf
