@@ -1,11 +1,14 @@
 """Command line of the benchmarks: `python -m bench <subcommand> ...`, also `tokenmill bench ...`.
 
 Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
-and sets `func(args) -> int`. Today: `offline`, `floor`, `quality`, `gemv`, `fused`, `load` (HTTP load test), `sweep`, `contention`,
-`priority`, `long-prompt`, `startup`, `swap` (model version swap under load, response cache latency),
-`structured` (what structured outputs cost in throughput and TTFT), `router` (replicas behind vllm-router, per policy),
-`lora` (what LoRA adapters cost), `determinism` (batch-invariant mode on/off),
-`fleet-sim` (the router policies at 100 replicas and 10,000 tenants, simulated).
+and sets `func(args) -> int`. In this process (bench/inproc/): `offline`, `floor`, `quality`, `gemv`,
+`fused`, `lora` (what LoRA adapters cost), `spec`, `linear-ab`, `determinism` (batch-invariant mode
+on/off), `startup`. Against a served `python -m server` (bench/served/): `load` (HTTP load test),
+`sweep`, `priority`, `long-prompt`, `spec-http`, `structured` (what structured outputs cost in
+throughput and TTFT), `swap` (model version swap under load, response cache latency), `contention`.
+Several replicas (bench/fleet/): `router` (replicas behind vllm-router, per policy), `fleet-sim` (the
+router policies at 100 replicas and 10,000 tenants, simulated). The results page (bench/report/):
+`report` (docs/BENCHMARKS.md's tables from the committed result records).
 """
 
 from __future__ import annotations
@@ -15,28 +18,10 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from bench import (
-    contention,
-    determinism,
-    fleet_sim,
-    floor,
-    fused,
-    gemv,
-    linear_ab,
-    load,
-    long_prompt,
-    lora,
-    offline,
-    priority,
-    quality,
-    router,
-    spec,
-    spec_http,
-    startup,
-    structured,
-    swap,
-    sweep,
-)
+from bench.fleet import fleet_sim, router
+from bench.inproc import determinism, floor, fused, gemv, linear_ab, lora, offline, quality, spec, startup
+from bench.report import command as report
+from bench.served import contention, load, long_prompt, priority, spec_http, structured, swap, sweep
 
 
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
@@ -62,6 +47,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     linear_ab.add_parser(subparsers)
     determinism.add_parser(subparsers)
     fleet_sim.add_parser(subparsers)
+    report.add_parser(subparsers)
     return parser
 
 

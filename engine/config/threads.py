@@ -12,7 +12,7 @@ def default_engine_threads() -> int:
     """OMP_NUM_THREADS when set, else one thread per core this process may run on, but one core left to
     the event loop, tokenization and HTTP above 4 cores. On 2 cores both threads pay: the engine is
     bound by memory bandwidth, which a second core nearly doubles, while the HTTP side needs a few
-    percent of a core (docs/BENCHMARKS.md, "Thread placement"; measured on 2 cores only, the rule above
+    percent of a core (docs/benchmarks/log.md, "Thread placement"; measured on 2 cores only, the rule above
     4 is the cautious choice, not a measurement). The engine's OpenMP team must be the process's only
     one for this to hold: server/serving/fresh_thread.py."""
     env = os.environ.get("OMP_NUM_THREADS", "")

@@ -5,7 +5,7 @@ barrier ~300 times a decode step. With one thread per core that pays on a quiet 
 bound by memory bandwidth, which a second core nearly doubles), but when another process takes one of
 the cores (a client, a sidecar, another tenant's job) each barrier waits for the descheduled thread's
 next time slice: measured on a 2-vCPU Xeon beside a one-core Python loop, SmolLM2-135M served 18
-output tok/s with two threads against 159 with one (docs/BENCHMARKS.md, "Engine threads under
+output tok/s with two threads against 159 with one (docs/benchmarks/log.md, "Engine threads under
 contention"). Which count is faster is a property of the moment, so the governor measures it.
 
 How: decode-only steps are timed per token at the current count (`high`, the configured threads, to

@@ -10,7 +10,7 @@ mode every kernel of a step reduces each row in one fixed order:
 
 - Linears, bf16: oneDNN's packed product in calls of at most CALL_ROWS (32) rows (`TiledLinear`). Up
   to 32 rows oneDNN (3.12, AMX) computes each row exactly as it computes that row alone; from 33 rows
-  on it switches to another blocking and rows change (measured: docs/BENCHMARKS.md). That is checked
+  on it switches to another blocking and rows change (measured: docs/benchmarks/log.md). That is checked
   per weight shape at start-up (`rows_agree`); a shape that fails it takes the C++ kernel in oneDNN's
   order (below) at every row count instead (cpu_weights._kernel_everywhere: one summation order
   whatever the rows, checked on cancelling inputs at start-up). Below oneDNN, for the few rows of a

@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.models.packed_linear import PackedLinear
 
-CALL_ROWS = 32  # most rows of one oneDNN call in the mode (docs/BENCHMARKS.md: 33+ rows change them)
+CALL_ROWS = 32  # most rows of one oneDNN call in the mode (docs/benchmarks/log.md: 33+ rows change them)
 
 
 class RowLinear(nn.Module):

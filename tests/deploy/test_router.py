@@ -1,5 +1,5 @@
 """Two `tokenmill serve` replicas (tiny model, one engine thread each) behind the real vllm-router from
-the registry (the `router` extra), on loopback, as processes (bench/fleet.py):
+the registry (the `router` extra), on loopback, as processes (bench/fleet/launcher.py):
 
 - completions, chat and their streams answered through it, with round_robin and cache_aware;
 - a replica SIGKILLed while streams run on both: its streams end with an error at the client (no hang),
@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 
-from bench.fleet import Fleet, FleetConfig, router_binary
+from bench.fleet.launcher import Fleet, FleetConfig, router_binary
 
 from ..ci_skips import skip_or_fail
 
@@ -199,7 +199,7 @@ def test_kv_aware_sends_a_shared_prefix_to_the_replica_that_holds_it(router_ok, 
     long prefixes are computed on one replica each, sent there directly (the router never saw them):
     the requests through the router that share a prefix all go to the replica that holds it, and find
     it there (its prefix-hit counter grows by the prefix for each)."""
-    from bench.router import kv_events_wiring
+    from bench.fleet.router import kv_events_wiring
 
     per, endpoints = kv_events_wiring(2)
     cfg = FleetConfig(model=tiny_model, policy="kv_aware", replica_args=(*REPLICA_ARGS, "--block-size", "16"),

@@ -7,7 +7,7 @@
 // scale: 2^-15 of its largest element, finer than bf16's 2^-8 of each element for all but the
 // smallest), and int8 weights widened to int16 with one vpmovsxbw multiply-add in pairs into int32
 // (vpdpwssd, AVX512-VNNI): one conversion per 32 weights, where int8 -> float -> bf16 takes five.
-// (int8 activations with vpdpbusd fail the quality gate on SmolLM2-135M: docs/BENCHMARKS.md.) The
+// (int8 activations with vpdpbusd fail the quality gate on SmolLM2-135M: docs/benchmarks/log.md.) The
 // int32 sums are moved into float32 at least every 256 columns (127 * 32767 * 256 < 2^31: no
 // overflow whatever the data) and at the end of each scale group; weight scales are per output
 // row and group of input columns (group = K: per channel; 32: Q8_0's blocks).
