@@ -279,6 +279,14 @@ def _path(group: str) -> str:
     return getattr(ops, f"{group}_path")()
 
 
+def linear_path(kind: str) -> str:
+    """The path the small-batch linear kernel of `kind` ("bf16", "int8") takes on this CPU: "AMX",
+    "AVX-512", "AVX2", or "none" (also when the linear group is not loaded)."""
+    if load("linear") is not None:
+        return "none"
+    return str(torch.ops.tokenmill.gemv_path(kind))
+
+
 def describe() -> str:
     """One line for the engine-ready log: every group and its path (or why it is off)."""
     return ", ".join(f"{g}={p}" for g, p in paths().items())

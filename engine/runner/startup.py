@@ -34,14 +34,25 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     if isinstance(ckpt, str):
         ckpt = _DTYPES.get(ckpt)
     if device.type == "cpu":
-        # bf16 pays on CPUs with AMX/AVX-512 for bf16 checkpoints; fp16 on CPU is slow: use fp32. A
-        # quantized GGUF file (4-8 bit weights: bf16's 8 significant bits lose nothing that matters
-        # next to them) serves in bf16 where the CPU has bf16 instructions: 2-4x the prefill speed of
-        # float32 and the bf16 kernels (docs/ENGINE.md); float32 elsewhere, and with dtype="float32".
-        if ckpt == torch.bfloat16 or (getattr(hf_config, "tokenmill_quantized", False) and cpu_has_bf16()):
+        # bf16 pays for bf16 checkpoints; fp16 on CPU is slow: use fp32. A quantized GGUF file (4-8 bit
+        # weights: bf16's 8 significant bits lose nothing that matters next to them) serves in bf16
+        # where bf16 is fast here (cpu_bf16_fast): half float32's bytes a decode step reads, 1.8-2x its
+        # output tok/s on an AVX2-only Zen 3 (docs/ENGINE.md); float32 elsewhere and with dtype="float32".
+        if ckpt == torch.bfloat16 or (getattr(hf_config, "tokenmill_quantized", False) and cpu_bf16_fast()):
             return torch.bfloat16
         return torch.float32
     return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def cpu_bf16_fast() -> bool:
+    """Whether bf16 linears are fast on this CPU: it has bf16 instructions, or this repository's bf16
+    linear kernel has a path here (AVX2 + FMA and up: it widens bf16 in registers, engine/kernels/).
+    Without either, bf16 products go to PyTorch's generic code, slower than float32's."""
+    if cpu_has_bf16():
+        return True
+    from engine.kernels import cpu_kernels
+
+    return cpu_kernels.linear_path("bf16") != "none"
 
 
 def cpu_has_bf16() -> bool:

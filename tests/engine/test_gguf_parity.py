@@ -96,13 +96,30 @@ def test_f32_file_serves_exactly_like_its_source_folder(build_model, gguf_dir):
 
 
 @pytest.mark.parametrize("qtype", ["F32", "BF16", "Q8_0", "Q4_1"])
-def test_auto_dtype_serves_quantized_files_in_bf16_where_the_cpu_has_it(build_model, gguf_dir, qtype):
-    from engine.runner.startup import cpu_has_bf16, resolve_dtype
+def test_auto_dtype_serves_quantized_files_in_bf16_where_bf16_is_fast(build_model, gguf_dir, qtype):
+    from engine.runner.startup import cpu_bf16_fast, resolve_dtype
     from engine.weights.model_open import open_model_source
 
     source = open_model_source(str(gguf_path(build_model, gguf_dir, "tiny-llama", qtype)))
     got = resolve_dtype("auto", source.hf_config, torch.device("cpu"))
     quantized = qtype.startswith("Q")
-    want = torch.bfloat16 if qtype == "BF16" or (quantized and cpu_has_bf16()) else torch.float32
+    want = torch.bfloat16 if qtype == "BF16" or (quantized and cpu_bf16_fast()) else torch.float32
     assert got == want
     assert resolve_dtype("float32", source.hf_config, torch.device("cpu")) == torch.float32  # asked for: kept
+
+
+def test_bf16_is_fast_wherever_the_bf16_linear_kernel_has_a_path(monkeypatch):
+    """An AVX2-only CPU has no bf16 instructions, but the bf16 kernel widens bf16 in registers there:
+    quantized files then serve in bf16 (1.8-2x float32's decode on a Zen 3). Without the kernel (no
+    compiler, a CPU without AVX2) it is the bf16 instructions alone that decide."""
+    from engine.kernels import cpu_kernels
+    from engine.runner import startup
+
+    path = cpu_kernels.linear_path("bf16")
+    assert path in ("AMX", "AVX-512", "AVX2", "none")
+    assert startup.cpu_bf16_fast() == (startup.cpu_has_bf16() or path != "none")
+    if cpu_kernels.load("linear") is None and path != "none":  # this CPU has AVX2 at least
+        assert startup.cpu_bf16_fast()
+    monkeypatch.setattr(cpu_kernels, "load", lambda group: "no compiler here")
+    assert cpu_kernels.linear_path("bf16") == "none"
+    assert startup.cpu_bf16_fast() == startup.cpu_has_bf16()
