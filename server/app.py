@@ -19,6 +19,7 @@ from server.api import feedback as routes_feedback
 from server.api import fleet as routes_fleet
 from server.api import generate as routes_generate
 from server.api import lora as routes_lora
+from server.api import messages as routes_messages
 from server.api import openai as routes_openai
 from server.api import ops as routes_ops
 from server.api import responses as routes_responses
@@ -81,6 +82,7 @@ def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoad
     app.include_router(routes_ops.router)
     app.include_router(routes_tokens.router)
     app.include_router(routes_responses.router)
+    app.include_router(routes_messages.router)
     app.include_router(routes_tgi.router)
     app.include_router(routes_admin.router)
     app.include_router(routes_fleet.router)

@@ -24,19 +24,18 @@ from fastapi.responses import Response
 from pydantic import ConfigDict, Field
 from sse_starlette import ServerSentEvent
 
-from engine.text.tokenization import message_texts
 from server.api.choices import start_choices
 from server.api.protocol import Bool, Int, SamplingFields
 from server.api.respond import Call, ChoiceEvents, generation, respond
+from server.api.tool_prompt import tool_chat_prompt
 from server.http import sse
 from server.http.errors import ApiError
 from server.http.numbers import MAX_INT
 from server.ops.feedback import RecordKey
-from server.prompt.chat import TEXT_PART_TYPES, ChatMessage, ContentPart, template_messages
-from server.prompt.codec import check_prompt_bytes
+from server.prompt.chat import TEXT_PART_TYPES, ChatMessage, ContentPart
 from server.prompt.structured import with_grammar
 from server.prompt.tool_parser import ParsedDelta, ToolCall, ToolParser
-from server.prompt.tools import ToolFields, ToolPlan, plan_tools
+from server.prompt.tools import ToolFields, ToolPlan
 from server.serving.dispatch import cache_scope, picked, request_owner
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Completed, Handle
@@ -203,21 +202,8 @@ async def responses(request: Request, call: ResponsesCall) -> Response:
     messages = body.messages()
     with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
-        try:
-            tools = plan_tools(body.tool_fields(), messages, template_messages(messages, dep.codec.content_format),
-                               dep.tool_template, dep.tool_parser, dep.grammars.compiler is not None)  # fmt: skip
-        except ApiError as exc:
-            raise responses_error(exc, body) from None
-        if tools.grammar is not None:
-            dep.grammars.check(tools.grammar)
-        check_prompt_bytes(dep.codec, message_texts(tools.messages), body.max_output_tokens or 1, dep.max_model_len,
-                           "input", max_tokens_field="max_output_tokens")  # fmt: skip
-        try:
-            ids = await dep.codec.chat(tools.messages, {"add_generation_prompt": True}, tools.template_tools)
-        except ApiError:
-            raise
-        except Exception as exc:
-            raise ApiError(400, "invalid_request", f"chat template failed: {exc}", param="input") from None
+        ids, tools = await tool_chat_prompt(dep, body.tool_fields(), messages, body.max_output_tokens or 1, "input",
+                                            "max_output_tokens", lambda exc: responses_error(exc, body))  # fmt: skip
         max_tokens = body.max_output_tokens or max(1, dep.max_model_len - len(ids))
         params = body.sampling_params(max_tokens, None)
         if tools.grammar is not None:

@@ -109,7 +109,7 @@ class ServerSettings(BaseSettings):
     # -- HTTP ----------------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind (0: any free port)")
-    api_key: str | None = Field(None, description="require `Authorization: Bearer KEY` (not on /health*, /metrics)")
+    api_key: str | None = Field(None, description="require `Authorization: Bearer KEY` or `x-api-key: KEY` (not on /health*, /metrics)")
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="more accepted keys, comma-separated (TOKENMILL_API_KEYS)"
     )

@@ -1,6 +1,7 @@
 """Optional API keys: with any configured, every path but /health*, /metrics and /admin/* needs
-`Authorization: Bearer KEY`. The admin API (/admin/*) has keys of its own (`admin_api_keys`): without
-any it is off (404); API keys do not open it, nor admin keys the rest. The runtime LoRA endpoints
+`Authorization: Bearer KEY`, or `x-api-key: KEY` (Anthropic's header; its SDK sends that one). The
+admin API (/admin/*) has keys of its own (`admin_api_keys`, in either header): without any it is off
+(404); API keys do not open it, nor admin keys the rest. The runtime LoRA endpoints
 (`LORA_PATHS`, vLLM's) are admin routes when admin keys are set, and ordinary API routes otherwise.
 Keys are compared in constant time, all of them every time."""
 
@@ -16,6 +17,14 @@ from server.http.errors import ApiError, error_response
 OPEN_PATHS = ("/health", "/health/live", "/metrics")
 ADMIN_PREFIX = "/admin/"
 LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def request_key(headers: Headers) -> str:
+    """The key a request presents: its bearer token, else its `x-api-key` header; "" for neither."""
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return headers.get("x-api-key", "").strip()
 
 
 def key_matches(token: str, keys: tuple[str, ...]) -> bool:
@@ -43,12 +52,11 @@ class ApiKeyMiddleware:
                 or path in self.admin_paths):  # fmt: skip
             await self.app(scope, receive, send)
             return
-        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and key_matches(token.strip(), self.keys):
+        if key_matches(request_key(Headers(scope=scope)), self.keys):
             await self.app(scope, receive, send)
             return
-        err = ApiError(401, "unauthorized", "missing or invalid API key (Authorization: Bearer KEY)",
-                       headers={"WWW-Authenticate": "Bearer"})
+        err = ApiError(401, "unauthorized", "missing or invalid API key (Authorization: Bearer KEY, or x-api-key: "
+                       "KEY)", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
         await error_response(scope["path"], err, scope)(scope, receive, send)
 
 
@@ -68,10 +76,9 @@ class AdminKeyMiddleware:
         if not self.keys:
             err = ApiError(404, "not_found", "the admin API is off (set admin_api_keys)")
         else:
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() == "bearer" and key_matches(token.strip(), self.keys):
+            if key_matches(request_key(Headers(scope=scope)), self.keys):
                 await self.app(scope, receive, send)
                 return
-            err = ApiError(401, "unauthorized", "missing or invalid admin key (Authorization: Bearer KEY)",
+            err = ApiError(401, "unauthorized", "missing or invalid admin key (Authorization: Bearer KEY, or x-api-key: KEY)",
                            headers={"WWW-Authenticate": "Bearer"})
         await error_response(scope["path"], err, scope)(scope, receive, send)

@@ -1,10 +1,13 @@
 """Error bodies and exception handlers: every failure is JSON naming what went wrong, never a bare 500.
 
 Native routes answer `{"error": {"type", "message", "param"?, ...}}`; `/v1/*` routes answer the
-OpenAI shape `{"error": {"message", "type", "param", "code"}}`; the TGI routes (`POST /`,
-`/generate_stream`) TGI's `{"error": "...", "error_type": "validation"|"overloaded"|...}`, which
-Hugging Face's client turns into its typed errors. Schema errors on native routes are 422, malformed
-JSON is 400; OpenAI routes answer 400 for both, as OpenAI does.
+OpenAI shape `{"error": {"message", "type", "param", "code"}}`, but Anthropic's Messages routes
+(`/v1/messages*`) answer its shape, `{"type": "error", "error": {"type", "message"}}`, the type by status
+(invalid_request_error, not_found_error, rate_limit_error, overloaded_error, ...), the message led by
+the field at fault; the TGI routes (`POST /`, `/generate_stream`) TGI's `{"error": "...", "error_type":
+"validation"|"overloaded"|...}`, which Hugging Face's client turns into its typed errors. Schema errors
+on native routes are 422, malformed JSON is 400; OpenAI routes answer 400 for both, as OpenAI does
+(Anthropic's routes too).
 """
 
 from __future__ import annotations
@@ -58,14 +61,27 @@ TGI_PATHS = ("/", "/generate_stream")
 _TGI_TYPES = {"invalid_request": "validation", "overloaded": "overloaded", "unauthorized": "authorization"}
 
 
+# Anthropic's error types by status (what its SDK turns into typed exceptions); others are api_error.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+                   503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
+
+
 def is_openai_path(path: str) -> bool:
     return path.startswith("/v1/")
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def error_body(path: str, status: int, type: str, message: str, param: str | None = None,
                extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     if path in TGI_PATHS:
         return {"error": message, "error_type": _TGI_TYPES.get(type, type)}
+    if is_anthropic_path(path):  # no `param` in Anthropic's shape: the message names the field
+        named = message if param is None or message.startswith(param) else f"{param}: {message}"
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": named}}
     if is_openai_path(path):
         type = "invalid_request_error" if type == "invalid_request" else type
         return {"error": {"message": message, "type": type, "param": param, "code": status, **(extra or {})}}

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
+from server.http.auth import request_key
 from server.serving.gateway import GenerationRequest, admit_unit
 from server.serving.handle import Handle
 from server.serving.replay import ReplayHandle
@@ -52,11 +53,10 @@ def request_owner(rt: Runtime, request: Request, user: str | None) -> str:
 
 
 def _principal(request: Request, by_key: bool, user: str | None) -> str:
-    """A hash of the request's bearer key (when `by_key`) and `user`; "" for neither."""
+    """A hash of the request's key (bearer or x-api-key, when `by_key`) and `user`; "" for neither."""
     parts = []
     if by_key:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        parts.append(f"key:{token.strip()}")
+        parts.append(f"key:{request_key(request.headers)}")
     if user:
         parts.append(f"user:{user}")
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32] if parts else ""
