@@ -6,14 +6,20 @@ client leaving mid-stream."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+from types import SimpleNamespace
 
 import anthropic
 import httpx
 import pytest
 
 from engine import SamplingParams
+from engine.api import RequestOutput
+from server.api.messages_shapes import MessageShape
+from server.prompt.tools import ToolPlan
+from server.serving.ticket import Finished, ServerError, Tokens
 
 from ..helpers import ControlledEngine, make_settings, metric, run_server, wait_until
 
@@ -259,6 +265,41 @@ def test_client_leaving_mid_stream_aborts_the_request(claude, srv, engine):
         assert h["kv_blocks_used"] == 0 and h["running"] == 0
     finally:
         engine.step_delay_s = 0.0
+
+
+def test_a_deadline_ends_the_stream_with_stop_reason_timeout(claude, engine):
+    engine.step_delay_s = 0.02  # 500 tokens would take 10 s
+    try:
+        with claude.messages.stream(model=MODEL, max_tokens=500, messages=MESSAGES,
+                                    extra_body={"ignore_eos": True, "timeout_s": 0.5}) as stream:  # fmt: skip
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+    finally:
+        engine.step_delay_s = 0.0
+    assert final.stop_reason == "timeout" and 0 < final.usage.output_tokens < 500 and final.content[0].text == text
+
+
+@pytest.mark.parametrize("error, kind", [(ServerError("engine_error", "the step failed", 500), "api_error"),
+                                         (ServerError("shutdown", "the server is shutting down", 503),
+                                          "overloaded_error")])  # fmt: skip
+def test_a_failure_after_the_stream_began_is_an_error_event(error, kind):
+    """What the worker reports after the first tokens (an engine error, the drain deadline) ends the
+    stream with Anthropic's `error` event, typed by the status it would have had."""
+    ticket = SimpleNamespace(prompt_token_ids=[1, 2, 3], cached_tokens=0, completion_tokens=1)
+    shape = MessageShape(MODEL, ToolPlan([], None, None, None, True), [], codec=None)  # type: ignore[arg-type]
+    output = RequestOutput("r", [7], "Hi", None, False, None, prompt_tokens=3, completion_tokens=1, cached_tokens=0)
+
+    async def events():
+        yield 0, Tokens(output)
+        yield 0, Finished("error", error)
+
+    async def sent() -> list[tuple[str, dict]]:
+        return [(e.event, json.loads(e.data)) async for e in shape.stream([SimpleNamespace(ticket=ticket)], events())]
+
+    got = asyncio.run(sent())
+    assert [name for name, _ in got] == ["message_start", "content_block_start", "content_block_delta", "error"]
+    assert got[2][1]["delta"] == {"type": "text_delta", "text": "Hi"}
+    assert got[-1][1] == {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def test_smollm2_agent_turns(smollm2_server, smollm2_client):
