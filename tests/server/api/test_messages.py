@@ -7,6 +7,7 @@ client leaving mid-stream."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 from types import SimpleNamespace
@@ -192,6 +193,9 @@ def test_count_tokens(claude, offline_engine):
     ({"max_tokens": 4, "messages": MESSAGES, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
      "tool_choice"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "x" * 40_000}]}, "prompt"),
+    ({"max_tokens": 10**30, "messages": MESSAGES}, "max_tokens"),
+    ({"max_tokens": 4, "messages": MESSAGES, "metadata": {"user_id": "u" * 300}}, "metadata.user_id"),
+    ({"max_tokens": 4, "messages": MESSAGES, "metadata": functools.reduce(lambda v, _: [v], range(100), 0)}, "body"),
 ])  # fmt: skip
 def test_invalid_requests_are_400_naming_the_field(srv, body, where):
     r = post(srv, "/v1/messages", {"model": MODEL, **body}, **{"anthropic-version": "2023-06-01"})
