@@ -352,3 +352,22 @@ def test_bf16_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family, gemv)
     assert lora_steps >= MAX_TOKENS - 2
     by_name = {n: [t for (_, m), t in zip(jobs, got_tokens, strict=True) if m == n] for n in names}
     assert all(by_name[n] != by_name[None] for n in adapters)  # the adapters still change the output
+
+
+@pytest.mark.parametrize("preset", ["tiny-olmo2", "tiny-granite", "tiny-smollm3"])
+def test_other_families_adapters_match_peft(build_model, tmp_path, preset):
+    """PEFT adapters on OLMo 2 (the delta before the whole-projection Q/K norms), Granite (before the
+    residual multiplier) and SmolLM3 (NoPE layers): a mixed batch of the base model and every adapter,
+    on the Python layers (the C++ decode loop declines these models), equal to PEFT's greedy tokens."""
+    from transformers import AutoConfig
+
+    path = build_model(preset)
+    adapters = {name: make_adapter(path, tmp_path / name, spec) for name, spec in SPECS.items()}
+    prompts = random_prompts(AutoConfig.from_pretrained(str(path)).vocab_size, LENGTHS[:3], seed=6)
+    refs = {name: peft_greedy(path, adapters.get(name), prompts, MAX_TOKENS) for name in [None, *adapters]}
+    engine = lora_engine(path, adapters)
+    jobs = [(p, n, i) for i, p in enumerate(prompts) for n in refs]
+    got = run(engine, [p for p, _, _ in jobs], [n for _, n, _ in jobs])
+    assert [(n, i) for out, (_, n, i) in zip(got, jobs, strict=True) if out != refs[n][i]] == []
+    assert all(refs[name] != refs[None] for name in adapters)  # the adapters matter
+    assert_idle(engine)
