@@ -27,7 +27,8 @@ from engine.weights.gguf.tensors import gguf_name, permute
 
 # transformers class -> llama.cpp architecture (its converter writes Mistral as llama)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3"}  # fmt: skip
+             "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": "granite"}  # fmt: skip
+PERMUTED = ("llama", "granite")  # architectures whose Q/K rows llama.cpp's converter permutes
 TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K)}
 _QK_K = 256  # values per K-quant super-block
 
@@ -43,7 +44,7 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
     writer = gguf.GGUFWriter(str(out), name)
     _add_model_metadata(writer, config, folder.name)
     _add_tokenizer(writer, folder, config["vocab_size"])
-    permuted = name == "llama"
+    permuted = name in PERMUTED
     for hf, value in load_file(str(folder / "model.safetensors")).items():
         value = value.astype(np.float32)
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
@@ -74,6 +75,11 @@ def _add_model_metadata(w: gguf.GGUFWriter, c: dict, name: str) -> None:
     w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(float(c["rms_norm_eps"]))
     w.add_vocab_size(c["vocab_size"])
+    if "GraniteForCausalLM" in c["architectures"]:
+        w.add_embedding_scale(float(c["embedding_multiplier"]))
+        w.add_residual_scale(float(c["residual_multiplier"]))
+        w.add_attention_scale(float(c["attention_multiplier"]))
+        w.add_logit_scale(float(c["logits_scaling"]))
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:

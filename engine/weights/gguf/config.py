@@ -28,7 +28,11 @@ ARCHITECTURES = {
     "mistral": Architecture("MistralForCausalLM", "mistral", permuted_qk=True),
     "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", permuted_qk=False),
     "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", permuted_qk=False),
+    "granite": Architecture("GraniteForCausalLM", "granite", permuted_qk=True),  # llama.cpp: Llama's converter
 }
+# Granite's multipliers: config field <- `granite.*` key (llama.cpp's names; logit_scale divides the logits)
+_GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+                   "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}  # fmt: skip
 _DTYPE_OF_TYPE = {Q.BF16: "bfloat16", Q.F16: "float16"}
 
 
@@ -78,8 +82,10 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
         "tokenmill_quantized": any(t.tensor_type not in (Q.F32, Q.F16, Q.BF16) for t in gf.tensors
                                    if len(t.shape) > 1),
     }
-    if arch.model_type in ("llama", "mistral"):
+    if arch.model_type in ("llama", "mistral", "granite"):
         fields["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch.model_type == "granite":
+        fields.update({field: float(_required(gf, key)) for field, key in _GRANITE_SCALES.items()})
     if arch.model_type == "mistral":
         fields["sliding_window"] = _optional(gf, "attention.sliding_window", None)
     if arch.model_type == "qwen2":
