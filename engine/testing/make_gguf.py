@@ -27,7 +27,8 @@ from engine.weights.gguf.tensors import gguf_name, permute
 
 # transformers class -> llama.cpp architecture (its converter writes Mistral as llama)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": "granite"}  # fmt: skip
+             "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
+             "Phi3ForCausalLM": "phi3"}  # fmt: skip
 PERMUTED = ("llama", "granite")  # architectures whose Q/K rows llama.cpp's converter permutes
 TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K)}
 _QK_K = 256  # values per K-quant super-block
@@ -51,7 +52,7 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
             heads = config["num_attention_heads"] if ".q_proj." in hf else config["num_key_value_heads"]
             value = permute(value, heads)
         data, raw = encode(value, TYPES[qtype] if value.ndim > 1 else Q.F32)
-        writer.add_tensor(gguf_name(hf), data, raw_dtype=raw)
+        writer.add_tensor(gguf_name(hf, name), data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -71,7 +72,7 @@ def _add_model_metadata(w: gguf.GGUFWriter, c: dict, name: str) -> None:
     w.add_head_count_kv(c["num_key_value_heads"])
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))  # Phi-4-mini: 3/4
     w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(float(c["rms_norm_eps"]))
     w.add_vocab_size(c["vocab_size"])

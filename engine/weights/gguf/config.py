@@ -29,7 +29,10 @@ ARCHITECTURES = {
     "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", permuted_qk=False),
     "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", permuted_qk=False),
     "granite": Architecture("GraniteForCausalLM", "granite", permuted_qk=True),  # llama.cpp: Llama's converter
+    "olmo2": Architecture("Olmo2ForCausalLM", "olmo2", permuted_qk=False),
+    "phi3": Architecture("Phi3ForCausalLM", "phi3", permuted_qk=False),
 }
+_PARTIAL_ROTARY = ("phi3",)  # architectures whose rope.dimension_count may be below the head size
 # Granite's multipliers: config field <- `granite.*` key (llama.cpp's names; logit_scale divides the logits)
 _GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                    "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}  # fmt: skip
@@ -58,6 +61,7 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
     hidden = _required(gf, "embedding_length")
     heads = _required(gf, "attention.head_count")
     head_dim = _head_dim(gf, hidden, heads)
+    rotary = _rotary_dim(gf, head_dim, arch)
     names = gf.tensor_names()
     fields = {
         "architectures": [arch.hf_class],
@@ -90,6 +94,8 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
         fields["sliding_window"] = _optional(gf, "attention.sliding_window", None)
     if arch.model_type == "qwen2":
         fields["use_sliding_window"] = False
+    if rotary != head_dim:
+        fields["partial_rotary_factor"] = rotary / head_dim
     scaling = _rope_scaling(gf)
     if scaling:
         fields["rope_scaling"] = scaling
@@ -117,13 +123,17 @@ def _optional(gf: GGUFFile, suffix: str, default: Any) -> Any:
 def _head_dim(gf: GGUFFile, hidden: int, heads: int) -> int:
     head_dim = _optional(gf, "attention.key_length", None) or hidden // heads
     value_dim = _optional(gf, "attention.value_length", head_dim)
-    rotary = _optional(gf, "rope.dimension_count", head_dim)
     if value_dim != head_dim:
         raise GGUFError(gf.path, f"key length {head_dim} != value length {value_dim}: not supported")
-    if rotary != head_dim:
+    return int(head_dim)
+
+
+def _rotary_dim(gf: GGUFFile, head_dim: int, arch: Architecture) -> int:
+    rotary = int(_optional(gf, "rope.dimension_count", head_dim))
+    if rotary != head_dim and (arch.model_type not in _PARTIAL_ROTARY or rotary > head_dim or rotary % 2):
         raise GGUFError(gf.path, f"rotary over {rotary} of {head_dim} head dimensions (partial rotary): "
                                  "not supported")  # fmt: skip
-    return int(head_dim)
+    return rotary
 
 
 def _vocab_size(gf: GGUFFile) -> int:
@@ -144,6 +154,9 @@ def _float_dtype(gf: GGUFFile) -> str:
 def _rope_scaling(gf: GGUFFile) -> dict[str, Any] | None:
     if "rope_freqs.weight" in gf.tensor_names():
         raise GGUFError(gf.path, "tensor rope_freqs.weight (Llama 3 rope frequency factors) is not supported")
+    if "rope_factors_long.weight" in gf.tensor_names():
+        raise GGUFError(gf.path, "tensors rope_factors_long/short.weight (Phi-3 LongRoPE) are not supported in "
+                                 "GGUF files")  # fmt: skip
     kind = gf.get(f"{gf.architecture}.rope.scaling.type", "none")
     if kind in ("none", None):
         return None
