@@ -23,13 +23,14 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
 
+from engine.weights.gguf.config import smollm3_no_rope_layers
 from engine.weights.gguf.tensors import gguf_name, permute
 
 # transformers class -> llama.cpp architecture (its converter writes Mistral as llama)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
-             "Phi3ForCausalLM": "phi3"}  # fmt: skip
-PERMUTED = ("llama", "granite")  # architectures whose Q/K rows llama.cpp's converter permutes
+             "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3"}  # fmt: skip
+PERMUTED = ("llama", "granite", "smollm3")  # architectures whose Q/K rows llama.cpp's converter permutes
 TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K)}
 _QK_K = 256  # values per K-quant super-block
 
@@ -42,6 +43,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
         raise ValueError(f"qtype must be one of {sorted(TYPES)}, got {qtype!r}")
     config = json.loads((folder / "config.json").read_text())
     name = arch or GGUF_ARCH[config["architectures"][0]]
+    if name == "smollm3" and config["no_rope_layers"] != smollm3_no_rope_layers(config["num_hidden_layers"]):
+        raise ValueError("a smollm3 GGUF file cannot say no_rope_layers other than llama.cpp's every 4th layer")
     writer = gguf.GGUFWriter(str(out), name)
     _add_model_metadata(writer, config, folder.name)
     _add_tokenizer(writer, folder, config["vocab_size"])

@@ -215,16 +215,17 @@ PRESETS: dict[str, Preset] = {
         extra_config=(("embedding_multiplier", 6.0), ("residual_multiplier", 0.5),
                       ("attention_multiplier", 0.1), ("logits_scaling", 4.0)),  # fmt: skip
     ),
-    # SmolLM3: the middle layer of three without RoPE (no_rope_layers: 1 = rotary, 0 = NoPE).
+    # SmolLM3: every 4th layer without RoPE (no_rope_layers: 1 = rotary, 0 = NoPE), the real model's
+    # pattern and the only one llama.cpp's smollm3 files can say.
     "tiny-smollm3": Preset(
         "SmolLM3ForCausalLM",
         **_TINY,
-        num_hidden_layers=3,
+        num_hidden_layers=4,
         num_key_value_heads=1,
         head_dim=32,
         tie_word_embeddings=False,
         seed=23,
-        extra_config=(("no_rope_layers", (1, 0, 1)),),
+        extra_config=(("no_rope_layers", (1, 1, 1, 0)),),
     ),
     # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj in the checkpoint, RoPE on 3/4 of each head.
     "tiny-phi3": Preset(

@@ -154,7 +154,7 @@ def test_tensor_names_map_both_ways():
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-llama-k",
-                                    "tiny-granite", "tiny-olmo2", "tiny-phi3"])
+                                    "tiny-granite", "tiny-olmo2", "tiny-phi3", "tiny-smollm3"])
 def test_config_from_metadata_matches_the_source_config(build_model, gguf_dir, preset):
     from transformers import AutoConfig
 
@@ -170,6 +170,8 @@ def test_config_from_metadata_matches_the_source_config(build_model, gguf_dir, p
     if preset == "tiny-granite":  # the four multipliers, from granite.embedding_scale etc.
         for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
             assert getattr(ours, key) == pytest.approx(getattr(source, key), rel=1e-6), key
+    if preset == "tiny-smollm3":  # no key in the file: llama.cpp's fixed every-4th-layer NoPE
+        assert ours.no_rope_layers == source.no_rope_layers == [1, 1, 1, 0]
     if preset == "tiny-phi3":  # rope.dimension_count 24 of 32
         assert ours.rope_parameters["partial_rotary_factor"] == source.rope_parameters["partial_rotary_factor"] == 0.75
 

@@ -31,7 +31,9 @@ ARCHITECTURES = {
     "granite": Architecture("GraniteForCausalLM", "granite", permuted_qk=True),  # llama.cpp: Llama's converter
     "olmo2": Architecture("Olmo2ForCausalLM", "olmo2", permuted_qk=False),
     "phi3": Architecture("Phi3ForCausalLM", "phi3", permuted_qk=False),
+    "smollm3": Architecture("SmolLM3ForCausalLM", "smollm3", permuted_qk=True),  # llama.cpp: Llama's converter
 }
+SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp fixes it (no metadata key): layers 4, 8, ... have no RoPE
 _PARTIAL_ROTARY = ("phi3",)  # architectures whose rope.dimension_count may be below the head size
 # Granite's multipliers: config field <- `granite.*` key (llama.cpp's names; logit_scale divides the logits)
 _GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
@@ -86,7 +88,10 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
         "tokenmill_quantized": any(t.tensor_type not in (Q.F32, Q.F16, Q.BF16) for t in gf.tensors
                                    if len(t.shape) > 1),
     }
-    if arch.model_type in ("llama", "mistral", "granite"):
+    if arch.model_type == "smollm3":
+        fields["no_rope_layers"] = smollm3_no_rope_layers(fields["num_hidden_layers"])
+        fields["use_sliding_window"] = False
+    if arch.model_type in ("llama", "mistral", "granite", "smollm3"):
         fields["attention_bias"] = "blk.0.attn_q.bias" in names
     if arch.model_type == "granite":
         fields.update({field: float(_required(gf, key)) for field, key in _GRANITE_SCALES.items()})
@@ -101,6 +106,11 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
         fields["rope_scaling"] = scaling
         fields["rope_parameters"] = {**scaling, "rope_theta": fields["rope_theta"]}
     return fields
+
+
+def smollm3_no_rope_layers(num_layers: int) -> list[int]:
+    """transformers' no_rope_layers (1: RoPE) for llama.cpp's fixed step."""
+    return [int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(num_layers)]
 
 
 def _required(gf: GGUFFile, suffix: str) -> Any:
