@@ -163,6 +163,9 @@ def _group(tensors: dict[str, torch.Tensor], shapes: BaseShapes) -> dict[int, di
         if module not in TARGETS:
             raise LoraUnsupportedTarget(FIELD, f"target module {module!r} is not supported; supported: "
                                         f"{', '.join(TARGETS)}")  # fmt: skip
+        if module not in shapes.projections:
+            raise LoraBaseMismatch(FIELD, f"target module {module!r} is not a projection of the base model (its: "
+                                   f"{', '.join(shapes.projections)})")  # fmt: skip
         if layer >= shapes.num_layers:
             raise LoraBaseMismatch(FIELD, f"adapter has layer {layer}; the base model has {shapes.num_layers} layers")
         if t.dim() != 2 or not t.is_floating_point():

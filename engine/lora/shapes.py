@@ -17,6 +17,9 @@ TARGETS: dict[str, tuple[str, int]] = {
     "gate_proj": ("gate_up", 0),
     "up_proj": ("gate_up", 1),
     "down_proj": ("down", 0),
+    # Phi-3's checkpoint (and so its PEFT adapters) already fuse them: one shard each
+    "qkv_proj": ("qkv", 0),
+    "gate_up_proj": ("gate_up", 0),
 }
 FUSED = ("qkv", "o", "gate_up", "down")
 
@@ -30,7 +33,8 @@ class BaseShapes:
 
     def shards(self, fused: str) -> list[tuple[str, int]]:
         """(PEFT name, output size) of each shard of a fused module, in row order."""
-        return [(name, self.projections[name][1]) for name, (f, _) in TARGETS.items() if f == fused]
+        return [(name, self.projections[name][1]) for name, (f, _) in TARGETS.items()
+                if f == fused and name in self.projections]  # fmt: skip
 
     def out_features(self, fused: str) -> int:
         return sum(size for _, size in self.shards(fused))
@@ -45,6 +49,11 @@ class BaseShapes:
         head_dim = getattr(cfg, "head_dim", None) or hidden // heads
         inter = int(cfg.intermediate_size)
         q, kv = heads * head_dim, kv_heads * head_dim
+        if "Phi3ForCausalLM" in (getattr(cfg, "architectures", None) or []):  # fused in the checkpoint
+            return cls(int(cfg.num_hidden_layers), {
+                "qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
+                "down_proj": (inter, hidden),
+            })  # fmt: skip
         return cls(int(cfg.num_hidden_layers), {
             "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),

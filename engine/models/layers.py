@@ -31,6 +31,8 @@ class ForwardContext:
 
 
 class RMSNorm(nn.Module):
+    fusable = True  # the C++ kernel rounds as this class does (OLMo 2's norm: False)
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -99,6 +101,11 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) 
         return rotate(x, cos, sin)
     torch.ops.tokenmill.rotary_inplace(x, cos, sin)
     return x
+
+
+def rotate_partial(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dim: int) -> torch.Tensor:
+    """RoPE on the first `dim` of each head's d values (cos/sin: [T, 1, dim]); the rest pass as they are."""
+    return torch.cat((rotate(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:

@@ -5,13 +5,25 @@ Shapes: T = tokens packed in this step (all sequences), H = query heads, Hkv = K
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 from engine.models.fused_decode import FusedDecode
-from engine.models.layers import ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rotate_
+from engine.models.layers import (
+    ForwardContext,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    rotate_,
+    rotate_partial,
+)
 from engine.models.packed_linear import PackedLinear, pack_linears
-from engine.models.rope import rope_inv_freq
+from engine.models.rope import check_rope_supported, rope_inv_freq, rotary_dim_of
+
+log = logging.getLogger("tokenmill.engine")
 
 
 class LlamaAttention(nn.Module):
@@ -24,7 +36,9 @@ class LlamaAttention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = head_dim_of(cfg)
-        self.scale = self.head_dim**-0.5
+        self.scale = self.attention_scale(cfg)
+        self.rotary_dim = rotary_dim_of(cfg, self.head_dim)  # < head_dim: partial rotary (Phi-4-mini)
+        self.use_rope = True  # False: a NoPE layer (SmolLM3)
         bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = [q_size, kv_size, kv_size]
@@ -42,17 +56,40 @@ class LlamaAttention(nn.Module):
         if lora is not None:
             qkv = lora.add("qkv", x, qkv)
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.qk_norm:
-            q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, self.head_dim))  # [T, H, D]
-            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, k, ctx.cos, ctx.sin)
-        else:
-            # q and k sit side by side in qkv: one RoPE over [T, H + Hkv, D] halves the elementwise ops.
-            qk = rotate_(qkv[:, : q_size + kv_size].view(t, -1, self.head_dim), ctx.cos, ctx.sin, self.fused_rotary)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        q, k = self.query_key(qkv, ctx)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale).reshape(t, -1)  # [T, H D]
         return self.o_proj(o) if lora is None else lora.add("o", o, self.o_proj(o))
+
+    def attention_scale(self, cfg) -> float:
+        """The factor on q.k (Granite: its attention_multiplier)."""
+        return self.head_dim**-0.5
+
+    def query_key(self, qkv: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D] and k [T, Hkv, D] out of the fused product, normed and rotated as the model asks."""
+        t, (q_size, kv_size, _) = qkv.shape[0], self.split
+        if self.qk_norm:
+            q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, self.head_dim))  # [T, H, D]
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(t, self.num_kv_heads, self.head_dim))
+            return self.rotate(q, k, ctx)
+        # q and k sit side by side in qkv: one RoPE over [T, H + Hkv, D] halves the elementwise ops.
+        qk = qkv[:, : q_size + kv_size].view(t, -1, self.head_dim)
+        if not self.use_rope:
+            return qk[:, : self.num_heads], qk[:, self.num_heads :]
+        if self.rotary_dim < self.head_dim:
+            qk = rotate_partial(qk, ctx.cos, ctx.sin, self.rotary_dim)
+        else:
+            qk = rotate_(qk, ctx.cos, ctx.sin, self.fused_rotary)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :]
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q and k kept apart (after a norm), honouring NoPE layers and partial rotary."""
+        if not self.use_rope:
+            return q, k
+        if self.rotary_dim < self.head_dim:
+            return (rotate_partial(q, ctx.cos, ctx.sin, self.rotary_dim),
+                    rotate_partial(k, ctx.cos, ctx.sin, self.rotary_dim))  # fmt: skip
+        return apply_rotary(q, k, ctx.cos, ctx.sin)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -79,7 +116,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg, layer_cls: type[LlamaDecoderLayer], max_positions: int) -> None:
         super().__init__()
+        check_rope_supported(cfg, max_positions)
         self.rotary = RotaryEmbedding(lambda: rope_inv_freq(cfg, head_dim_of(cfg)), max_positions)
+        # Granite scales the embeddings; 1.0 elsewhere (no multiply then)
+        self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0) or 1.0)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -87,6 +127,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         ctx.cos, ctx.sin = self.rotary.lookup(positions)
         fused = self.fused_decode.run(x, ctx) if self.fused_decode is not None else None
         if fused is not None:
@@ -110,6 +152,9 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported (the MLP is SwiGLU: silu)")
         self.config = cfg
         self.model = LlamaModel(cfg, self.layer_cls, max_positions)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -128,6 +173,15 @@ class LlamaForCausalLM(nn.Module):
             return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
         return self.lm_head(hidden)
 
+    def fused_decode_unsupported(self) -> str | None:
+        """Why the C++ decode loop (engine/kernels/csrc/cpu_decode.cpp: pre-norm layers, full RoPE on
+        every layer, Q/K norms per head, scale 1 on the residual branches) cannot run this model;
+        None when it can. A subclass whose math differs says so here, and keeps the Python layers."""
+        attn = self.model.layers[0].self_attn
+        if attn.rotary_dim < attn.head_dim:
+            return f"partial rotary ({attn.rotary_dim} of {attn.head_dim} dims)"
+        return None
+
     def use_cpu_kernels(self, norms: bool, fused_decode: bool = True) -> None:
         """Route rotary (and, with norms, every RMSNorm and residual add) through the C++ CPU
         kernels (engine/kernels/cpu_kernels.py, loaded by the caller). Rotary is bit-exact in any dtype;
@@ -138,9 +192,15 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(mod, LlamaAttention):
                 mod.fused_rotary = True
             elif isinstance(mod, RMSNorm):
-                mod.fused = norms
-        if fused_decode and FusedDecode.available():
-            self.model.fused_decode = FusedDecode(self.model.layers)
+                mod.fused = norms and mod.fusable
+        if not fused_decode or not FusedDecode.available():
+            return
+        why_not = self.fused_decode_unsupported()
+        if why_not is not None:
+            log.info("fused decode: off for %s (%s): decode steps run the Python layers",
+                     type(self).__name__, why_not)  # fmt: skip
+            return
+        self.model.fused_decode = FusedDecode(self.model.layers)
 
     def pack_weights(self, batch_hint: int) -> int:
         """Every linear, the logits projection included, to oneDNN's packed layout (CPU bf16; see

@@ -23,11 +23,14 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
 
+from engine.weights.gguf.config import smollm3_no_rope_layers
 from engine.weights.gguf.tensors import gguf_name, permute
 
 # transformers class -> llama.cpp architecture (its converter writes Mistral as llama)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3"}  # fmt: skip
+             "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
+             "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3"}  # fmt: skip
+PERMUTED = ("llama", "granite", "smollm3")  # architectures whose Q/K rows llama.cpp's converter permutes
 TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K)}
 _QK_K = 256  # values per K-quant super-block
 
@@ -40,17 +43,19 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
         raise ValueError(f"qtype must be one of {sorted(TYPES)}, got {qtype!r}")
     config = json.loads((folder / "config.json").read_text())
     name = arch or GGUF_ARCH[config["architectures"][0]]
+    if name == "smollm3" and config["no_rope_layers"] != smollm3_no_rope_layers(config["num_hidden_layers"]):
+        raise ValueError("a smollm3 GGUF file cannot say no_rope_layers other than llama.cpp's every 4th layer")
     writer = gguf.GGUFWriter(str(out), name)
     _add_model_metadata(writer, config, folder.name)
     _add_tokenizer(writer, folder, config["vocab_size"])
-    permuted = name == "llama"
+    permuted = name in PERMUTED
     for hf, value in load_file(str(folder / "model.safetensors")).items():
         value = value.astype(np.float32)
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             heads = config["num_attention_heads"] if ".q_proj." in hf else config["num_key_value_heads"]
             value = permute(value, heads)
         data, raw = encode(value, TYPES[qtype] if value.ndim > 1 else Q.F32)
-        writer.add_tensor(gguf_name(hf), data, raw_dtype=raw)
+        writer.add_tensor(gguf_name(hf, name), data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -70,10 +75,15 @@ def _add_model_metadata(w: gguf.GGUFWriter, c: dict, name: str) -> None:
     w.add_head_count_kv(c["num_key_value_heads"])
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))  # Phi-4-mini: 3/4
     w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(float(c["rms_norm_eps"]))
     w.add_vocab_size(c["vocab_size"])
+    if "GraniteForCausalLM" in c["architectures"]:
+        w.add_embedding_scale(float(c["embedding_multiplier"]))
+        w.add_residual_scale(float(c["residual_multiplier"]))
+        w.add_attention_scale(float(c["attention_multiplier"]))
+        w.add_logit_scale(float(c["logits_scaling"]))
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:

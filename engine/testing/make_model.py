@@ -192,6 +192,52 @@ PRESETS: dict[str, Preset] = {
         seed=4,
         extra_config=(("sliding_window", None),),
     ),
+    # The other Llama-like families (engine/models/): each the tiny shape with what makes it differ.
+    # OLMo 2: norms after attention and MLP, Q/K norms over the whole projection.
+    "tiny-olmo2": Preset(
+        "Olmo2ForCausalLM",
+        **_TINY,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=21,
+    ),
+    # Granite 3: every multiplier away from 1 (the attention one away from 1/sqrt(head_dim)) so each shows.
+    "tiny-granite": Preset(
+        "GraniteForCausalLM",
+        **_TINY,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=22,
+        extra_config=(("embedding_multiplier", 6.0), ("residual_multiplier", 0.5),
+                      ("attention_multiplier", 0.1), ("logits_scaling", 4.0)),  # fmt: skip
+    ),
+    # SmolLM3: every 4th layer without RoPE (no_rope_layers: 1 = rotary, 0 = NoPE), the real model's
+    # pattern and the only one llama.cpp's smollm3 files can say.
+    "tiny-smollm3": Preset(
+        "SmolLM3ForCausalLM",
+        **_TINY,
+        num_hidden_layers=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=23,
+        extra_config=(("no_rope_layers", (1, 1, 1, 0)),),
+    ),
+    # Phi-3 / Phi-4-mini: fused qkv_proj and gate_up_proj in the checkpoint, RoPE on 3/4 of each head.
+    "tiny-phi3": Preset(
+        "Phi3ForCausalLM",
+        **_TINY,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=24,
+        extra_config=(("partial_rotary_factor", 0.75),),
+    ),
     # Every matrix row a multiple of 256 values, so K-quant GGUF files (engine/testing/make_gguf.py)
     # quantize all of them; tied, so the file has no output.weight.
     "tiny-llama-k": Preset(
@@ -380,7 +426,7 @@ def _make_config(spec: Preset, special_ids: dict[str, int]) -> transformers.Pret
         bos_token_id=special_ids[BOS_TOKEN],
         eos_token_id=special_ids[EOS_TOKEN],
         pad_token_id=special_ids[PAD_TOKEN],
-        **dict(spec.extra_config),
+        **{key: list(value) if isinstance(value, tuple) else value for key, value in spec.extra_config},
     )
 
 

@@ -12,7 +12,7 @@ from engine.api import SamplingParams
 from engine.models import cpu_linear
 from engine.models.fused_decode import FusedDecode
 
-from .helpers import TINY_PRESETS, make_case, make_engine, require_cpu_kernels
+from .helpers import FAMILY_PRESETS, TINY_PRESETS, make_case, make_engine, require_cpu_kernels
 
 require_cpu_kernels()
 
@@ -70,3 +70,36 @@ def test_fused_decode_can_be_turned_off():
     with pytest.raises(ValueError, match="fused_decode must be a bool"):
         EngineConfig(model="x", fused_decode="yes")  # type: ignore[arg-type]
     assert FusedDecode.available()
+
+
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_models_the_loop_does_not_implement_keep_the_python_layers(build_model, preset, caplog):
+    """OLMo 2's post-norms, Granite's residual multiplier, SmolLM3's NoPE layers, Phi-4-mini's partial
+    rotary: the C++ loop does none of them, so the model declines it (a log line says why) and its
+    decode steps run the Python layers (the parity suite checks their tokens against transformers)."""
+    with caplog.at_level("INFO", logger="tokenmill.engine"):
+        engine = make_engine(build_model(preset), fused_decode=True)
+    model = engine.runner.model
+    assert model.model.fused_decode is None
+    assert model.fused_decode_unsupported() is not None
+    assert any("fused decode: off for" in r.getMessage() for r in caplog.records)
+
+
+def test_phi3_with_full_rotary_takes_the_loop(build_model, tmp_path):
+    """Phi-3-mini rotates whole heads: Llama's math, so the C++ loop runs it, with the same tokens."""
+    import json
+    import shutil
+
+    path = tmp_path / "phi3-full-rotary"
+    shutil.copytree(build_model("tiny-phi3"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("partial_rotary_factor", None)
+    if isinstance(cfg.get("rope_parameters"), dict):
+        cfg["rope_parameters"]["partial_rotary_factor"] = 1.0
+    (path / "config.json").write_text(json.dumps(cfg))
+    case = make_case(vocab=256, n=5, seed=4)
+    case.max_tokens = [8, 3, 8, 1, 6]
+    want_tokens, want_lps, _ = _run(path, False, "float32", {}, case)
+    got_tokens, got_lps, fused_steps = _run(path, True, "float32", {}, case)
+    assert got_tokens == want_tokens and got_lps == want_lps
+    assert fused_steps >= 4

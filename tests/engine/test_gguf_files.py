@@ -153,7 +153,8 @@ def test_tensor_names_map_both_ways():
     assert gguf_name("model.layers.3.post_attention_layernorm.weight") == "blk.3.ffn_norm.weight"
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-llama-k"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-llama-k",
+                                    "tiny-granite", "tiny-olmo2", "tiny-phi3", "tiny-smollm3"])
 def test_config_from_metadata_matches_the_source_config(build_model, gguf_dir, preset):
     from transformers import AutoConfig
 
@@ -166,6 +167,13 @@ def test_config_from_metadata_matches_the_source_config(build_model, gguf_dir, p
     assert ours.rms_norm_eps == pytest.approx(source.rms_norm_eps, rel=1e-6)  # stored as float32
     expected = "LlamaForCausalLM" if preset == "tiny-mistral" else source.architectures[0]
     assert ours.architectures == [expected]  # llama.cpp writes Mistral as llama
+    if preset == "tiny-granite":  # the four multipliers, from granite.embedding_scale etc.
+        for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            assert getattr(ours, key) == pytest.approx(getattr(source, key), rel=1e-6), key
+    if preset == "tiny-smollm3":  # no key in the file: llama.cpp's fixed every-4th-layer NoPE
+        assert ours.no_rope_layers == source.no_rope_layers == [1, 1, 1, 0]
+    if preset == "tiny-phi3":  # rope.dimension_count 24 of 32
+        assert ours.rope_parameters["partial_rotary_factor"] == source.rope_parameters["partial_rotary_factor"] == 0.75
 
 
 def test_tokenizer_and_chat_template_from_metadata(build_model, gguf_dir):

@@ -54,12 +54,18 @@ def test_weights_are_transformers_dequantized_weights(served):
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
-@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-granite", "tiny-olmo2", "tiny-phi3",
+                                    "tiny-smollm3"])
 def test_other_architectures_match_transformers(build_model, gguf_dir, preset, qtype):
-    """qwen2 (q/k/v biases, rows not permuted), qwen3 (q/k norms, head_dim 64 != hidden / heads) and
-    mistral (written as llama, as llama.cpp does)."""
+    """qwen2 (q/k/v biases, rows not permuted), qwen3 (q/k norms, head_dim 64 != hidden / heads),
+    mistral (written as llama, as llama.cpp does), granite (Q/K permuted as llama, its four
+    multipliers from granite.* metadata), olmo2 (post_attention_norm / post_ffw_norm) and phi3 (fused
+    attn_qkv and ffn_up, rope.dimension_count 3/4 of the head), smollm3 (Q/K permuted, llama.cpp's fixed
+    every-4th-layer NoPE)."""
     path = gguf_path(build_model, gguf_dir, preset, qtype)
-    hf = _qwen3_reference(build_model(preset), qtype) if preset == "tiny-qwen3" else hf_from_gguf(path)
+    # transformers' GGUF loader cannot load these
+    from_folder = preset in ("tiny-qwen3", "tiny-granite", "tiny-olmo2", "tiny-phi3", "tiny-smollm3")
+    hf = _qwen3_reference(build_model(preset), qtype) if from_folder else hf_from_gguf(path)
     case = small_case(seed=5)
     ref = hf_greedy(hf, case.prompts, case.max_tokens)
     res = make_engine(path).generate(case.prompts, [greedy(m, logprobs=TOP) for m in case.max_tokens])
@@ -68,8 +74,8 @@ def test_other_architectures_match_transformers(build_model, gguf_dir, preset, q
 
 
 def _qwen3_reference(folder, qtype: str):
-    """transformers' GGUF loader drops qwen3's head_dim (it cannot load tiny-qwen3's file), so the
-    reference is transformers on the source folder with every matrix put through what the test file
+    """transformers' GGUF loader drops qwen3's head_dim (it cannot load tiny-qwen3's file) and has no
+    granite, olmo2, smollm3 or partial-rotary phi3, so the reference is transformers on the source folder with every matrix put through what the test file
     stores: make_gguf's encoding, then the gguf package's dequantization."""
     import gguf
     from transformers import AutoModelForCausalLM

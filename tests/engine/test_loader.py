@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def test_unsupported_architecture_names_it_and_the_supported_list(tiny, tmp_path
     cfg = json.loads((bad / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*GraniteForCausalLM.*LlamaForCausalLM.*Olmo2ForCausalLM.*Phi3ForCausalLM"):
         make_engine(bad)
 
 
@@ -95,3 +96,40 @@ def test_scaled_rope_matches_transformers(tiny, tmp_path, rope):
     ref = hf_reference(folder, case)
     got = make_engine(folder).generate(case.prompts, [greedy(m) for m in case.max_tokens])
     assert [r.token_ids for r in got] == ref.token_ids
+
+
+
+def _longrope_folder(phi3: Path, folder: Path) -> Path:
+    """tiny-phi3 with Phi-4-mini's kind of rope_scaling: LongRoPE, short factors away from 1 (so they
+    matter), a 2,048-token original context stretched to 4,096 (attention factor ~1.04)."""
+    shutil.copytree(phi3, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    half = cfg["hidden_size"] // cfg["num_attention_heads"] * 3 // 4 // 2  # partial_rotary_factor 0.75
+    rope = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [4.0] * half, "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 2048}  # fmt: skip
+    cfg["rope_parameters"], cfg["rope_scaling"] = rope, {**rope, "type": "longrope"}
+    cfg["original_max_position_embeddings"], cfg["max_position_embeddings"] = 2048, 4096
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_longrope_short_factors_match_transformers(build_model, tmp_path):
+    """Phi-3's LongRoPE served with its short factors and attention factor: the context capped to
+    original_max_position_embeddings, where transformers uses the same ones, token-exact."""
+    from .helpers import case_fix, hf_reference
+
+    folder = _longrope_folder(build_model("tiny-phi3"), tmp_path / "longrope")
+    engine = make_engine(folder)
+    assert engine.max_model_len == 2048
+    case = case_fix([[7 + (i * 13) % 1500 for i in range(n)] for n in (5, 90, 200)], [12, 12, 12])
+    got = engine.generate(case.prompts, [greedy(m) for m in case.max_tokens])
+    assert [r.token_ids for r in got] == hf_reference(folder, case).token_ids
+
+
+def test_longrope_past_its_short_context_is_refused_naming_the_key(build_model, tmp_path):
+    """The long factors are not implemented: a max_model_len past original_max_position_embeddings is
+    a start-up error naming the config key, never a model that drifts past the short context."""
+    folder = _longrope_folder(build_model("tiny-phi3"), tmp_path / "longrope")
+    with pytest.raises(ValueError, match="rope_scaling.*'longrope' is not supported past original_max_position"):
+        make_engine(folder, max_model_len=4096)

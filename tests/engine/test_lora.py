@@ -352,3 +352,47 @@ def test_bf16_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family, gemv)
     assert lora_steps >= MAX_TOKENS - 2
     by_name = {n: [t for (_, m), t in zip(jobs, got_tokens, strict=True) if m == n] for n in names}
     assert all(by_name[n] != by_name[None] for n in adapters)  # the adapters still change the output
+
+
+@pytest.mark.parametrize("preset", ["tiny-olmo2", "tiny-granite", "tiny-smollm3"])
+def test_other_families_adapters_match_peft(build_model, tmp_path, preset):
+    """PEFT adapters on OLMo 2 (the delta before the whole-projection Q/K norms), Granite (before the
+    residual multiplier) and SmolLM3 (NoPE layers): a mixed batch of the base model and every adapter,
+    on the Python layers (the C++ decode loop declines these models), equal to PEFT's greedy tokens."""
+    from transformers import AutoConfig
+
+    path = build_model(preset)
+    adapters = {name: make_adapter(path, tmp_path / name, spec) for name, spec in SPECS.items()}
+    prompts = random_prompts(AutoConfig.from_pretrained(str(path)).vocab_size, LENGTHS[:3], seed=6)
+    refs = {name: peft_greedy(path, adapters.get(name), prompts, MAX_TOKENS) for name in [None, *adapters]}
+    engine = lora_engine(path, adapters)
+    jobs = [(p, n, i) for i, p in enumerate(prompts) for n in refs]
+    got = run(engine, [p for p, _, _ in jobs], [n for _, n, _ in jobs])
+    assert [(n, i) for out, (_, n, i) in zip(got, jobs, strict=True) if out != refs[n][i]] == []
+    assert all(refs[name] != refs[None] for name in adapters)  # the adapters matter
+    assert_idle(engine)
+
+
+def test_phi3_adapters_on_its_fused_projections_match_peft(build_model, tmp_path):
+    """Phi-3's PEFT adapters target the checkpoint's fused qkv_proj and gate_up_proj (one shard each);
+    mixed with o/down targets and the base model in one batch, equal to PEFT's greedy tokens. A
+    Llama adapter's q_proj has no place in Phi-3: refused by name, nothing loaded."""
+    from transformers import AutoConfig
+
+    path = build_model("tiny-phi3")
+    specs = {"fused": AdapterSpec(8, 16, ("qkv_proj", "gate_up_proj"), seed=1),
+             "all": AdapterSpec(4, 8, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), rslora=True, seed=2)}
+    adapters = {name: make_adapter(path, tmp_path / name, spec) for name, spec in specs.items()}
+    prompts = random_prompts(AutoConfig.from_pretrained(str(path)).vocab_size, LENGTHS[:3], seed=7)
+    refs = {name: peft_greedy(path, adapters.get(name), prompts, MAX_TOKENS) for name in [None, *adapters]}
+    engine = lora_engine(path, adapters)
+    jobs = [(p, n, i) for i, p in enumerate(prompts) for n in refs]
+    got = run(engine, [p for p, _, _ in jobs], [n for _, n, _ in jobs])
+    assert [(n, i) for out, (_, n, i) in zip(got, jobs, strict=True) if out != refs[n][i]] == []
+    assert all(refs[name] != refs[None] for name in adapters)  # the adapters matter
+    llama_adapter = make_adapter(build_model("tiny-llama"), tmp_path / "llama", AdapterSpec(4, 8, ("q_proj",)))
+    loaded = engine.list_loras()
+    with pytest.raises(LoraBaseMismatch, match="'q_proj' is not a projection of the base model"):
+        engine.load_lora("x", str(llama_adapter))
+    assert engine.list_loras() == loaded  # nothing half-loaded
+    assert_idle(engine)

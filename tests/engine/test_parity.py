@@ -9,6 +9,7 @@ from engine import EngineConfig
 from engine.api import PreemptionCause
 
 from .helpers import (
+    FAMILY_PRESETS,
     TINY_PRESETS,
     assert_idle,
     greedy,
@@ -22,7 +23,7 @@ from .helpers import (
 SHARED_PREFIX = 64
 
 
-@pytest.fixture(scope="module", params=TINY_PRESETS)
+@pytest.fixture(scope="module", params=TINY_PRESETS + FAMILY_PRESETS)
 def preset(request, build_model):
     path = build_model(request.param)
     cfg = EngineConfig(model=str(path))

@@ -28,7 +28,16 @@ ARCHITECTURES = {
     "mistral": Architecture("MistralForCausalLM", "mistral", permuted_qk=True),
     "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", permuted_qk=False),
     "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", permuted_qk=False),
+    "granite": Architecture("GraniteForCausalLM", "granite", permuted_qk=True),  # llama.cpp: Llama's converter
+    "olmo2": Architecture("Olmo2ForCausalLM", "olmo2", permuted_qk=False),
+    "phi3": Architecture("Phi3ForCausalLM", "phi3", permuted_qk=False),
+    "smollm3": Architecture("SmolLM3ForCausalLM", "smollm3", permuted_qk=True),  # llama.cpp: Llama's converter
 }
+SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp fixes it (no metadata key): layers 4, 8, ... have no RoPE
+_PARTIAL_ROTARY = ("phi3",)  # architectures whose rope.dimension_count may be below the head size
+# Granite's multipliers: config field <- `granite.*` key (llama.cpp's names; logit_scale divides the logits)
+_GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
+                   "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}  # fmt: skip
 _DTYPE_OF_TYPE = {Q.BF16: "bfloat16", Q.F16: "float16"}
 
 
@@ -54,6 +63,7 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
     hidden = _required(gf, "embedding_length")
     heads = _required(gf, "attention.head_count")
     head_dim = _head_dim(gf, hidden, heads)
+    rotary = _rotary_dim(gf, head_dim, arch)
     names = gf.tensor_names()
     fields = {
         "architectures": [arch.hf_class],
@@ -78,17 +88,29 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
         "tokenmill_quantized": any(t.tensor_type not in (Q.F32, Q.F16, Q.BF16) for t in gf.tensors
                                    if len(t.shape) > 1),
     }
-    if arch.model_type in ("llama", "mistral"):
+    if arch.model_type == "smollm3":
+        fields["no_rope_layers"] = smollm3_no_rope_layers(fields["num_hidden_layers"])
+        fields["use_sliding_window"] = False
+    if arch.model_type in ("llama", "mistral", "granite", "smollm3"):
         fields["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch.model_type == "granite":
+        fields.update({field: float(_required(gf, key)) for field, key in _GRANITE_SCALES.items()})
     if arch.model_type == "mistral":
         fields["sliding_window"] = _optional(gf, "attention.sliding_window", None)
     if arch.model_type == "qwen2":
         fields["use_sliding_window"] = False
+    if rotary != head_dim:
+        fields["partial_rotary_factor"] = rotary / head_dim
     scaling = _rope_scaling(gf)
     if scaling:
         fields["rope_scaling"] = scaling
         fields["rope_parameters"] = {**scaling, "rope_theta": fields["rope_theta"]}
     return fields
+
+
+def smollm3_no_rope_layers(num_layers: int) -> list[int]:
+    """transformers' no_rope_layers (1: RoPE) for llama.cpp's fixed step."""
+    return [int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(num_layers)]
 
 
 def _required(gf: GGUFFile, suffix: str) -> Any:
@@ -111,13 +133,17 @@ def _optional(gf: GGUFFile, suffix: str, default: Any) -> Any:
 def _head_dim(gf: GGUFFile, hidden: int, heads: int) -> int:
     head_dim = _optional(gf, "attention.key_length", None) or hidden // heads
     value_dim = _optional(gf, "attention.value_length", head_dim)
-    rotary = _optional(gf, "rope.dimension_count", head_dim)
     if value_dim != head_dim:
         raise GGUFError(gf.path, f"key length {head_dim} != value length {value_dim}: not supported")
-    if rotary != head_dim:
+    return int(head_dim)
+
+
+def _rotary_dim(gf: GGUFFile, head_dim: int, arch: Architecture) -> int:
+    rotary = int(_optional(gf, "rope.dimension_count", head_dim))
+    if rotary != head_dim and (arch.model_type not in _PARTIAL_ROTARY or rotary > head_dim or rotary % 2):
         raise GGUFError(gf.path, f"rotary over {rotary} of {head_dim} head dimensions (partial rotary): "
                                  "not supported")  # fmt: skip
-    return int(head_dim)
+    return rotary
 
 
 def _vocab_size(gf: GGUFFile) -> int:
@@ -138,6 +164,9 @@ def _float_dtype(gf: GGUFFile) -> str:
 def _rope_scaling(gf: GGUFFile) -> dict[str, Any] | None:
     if "rope_freqs.weight" in gf.tensor_names():
         raise GGUFError(gf.path, "tensor rope_freqs.weight (Llama 3 rope frequency factors) is not supported")
+    if "rope_factors_long.weight" in gf.tensor_names():
+        raise GGUFError(gf.path, "tensors rope_factors_long/short.weight (Phi-3 LongRoPE) are not supported in "
+                                 "GGUF files")  # fmt: skip
     kind = gf.get(f"{gf.architecture}.rope.scaling.type", "none")
     if kind in ("none", None):
         return None

@@ -33,28 +33,38 @@ _BLOCK = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per architecture, block names that differ from (and take precedence over) _BLOCK's.
+_ARCH_BLOCK = {
+    # OLMo 2: norms after attention and MLP (its file has no attn_norm / ffn_norm)
+    "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    # Phi-3: q/k/v and gate/up fused in the file as in the checkpoint (ffn_up holds [gate; up])
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name of a llama.cpp tensor, or None when it has no equivalent."""
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """The Hugging Face parameter name of a llama.cpp tensor of an `arch` file, or None when it has no
+    equivalent."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     m = _BLOCK_NAME.match(gguf_name)
-    if m is None or m.group(2) not in _BLOCK:
+    block = {**_BLOCK, **_ARCH_BLOCK.get(arch or "", {})}
+    if m is None or m.group(2) not in block:
         return None
     layer, kind, param = m.groups()
-    return f"model.layers.{layer}.{_BLOCK[kind]}.{param}"
+    return f"model.layers.{layer}.{block[kind]}.{param}"
 
 
-def gguf_name(hf: str) -> str:
-    """The llama.cpp name of a Hugging Face parameter (the converse of hf_name; test files use it)."""
+def gguf_name(hf: str, arch: str | None = None) -> str:
+    """The llama.cpp name of a Hugging Face parameter in an `arch` file (the converse of hf_name; test
+    files use it)."""
     for g, h in _GLOBAL.items():
         if h == hf:
             return g
     m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf)
     if m:
-        for g, h in _BLOCK.items():
+        for g, h in [*_ARCH_BLOCK.get(arch or "", {}).items(), *_BLOCK.items()]:
             if h == m.group(2):
                 return f"blk.{m.group(1)}.{g}.{m.group(3)}"
     raise ValueError(f"no llama.cpp name for {hf!r}")

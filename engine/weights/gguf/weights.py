@@ -49,7 +49,7 @@ class GGUFWeights:
 
 
 def _mapped(gf: GGUFFile, name: str) -> str:
-    hf = hf_name(name)
+    hf = hf_name(name, gf.architecture)
     if hf is None:
         raise GGUFError(gf.path, f"tensor {name!r} has no place in a {gf.architecture} model")
     return hf
