@@ -18,15 +18,14 @@ def write_adapter(folder: Path, shapes: BaseShapes, rank: int, seed: int) -> Pat
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(shapes.num_layers):
-        for module, (fused, _) in TARGETS.items():
-            part = "mlp" if fused in ("gate_up", "down") else "self_attn"
-            in_f, out_f = shapes.projections[module]
+        for module, (in_f, out_f) in shapes.projections.items():  # the base model's own targets
+            part = "mlp" if TARGETS[module][0] in ("gate_up", "down") else "self_attn"
             key = f"base_model.model.model.layers.{layer}.{part}.{module}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) / in_f**0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(out_f, rank, generator=g) * 0.01
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none",
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(shapes.projections), "bias": "none",
     }))  # fmt: skip
     return folder
