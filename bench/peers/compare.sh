@@ -5,7 +5,7 @@
 # Env: OUT (results folder, default /tmp/peers-compare), TM_ARGS (extra `tokenmill serve` flags),
 #      SKIP_TM / SKIP_VLLM / SKIP_LLAMA=1, PEERS (the peers folder with vllm/setup.sh and
 #      llama.cpp/: ../shared/peers beside the repository), LLAMA_SERVER (a llama-server binary, e.g. one
-#      built for this CPU: the peers' prebuilt one needs AVX-512). Run it on a quiet machine (check
+#      built for this CPU: the peers' prebuilt one needs AVX-512), LLAMA_PORT (its port, 8200). Run it on a quiet machine (check
 #      `uptime` first); ~15 min. `python -m bench report --add-compare OUT ...` turns OUT into the
 #      benchmarks page's rows (docs/BENCHMARKS.md).
 set -u
@@ -15,6 +15,7 @@ OUT=${OUT:-/tmp/peers-compare}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/../.." || exit 1  # the repository root: tokenmill runs from its .venv
 P=${PEERS:-$PWD/../shared/peers}
 LLAMA_SERVER=${LLAMA_SERVER:-$P/llama.cpp/llama-server}
+LLAMA_PORT=${LLAMA_PORT:-8200}
 export VLLM_DIR=${VLLM_DIR:-$HOME/.cache/peers/vllm}
 bash "$P/vllm/setup.sh" >"$OUT/vllm-setup.log" 2>&1 || { echo "vLLM setup failed: $OUT/vllm-setup.log"; exit 1; }
 # shellcheck source=/dev/null
@@ -49,8 +50,8 @@ if [ -z "${SKIP_VLLM:-}" ]; then
   "$VLLM_DIR/stop.sh" 8100 >/dev/null 2>&1
 fi
 if [ -n "$GGUF" ] && [ -z "${SKIP_LLAMA:-}" ]; then
-  "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port 8200 -t 2 -np 32 -c 16384 -cb --no-webui \
+  "$LLAMA_SERVER" -m "$GGUF" --host 127.0.0.1 --port "$LLAMA_PORT" -t 2 -np 32 -c 16384 -cb --no-webui \
     >"$OUT/llama-server.log" 2>&1 & pid=$!
-  wait_ok http://127.0.0.1:8200 && for c in $CS; do bench llama.cpp http://127.0.0.1:8200 "$c"; done
+  wait_ok "http://127.0.0.1:$LLAMA_PORT" && for c in $CS; do bench llama.cpp "http://127.0.0.1:$LLAMA_PORT" "$c"; done
   kill -TERM $pid; wait $pid 2>/dev/null || true  # stopped by us: not a failure
 fi

@@ -13,8 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from bench.report.compare import read_compare_dir
 from tests.ci_skips import skip_or_fail
 from tests.test_layering import ROOT
@@ -65,9 +63,9 @@ def test_peer_scripts_pass_shellcheck():
 
 
 def test_compare_sh_uses_peers_and_llama_server_and_leaves_results(tmp_path):
-    with socket.socket() as s:
-        if s.connect_ex(("127.0.0.1", 8200)) == 0:
-            pytest.skip("port 8200 (compare.sh's llama.cpp port) is in use here")
+    with socket.socket() as s:  # a free port for the stand-in llama-server (LLAMA_PORT), not the default 8200
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     python = sys.executable
     peers, vllm_dir, work = tmp_path / "peers", tmp_path / "vllm", tmp_path / "caller"
     _executable(peers / "vllm" / "setup.sh", "echo peers setup ran from \"$0\"\n")
@@ -78,14 +76,14 @@ def test_compare_sh_uses_peers_and_llama_server_and_leaves_results(tmp_path):
     (work / "model").mkdir(parents=True)
     (work / "m.gguf").write_text("")
     env = {**os.environ, "PEERS": str(peers), "VLLM_DIR": str(vllm_dir), "OUT": "out", "SKIP_TM": "1",
-           "SKIP_VLLM": "1", "LLAMA_SERVER": str(tmp_path / "llama" / "llama-server")}
+           "SKIP_VLLM": "1", "LLAMA_SERVER": str(tmp_path / "llama" / "llama-server"), "LLAMA_PORT": str(port)}
     done = subprocess.run([str(ROOT / "bench" / "peers" / "compare.sh"), "model", "m.gguf", "1 16"], cwd=work, env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     out = work / "out"  # OUT as the caller wrote it, relative to the caller's folder
     assert f"peers setup ran from {peers}/vllm/setup.sh" in (out / "vllm-setup.log").read_text()
     args = json.loads((tmp_path / "args.json").read_text())
-    assert args[:2] == ["-m", str(work / "m.gguf")] and "--port" in args
+    assert args[:2] == ["-m", str(work / "m.gguf")] and args[args.index("--port") + 1] == str(port)
     assert sorted(p.name for p in out.glob("*.json")) == ["llama.cpp-c1.json", "llama.cpp-c16.json"]
     assert "llama.cpp  c16  out   160.0 tok/s" in done.stdout
     (out / "tokenmill-c1.json").write_text((out / "llama.cpp-c1.json").read_text())  # what SKIP_TM left out
