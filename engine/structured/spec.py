@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls")
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_calls", "after_reasoning")
 TOOL_CHOICE_MODES = ("auto", "required", "named")
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -65,6 +65,9 @@ class GrammarSpec:
       grammar: source is an EBNF (GBNF) grammar with a `root` rule
       tool_calls: source is JSON {"tools": [{"name", "parameters"}], "mode": auto|required|named,
         "parallel": bool}; see `tool_calls()`
+      after_reasoning: source is JSON {"end": marker, "kind", "source"}: any text up to the first `end`
+        (a thinking model's reasoning, which the server returns apart), then a little whitespace, then the
+        inner grammar; see `after_reasoning()`
     """
 
     kind: str
@@ -108,6 +111,15 @@ class GrammarSpec:
             raise GrammarError("tool_calls needs the tools to call (exactly one when named)")
         listed = [{"name": name, "parameters": params} for name, params in tools]
         return GrammarSpec("tool_calls", _compact({"tools": listed, "mode": mode, "parallel": bool(parallel)}))
+
+    @staticmethod
+    def after_reasoning(inner: GrammarSpec, end: str) -> GrammarSpec:
+        """`inner` applied only after the reasoning: free text until the first `end` marker (a start
+        marker, if the model writes one, is part of that text), then `inner`. The model must close its
+        reasoning before it can answer (vLLM applies a request's grammar once reasoning ends, too)."""
+        if inner.kind == "after_reasoning" or not end:
+            raise GrammarError("after_reasoning wraps one plain grammar and needs the end marker")
+        return GrammarSpec("after_reasoning", _compact({"end": end, "kind": inner.kind, "source": inner.source}))
 
 
 def _compact(value: Any) -> str:

@@ -11,7 +11,10 @@ xgrammar 0.2.9 lets raw control characters into JSON strings with a maxLength (i
 string rule excludes only quote, backslash, CR and LF), which no strict JSON parser accepts. So JSON
 grammars also forbid every token holding a byte below 0x20 other than LF and CR (whitespace between
 tokens, which no string rule admits; tabs are refused, as a bounded string would take them), and
-tool-call grammars every such token but LF (the format's own separators).
+tool-call grammars every such token but LF (the format's own separators). An `after_reasoning` grammar
+(a thinking model's reasoning, then the inner grammar) is a structural tag: a `tag` of any text ending
+at the end marker, up to _MAX_WHITESPACE_AFTER_REASONING spaces or newlines, then the inner grammar as a
+structural-tag format; it takes its inner kind's mask, over the reasoning too (no tab there).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")  # "[11:37:21] /project/cpp/
 _CONTROL_BYTES = frozenset(range(0x20))
 _MAX_WHITESPACE_IN_TOOL_ARGS = 1  # whitespace characters allowed between JSON tokens of tool arguments
 _MAX_WHITESPACE_IN_JSON = 4  # ... of JSON outputs: `{\n  "` fits, a runaway does not
+_MAX_WHITESPACE_AFTER_REASONING = 4  # between the reasoning's end marker and the answer (Qwen3 writes "\n\n")
 
 
 class XGrammarMatcher:
@@ -132,8 +136,9 @@ class XGrammarCompiler(CachingCompiler):
             self.pool.close()
 
     def _compile(self, spec: GrammarSpec, timeout_s: float | None) -> XGrammar:
+        kind = json.loads(spec.source)["kind"] if spec.kind == "after_reasoning" else spec.kind
         also = {"json_schema": self._line_breaks_only, "json_object": self._line_breaks_only,
-                "tool_calls": self._newlines_only}.get(spec.kind)  # fmt: skip
+                "tool_calls": self._newlines_only}.get(kind)  # fmt: skip
         if self.pool is not None:
             done = self.pool.compile(spec.kind, spec.source, timeout_s)
             grammar = XGrammar(self, xgr.CompiledGrammar.deserialize_json(done.payload, self._info), also)
@@ -177,7 +182,32 @@ def build_grammar(c: xgr.GrammarCompiler, kind: str, source: str) -> xgr.Compile
         return c.compile_grammar(choice_ebnf(json.loads(source)))
     if kind == "grammar":
         return c.compile_grammar(source)
+    if kind == "after_reasoning":
+        return c.compile_structural_tag(after_reasoning_tag(json.loads(source)))
     return c.compile_structural_tag(tool_call_tag(json.loads(source)))
+
+
+def after_reasoning_tag(spec: dict[str, Any]) -> dict[str, Any]:
+    """The structural tag of an after_reasoning spec (GrammarSpec.after_reasoning): reasoning (any text
+    up to the end marker), a little whitespace, then the inner grammar."""
+    reasoning = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": spec["end"]}
+    space = {"type": "regex", "pattern": f"[ \\n]{{0,{_MAX_WHITESPACE_AFTER_REASONING}}}"}
+    elements = [reasoning, space, _inner_format(spec["kind"], spec["source"])]
+    return {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
+
+
+def _inner_format(kind: str, source: str) -> dict[str, Any]:
+    """A grammar of `kind` as a structural-tag format (what after_reasoning runs once reasoning ended)."""
+    if kind in ("json_schema", "json_object"):
+        schema = json.loads(source) if kind == "json_schema" else {"type": "object"}
+        return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": _MAX_WHITESPACE_IN_JSON}
+    if kind == "regex":
+        return {"type": "regex", "pattern": source}
+    if kind == "choice":
+        return {"type": "grammar", "grammar": choice_ebnf(json.loads(source))}
+    if kind == "grammar":
+        return {"type": "grammar", "grammar": source}
+    return tool_call_tag(json.loads(source))["format"]
 
 
 def choice_ebnf(options: list[str]) -> str:

@@ -9,7 +9,12 @@ the tool-call grammar, server/prompt/tool_parser.py); `max_tokens` is required, 
 stop strings, `metadata.user_id` is the request's `user`. The answer (server/api/messages_shapes.py)
 goes through the one response path (server/api/respond.py); errors take Anthropic's shape
 (server/http/errors.py), and `x-api-key` is a key as a bearer token is (server/http/auth.py).
-`thinking` is accepted and changes nothing (no reasoning output yet).
+With --reasoning-parser the model's reasoning comes back as a `thinking` block before the text
+(`thinking_delta` events, then a `signature_delta`, as Anthropic streams it; the signature is an opaque
+id, as vLLM makes one); `thinking: {"type": "disabled"}` turns thinking off in the chat template
+(`enable_thinking` false, as vLLM maps it), `enabled` / `adaptive` leave it on (`budget_tokens` is not
+enforced); `chat_template_kwargs` (vLLM's) reach the template. An assistant turn's `thinking` blocks go to
+the template as that turn's reasoning; `redacted_thinking` blocks are dropped.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ from server.api.tool_prompt import tool_chat_prompt
 from server.http.errors import ApiError
 from server.http.numbers import MAX_INT
 from server.ops.feedback import RecordKey
-from server.prompt.chat import ChatMessage
-from server.prompt.structured import with_grammar
+from server.prompt.chat import ChatMessage, with_reasoning_effort
+from server.prompt.reasoning import plan_reasoning
+from server.prompt.structured import behind_reasoning, with_grammar
 from server.prompt.tools import ToolFields
 from server.serving.dispatch import cache_scope, picked, request_owner
 from server.serving.gateway import GenerationRequest
@@ -56,6 +62,15 @@ class MessagesPrompt(BaseModel):
     system: str | list[Any] | None = None
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None  # {"type": "enabled" | "disabled" | "adaptive", "budget_tokens": N}
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: template variables (enable_thinking, ...)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables: `thinking` disabled is enable_thinking false (vLLM's mapping)."""
+        kind = (self.thinking or {}).get("type")
+        if self.thinking is not None and kind not in ("enabled", "disabled", "adaptive"):
+            raise _bad("thinking.type", f"must be enabled, disabled or adaptive, got {str(kind)[:40]!r}")
+        return with_reasoning_effort(self.chat_template_kwargs, "none" if kind == "disabled" else None)
 
     def chat_messages(self) -> list[ChatMessage]:
         """`system` and `messages` as chat messages. Raises ApiError 400 naming the field."""
@@ -80,7 +95,6 @@ class MessagesRequest(MessagesPrompt, SamplingFields):
     stop_sequences: list[str] | None = None
     stream: Bool = False
     metadata: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None  # accepted: no reasoning output yet
 
     def params(self) -> SamplingParams:
         """The engine's params; `stop_sequences` are its stop strings. Raises ApiError 400."""
@@ -152,14 +166,20 @@ def _turn(message: Any, field: str) -> list[ChatMessage]:
 
 
 def _assistant(content: list[Any], field: str) -> ChatMessage:
-    text, calls = [], []
+    text, calls, thought = [], [], []
     for j, block in enumerate(content):
         where = f"{field}.content.{j}"
-        if isinstance(block, dict) and block.get("type") == "tool_use":
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_use":
             calls.append(_tool_use(block, where))
-        else:
-            text.append(_block_text(block, where, "text, tool_use"))
-    return ChatMessage(role="assistant", content="".join(text) if text or not calls else None, tool_calls=calls or None)
+        elif kind == "thinking":
+            if not isinstance(block.get("thinking"), str):
+                raise _bad(f"{where}.thinking", "a thinking block needs `thinking`, a string")
+            thought.append(block["thinking"])
+        elif kind != "redacted_thinking":  # redacted: nothing a template could read
+            text.append(_block_text(block, where, "text, tool_use, thinking"))
+    return ChatMessage(role="assistant", content="".join(text) if text or not calls else None, tool_calls=calls or None,
+                       reasoning="".join(thought) if thought else None)  # fmt: skip
 
 
 def _block_text(block: Any, field: str, allowed: str) -> str:
@@ -245,15 +265,17 @@ CountCall = Annotated[Call[MessagesPrompt], generation(MessagesPrompt)]
 @router.post("/messages")
 async def messages(request: Request, call: MessagesCall) -> Response:
     rt, body = call.runtime, call.body
-    chat, fields, user = body.chat_messages(), body.tool_fields(), body.user()
+    chat, fields, user, kwargs = body.chat_messages(), body.tool_fields(), body.user(), body.template_kwargs()
     with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
         ids, tools = await tool_chat_prompt(dep, fields, chat, body.max_tokens, "messages", "max_tokens",
-                                            anthropic_names)  # fmt: skip
+                                            anthropic_names, kwargs)  # fmt: skip
+        reasoning, grammar = behind_reasoning(plan_reasoning(dep.reasoning_parser, kwargs, ids, dep.codec.decode),
+                                              tools.grammar)  # fmt: skip
         params = body.params()
-        if tools.grammar is not None:
-            params = with_grammar(params, await dep.grammars.compile(tools.grammar))
-        shape = MessageShape(lease.served_name(slot.name), tools, list(params.stop), dep.codec)
+        if grammar is not None:
+            params = with_grammar(params, await dep.grammars.compile(grammar))
+        shape = MessageShape(lease.served_name(slot.name), tools, list(params.stop), dep.codec, reasoning)
         req = GenerationRequest(shape.id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
                                 body.cache, cache_scope(rt, request, user), max_tokens_field="max_tokens",
                                 record=RecordKey(request_owner(rt, request, user), shape.id))  # fmt: skip
@@ -267,5 +289,5 @@ async def count_tokens(call: CountCall) -> dict[str, Any]:
     body = call.body
     dep = deployment(call.runtime, body.model)
     ids, _ = await tool_chat_prompt(dep, body.tool_fields(), body.chat_messages(), 1, "messages", "max_tokens",
-                                    anthropic_names)  # fmt: skip
+                                    anthropic_names, body.template_kwargs())  # fmt: skip
     return {"input_tokens": len(ids)}

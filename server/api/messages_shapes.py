@@ -7,7 +7,9 @@ written), `content_block_stop`; then `message_delta` (stop_reason, stop_sequence
 `message_stop`. A failure after the stream began is an `error` event. `stop_reason`: end_turn,
 max_tokens, stop_sequence (with the one that matched), tool_use; a deadline's `timeout` or an `abort`
 passes as it is. Usage: `input_tokens` (those not read from the prefix cache),
-`cache_read_input_tokens`, `output_tokens`.
+`cache_read_input_tokens`, `output_tokens` (reasoning included, as Anthropic counts it). With a reasoning
+parser the reasoning is a `thinking` block first (`thinking`, `signature`), streamed as `thinking_delta`s
+and one `signature_delta` before its `content_block_stop`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from server.api.respond import ChoiceEvents
 from server.http import json_limits, sse
 from server.http.errors import ANTHROPIC_TYPES
 from server.prompt.codec import PromptCodec
-from server.prompt.tool_parser import ParsedDelta, ToolCall, ToolParser
+from server.prompt.output_reader import OutputDelta, OutputReader
+from server.prompt.reasoning import ReasoningPlan
+from server.prompt.tool_parser import ToolCall, ToolParser
 from server.prompt.tools import ToolPlan
 from server.serving.handle import Completed, Handle
 from server.serving.ticket import Finished, Ticket, Tokens
@@ -35,23 +39,26 @@ class MessageShape:
     """The Message object and its stream events, for one request. With tools, the text goes through the
     tool-call parser: content becomes a text block, each call a tool_use block after it."""
 
-    def __init__(self, model: str, tools: ToolPlan, stops: list[str], codec: PromptCodec) -> None:
+    def __init__(self, model: str, tools: ToolPlan, stops: list[str], codec: PromptCodec,
+                 reasoning: ReasoningPlan | None = None) -> None:  # fmt: skip
         self.model = model
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.signature = uuid.uuid4().hex  # the thinking block's (opaque: nothing here verifies it)
         self._parser: ToolParser | None = tools.new_parser()
+        self._reader = OutputReader(reasoning, self._parser)  # reasoning, then text and calls
         self._stops = stops
         self._codec = codec
         self._tail: list[int] = []  # the last output tokens, where a stop string would be (streamed)
         self._open: str | None = None  # the open block's type
         self._index = -1  # the open (or last) block's index
+        self._texted = False  # a text block was opened
 
     # -- the two answers (server/api/respond.py Shape) ------------------------------------------------
     def body(self, handles: list[Handle], done: list[Completed]) -> dict[str, Any]:
-        text, calls = done[0].text, []
-        if self._parser is not None:
-            text = self._parser.feed(text).content + self._parser.finish().content
-            calls = self._parser.calls
-        blocks = [{"type": "text", "text": text}] if text or not calls else []
+        piece = self._reader.read_all(done[0].text, done[0].token_ids)
+        text, calls = piece.content, self._reader.calls
+        blocks = [self._thinking(piece.reasoning)] if piece.reasoning else []
+        blocks += [{"type": "text", "text": text}] if text or not calls else []
         blocks += [_tool_use(c, json_input(c.arguments)) for c in calls]
         reason, sequence = self._stop(done[0].finished.reason, calls, done[0].token_ids)
         return self.message(done[0].ticket, blocks, reason, sequence)
@@ -63,8 +70,7 @@ class MessageShape:
         async for _, event in events:
             if isinstance(event, Tokens):
                 self._tail = (self._tail + event.output.new_token_ids)[-self._tail_tokens() :]
-                delta = event.output.text_delta
-                pieces = self._parser.feed(delta) if self._parser is not None else ParsedDelta(delta)
+                pieces = self._reader.feed(event.output.text_delta)
                 for e in self._deltas(pieces):
                     yield e
             elif event.error is not None:
@@ -76,12 +82,9 @@ class MessageShape:
                     yield e
 
     def _end(self, ticket: Ticket, finished: Finished) -> list[ServerSentEvent]:
-        calls: list[ToolCall] = []
-        out = []
-        if self._parser is not None:
-            out += self._deltas(self._parser.finish())
-            calls = self._parser.calls
-        if self._index < 0 and not calls:  # no text at all: one empty text block, as the JSON answer has
+        out = self._deltas(self._reader.finish())
+        calls = self._reader.calls
+        if not self._texted and not calls:  # no text at all: one empty text block, as the JSON answer has
             out += self._start("text", {"type": "text", "text": ""})
         out += self._stop_block()
         reason, sequence = self._stop(finished.reason, calls, self._tail)
@@ -91,9 +94,16 @@ class MessageShape:
         out.append(self.event("message_stop"))
         return out
 
-    def _deltas(self, pieces: ParsedDelta) -> list[ServerSentEvent]:
+    def _deltas(self, piece: OutputDelta) -> list[ServerSentEvent]:
         out = []
+        if piece.reasoning:
+            if self._open != "thinking":
+                out += self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            out.append(self.event("content_block_delta", index=self._index,
+                                  delta={"type": "thinking_delta", "thinking": piece.reasoning}))  # fmt: skip
+        pieces = piece.parsed()
         if pieces.content:
+            self._texted = True
             if self._open != "text":
                 out += self._start("text", {"type": "text", "text": ""})
             out.append(self.event("content_block_delta", index=self._index,
@@ -114,8 +124,15 @@ class MessageShape:
     def _stop_block(self) -> list[ServerSentEvent]:
         if self._open is None:
             return []
+        out = []
+        if self._open == "thinking":  # Anthropic's: the signature closes a thinking block
+            out.append(self.event("content_block_delta", index=self._index,
+                                  delta={"type": "signature_delta", "signature": self.signature}))  # fmt: skip
         self._open = None
-        return [self.event("content_block_stop", index=self._index)]
+        return [*out, self.event("content_block_stop", index=self._index)]
+
+    def _thinking(self, text: str) -> dict[str, Any]:
+        return {"type": "thinking", "thinking": text, "signature": self.signature}
 
     def _tail_tokens(self) -> int:
         return _TOKENS_PER_CHAR * max((len(s) for s in self._stops), default=0) + 1

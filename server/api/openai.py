@@ -6,7 +6,8 @@ min_tokens, stop_token_ids, priority, timeout_s, first_token_timeout_s, cache (t
 (server/api/choices.py), answered through server/api/respond.py with the shapes of
 server/api/openai_shapes.py; `echo` returns the prompt, with its token log-probabilities when `logprobs` is set.
 Structured outputs (response_format, structured_outputs, guided_*) on both: server/prompt/structured.py; tools
-on chat: server/prompt/tools.py (each choice parses its own calls).
+on chat: server/prompt/tools.py (each choice parses its own calls); with --reasoning-parser, chat returns
+the reasoning apart (server/prompt/reasoning.py) and tools and grammars apply after it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from server.http.errors import ApiError
 from server.ops.feedback import RecordKey
 from server.prompt.chat import template_messages
 from server.prompt.codec import PromptCodec, check_prompt_bytes
-from server.prompt.structured import GrammarRequest, requested_grammar, with_grammar
+from server.prompt.reasoning import plan_reasoning
+from server.prompt.structured import GrammarRequest, behind_reasoning, requested_grammar, with_grammar
 from server.prompt.tools import plan_tools
 from server.serving.deployment import Lease
 from server.serving.dispatch import cache_scope, picked, request_owner
@@ -116,6 +118,8 @@ async def chat_completions(request: Request, call: ChatCall) -> Response:
         except Exception as exc:
             raise ApiError(400, "invalid_request", f"chat template failed: {exc}", param="messages") from None
         ids = _truncated(ids, body.truncate_prompt_tokens)
+        reasoning, grammar = behind_reasoning(plan_reasoning(dep.reasoning_parser, body.render_options(), ids,
+                                                             dep.codec.decode, body.include_reasoning), grammar)  # fmt: skip
         # Without a limit, a chat reply may fill the context (OpenAI's behaviour): the model's, or the KV
         # cache's when that is smaller (dep.max_model_len is the smaller of the two).
         max_tokens = asked if asked is not None else max(1, dep.max_model_len - len(ids))
@@ -123,7 +127,7 @@ async def chat_completions(request: Request, call: ChatCall) -> Response:
         params = await _constrained(rt, lease, body, [ids], body.sampling_params(max_tokens, logprobs,
                                     logit_bias=body.bias()), grammar, field)  # fmt: skip
         shape = ChatShape(lease, lease.served_name(slot.name), f"chatcmpl-{uuid.uuid4().hex}", body.choices_per_prompt,
-                          params.logprobs is not None, body.include_usage, tools.new_parser)  # fmt: skip
+                          params.logprobs is not None, body.include_usage, tools.new_parser, reasoning)  # fmt: skip
         handles = await _start(rt, request, body, [ids], params, shape.id, lease, field)
     return await respond(rt, request, handles, shape, bool(body.stream))
 

@@ -16,6 +16,8 @@ from sse_starlette import ServerSentEvent
 from engine.api import RequestOutput, TokenLogprob
 from server.api.respond import ChoiceEvents, json_text
 from server.http import sse
+from server.prompt.output_reader import OutputReader
+from server.prompt.reasoning import ReasoningPlan
 from server.prompt.tool_parser import ToolParser
 from server.prompt.tools import finish_reason, message_with_calls
 from server.serving.deployment import Lease
@@ -219,33 +221,51 @@ class CompletionShape(OpenAIShape):
 
 
 class ChatShape(OpenAIShape):
+    """Chat's answer; each choice read by an OutputReader (server/prompt/output_reader.py): with a
+    reasoning parser the reasoning goes out as `reasoning` (vLLM's field, in the message and in stream
+    deltas) and is counted in usage's `completion_tokens_details.reasoning_tokens`; with tools, calls are
+    parsed from the text after it."""
+
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
     def __init__(self, lease: Lease, model: str, request_id: str, n: int, want_logprobs: bool, include_usage: bool,
-                 new_parser: Callable[[], ToolParser | None] | None = None) -> None:  # fmt: skip
+                 new_parser: Callable[[], ToolParser | None] | None = None,
+                 reasoning: ReasoningPlan | None = None) -> None:  # fmt: skip
         super().__init__(lease, model, request_id, n, want_logprobs, include_usage)
         self._new_parser = new_parser  # a tool-call parser per choice (server/prompt/tool_parser.py)
-        self._parsers: dict[int, ToolParser | None] = {}  # choice -> its parser; None: plain text
+        self._reasoning = reasoning  # how each choice's reasoning is read; None: no reasoning parser
+        self._readers: dict[int, OutputReader] = {}  # choice -> its reader
 
-    def _tools(self, index: int) -> ToolParser | None:
-        if index not in self._parsers:
-            self._parsers[index] = self._new_parser() if self._new_parser is not None else None
-        return self._parsers[index]
+    def _reader(self, index: int) -> OutputReader:
+        if index not in self._readers:
+            tools = self._new_parser() if self._new_parser is not None else None
+            self._readers[index] = OutputReader(self._reasoning, tools)
+        return self._readers[index]
+
+    def _plain(self, reader: OutputReader) -> bool:
+        """The text is all content: nothing to parse."""
+        return self._new_parser is None and not reader.parses_reasoning
 
     def first_chunk(self, index: int) -> dict[str, Any] | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}  # fmt: skip
 
+    def _tokens_event(self, index: int, out: RequestOutput, extra: dict[str, Any]) -> ServerSentEvent | None:
+        self._reader(index).token_ids += out.new_token_ids  # counted for reasoning_tokens
+        return super()._tokens_event(index, out, extra)
+
     def delta(self, index: int, text: str, lps: list[TokenLogprob] | None, reason: str | None,
               prompt_lps: list[TokenLogprob | None] | None) -> dict[str, Any] | None:  # fmt: skip
-        tools = self._tools(index)
-        if tools is None:
+        reader = self._reader(index)
+        if self._plain(reader):
             delta = {"content": text} if reason is None else {}
-        else:  # content and tool-call pieces as the parser releases them
-            delta = (tools.feed(text) if reason is None else tools.finish()).openai()
+        else:  # reasoning, content and tool-call pieces as the parsers release them
+            piece = reader.feed(text) if reason is None else reader.finish()
+            delta = {"reasoning": piece.reasoning} if piece.reasoning else {}
+            delta.update(piece.parsed().openai())
             if reason is not None:
-                reason = finish_reason(reason, tools.calls)
+                reason = finish_reason(reason, reader.calls)
             elif not delta and lps is None:
                 return None
         return {"index": index, "delta": delta, "logprobs": self._logprobs(lps), "finish_reason": reason}
@@ -253,12 +273,22 @@ class ChatShape(OpenAIShape):
     def full_choice(self, index: int, done: Completed, want: bool) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": done.text}
         reason = done.finished.reason
-        tools = self._tools(index)
-        if tools is not None:
-            content = tools.feed(done.text).content + tools.finish().content
-            message, reason = message_with_calls(content, tools.calls), finish_reason(reason, tools.calls)
+        reader = self._reader(index)
+        if not self._plain(reader):
+            piece = reader.read_all(done.text, done.token_ids)
+            message, reason = message_with_calls(piece.content, reader.calls), finish_reason(reason, reader.calls)
+            if reader.parses_reasoning:  # vLLM's: null when there was none (or it is not returned)
+                message["reasoning"] = piece.reasoning or None
+                message["content"] = message["content"] or None
         return {"index": index, "message": message, "logprobs": self._logprobs(done.logprobs if want else None),
                 "finish_reason": reason}  # fmt: skip
+
+    def usage(self, tickets: list[Ticket]) -> dict[str, Any]:
+        usage = super().usage(tickets)
+        if self._reasoning is not None:
+            spent = sum(r.reasoning_tokens(self.codec.decode) for r in self._readers.values())
+            usage["completion_tokens_details"] = {"reasoning_tokens": spent}
+        return usage
 
     def _logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if lps is None:

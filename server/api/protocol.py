@@ -16,7 +16,7 @@ from server.config.lanes import Lane
 from server.http.errors import ApiError, validation_to_api_error
 from server.http.json_limits import check_depth
 from server.http.numbers import MAX_INT, MIN_INT, cut
-from server.prompt.chat import ChatMessage, render_options
+from server.prompt.chat import ChatMessage, render_options, with_reasoning_effort
 from server.prompt.structured import StructuredFields
 from server.prompt.tools import ToolFields
 
@@ -210,6 +210,8 @@ class ChatRequest(OpenAIFields, ToolFields):
     add_generation_prompt: Bool = True  # end the prompt with the assistant turn's opening
     continue_final_message: Bool = False  # the last message is left open for the model to continue
     chat_template_kwargs: dict[str, Any] | None = None  # template variables (enable_thinking, ...)
+    include_reasoning: Bool = True  # vLLM's: false drops the reasoning (and a grammar holds from the first token)
+    reasoning_effort: str | None = None  # passed to the template; "none" turns enable_thinking off (vLLM's rule)
     chat_template: str | None = None  # refused: templates come from the model or --chat-template
     echo: Bool | None = None  # vLLM's chat echo: refused
     functions: Any = None  # the legacy form of tools: refused
@@ -234,7 +236,8 @@ class ChatRequest(OpenAIFields, ToolFields):
             raise ApiError(400, "invalid_request", "documents are not supported", param="documents")
 
     def render_options(self) -> dict[str, Any]:
-        return render_options(self.add_generation_prompt, self.continue_final_message, self.chat_template_kwargs)
+        kwargs = with_reasoning_effort(self.chat_template_kwargs, self.reasoning_effort)
+        return render_options(self.add_generation_prompt, self.continue_final_message, kwargs)
 
 
 class TokenizeRequest(BaseModel):

@@ -1,5 +1,6 @@
 """POST /v1/responses: OpenAI's Responses API, not stored. `input` is a string or a list of items:
-messages, `function_call` (an earlier call of the model) and `function_call_output` (its result);
+messages, `function_call` (an earlier call of the model), `function_call_output` (its result) and
+`reasoning` (earlier reasoning, given to the assistant turn after it as its `reasoning`);
 `instructions` becomes a leading system message. The answer is an assistant message with one
 `output_text` part and/or `function_call` items, as JSON or as the API's typed stream events
 (response.created ... response.completed). Function tools come in the Responses shape (`{"type":
@@ -7,7 +8,10 @@ messages, `function_call` (an earlier call of the model) and `function_call_outp
 `parallel_tool_calls`, and go through the chat path's machinery (server/prompt/tools.py plan_tools, the
 tool-call grammar, server/prompt/tool_parser.py). Nothing is kept after the response:
 `previous_response_id` and `background` get 400, `store` is answered false. Structured `text.format`
-is not taken here (400 naming the field).
+is not taken here (400 naming the field). With --reasoning-parser the reasoning is a `reasoning` output
+item before the message (`content`: one `reasoning_text` part, `summary` empty), streamed as vLLM does
+(`response.reasoning_text.delta` / `.done`), counted in `output_tokens_details.reasoning_tokens`;
+`reasoning.effort` and `chat_template_kwargs` reach the chat template (effort "none" turns thinking off).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
@@ -32,9 +36,11 @@ from server.http import sse
 from server.http.errors import ApiError
 from server.http.numbers import MAX_INT
 from server.ops.feedback import RecordKey
-from server.prompt.chat import TEXT_PART_TYPES, ChatMessage, ContentPart
-from server.prompt.structured import with_grammar
-from server.prompt.tool_parser import ParsedDelta, ToolCall, ToolParser
+from server.prompt.chat import TEXT_PART_TYPES, ChatMessage, ContentPart, with_reasoning_effort
+from server.prompt.output_reader import OutputDelta, OutputReader
+from server.prompt.reasoning import ReasoningPlan, plan_reasoning
+from server.prompt.structured import behind_reasoning, with_grammar
+from server.prompt.tool_parser import ToolCall, ToolParser
 from server.prompt.tools import ToolFields, ToolPlan
 from server.serving.dispatch import cache_scope, picked, request_owner
 from server.serving.gateway import GenerationRequest
@@ -66,6 +72,14 @@ class ResponsesRequest(SamplingFields):
     metadata: dict[str, Any] | None = None
     user: str | None = None
     top_logprobs: Int | None = None
+    reasoning: dict[str, Any] | None = None  # {"effort": ..., "summary": ...}: the effort reaches the template
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: template variables (enable_thinking, ...)
+
+    def template_kwargs(self) -> dict[str, Any]:
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and not isinstance(effort, str):
+            raise ApiError(400, "invalid_request", "reasoning.effort must be a string", param="reasoning.effort")
+        return with_reasoning_effort(self.chat_template_kwargs, effort)
 
     def check(self) -> None:
         for name in ("previous_response_id", "background"):
@@ -87,8 +101,12 @@ class ResponsesRequest(SamplingFields):
         out = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         if isinstance(self.input, str):
             return [*out, ChatMessage(role="user", content=self.input)]
+        thought: str | None = None  # a reasoning item's text, for the assistant turn after it
         for i, item in enumerate(self.input):
             kind, field = item.get("type", "message"), f"input.{i}"
+            if kind == "reasoning":
+                thought = (thought or "") + _reasoning_text(item, field)
+                continue
             if kind == "function_call":
                 call = _history_call(item, field)
                 if out and out[-1].role == "assistant" and out[-1].tool_calls and not out[-1].content:
@@ -99,6 +117,8 @@ class ResponsesRequest(SamplingFields):
                 out.append(_tool_output(item, field))
             else:
                 out.append(_message(item, field))
+            if out[-1].role == "assistant" and thought is not None:
+                out[-1].reasoning, thought = thought, None
         return out
 
     def tool_fields(self) -> ToolFields:
@@ -148,6 +168,16 @@ def _history_call(item: dict[str, Any], field: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
+def _reasoning_text(item: dict[str, Any], field: str) -> str:
+    """An earlier reasoning item's text (its reasoning_text parts, else its summary's), which goes to the
+    assistant turn after it (templates that replay thinking read it)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise ApiError(400, "invalid_request", "a reasoning item's content and summary are lists of parts with "
+                       "`text`", param=f"{field}.content")  # fmt: skip
+    return "".join(p["text"] for p in parts)
+
+
 def _tool_output(item: dict[str, Any], field: str) -> ChatMessage:
     call_id = _required_text(item, "call_id", field)
     output = item.get("output")
@@ -171,7 +201,7 @@ def _required_text(item: dict[str, Any], key: str, field: str) -> str:
 def _message(item: dict[str, Any], field: str) -> ChatMessage:
     if item.get("type", "message") != "message":
         raise ApiError(400, "invalid_request", f"input item type {item.get('type')!r} is not supported (messages, "
-                       "function_call and function_call_output)", param=f"{field}.type")  # fmt: skip
+                       "function_call, function_call_output and reasoning)", param=f"{field}.type")  # fmt: skip
     role = item.get("role")
     if role not in _ROLES:
         raise ApiError(400, "invalid_request", f"role must be one of {', '.join(_ROLES)}", param=f"{field}.role")
@@ -202,13 +232,16 @@ async def responses(request: Request, call: ResponsesCall) -> Response:
     messages = body.messages()
     with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
+        kwargs = body.template_kwargs()
         ids, tools = await tool_chat_prompt(dep, body.tool_fields(), messages, body.max_output_tokens or 1, "input",
-                                            "max_output_tokens", lambda exc: responses_error(exc, body))  # fmt: skip
+                                            "max_output_tokens", lambda exc: responses_error(exc, body), kwargs)  # fmt: skip
+        reasoning, grammar = behind_reasoning(plan_reasoning(dep.reasoning_parser, kwargs, ids, dep.codec.decode),
+                                              tools.grammar)  # fmt: skip
         max_tokens = body.max_output_tokens or max(1, dep.max_model_len - len(ids))
         params = body.sampling_params(max_tokens, None)
-        if tools.grammar is not None:
-            params = with_grammar(params, await dep.grammars.compile(tools.grammar))
-        shape = ResponseShape(body, lease.served_name(slot.name), dep.version, tools)
+        if grammar is not None:
+            params = with_grammar(params, await dep.grammars.compile(grammar))
+        shape = ResponseShape(body, lease.served_name(slot.name), dep.version, tools, reasoning, dep.codec.decode)
         req = GenerationRequest(shape.id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
                                 body.cache, cache_scope(rt, request, body.user), max_tokens_field="max_output_tokens",
                                 record=RecordKey(request_owner(rt, request, body.user), shape.id))  # fmt: skip
@@ -221,7 +254,8 @@ class ResponseShape:
     the tool-call parser: content becomes the message item (only when there is some, or no call), each
     call a `function_call` item after it."""
 
-    def __init__(self, body: ResponsesRequest, model: str, version: str, tools: ToolPlan | None = None) -> None:
+    def __init__(self, body: ResponsesRequest, model: str, version: str, tools: ToolPlan | None = None,
+                 reasoning: ReasoningPlan | None = None, decode: Callable[[list[int]], str] | None = None) -> None:  # fmt: skip
         self.asked = body  # the request body
         self.model = model
         self.version = version
@@ -230,6 +264,11 @@ class ResponseShape:
         self.created = int(time.time())
         self._seq = 0
         self._parser: ToolParser | None = tools.new_parser() if tools is not None else None
+        self._reader = OutputReader(reasoning, self._parser)  # reasoning, then content and calls
+        self._decode = decode  # token ids -> text (counting reasoning tokens)
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
+        self._thought = ""  # the reasoning streamed so far
+        self._thinking = False  # the reasoning item is open in the stream
         self._text = ""  # the message's text streamed so far
         self._open = False  # the message item was added to the stream
         # output_index of each item in the order the stream opened them (the message, the calls)
@@ -239,11 +278,9 @@ class ResponseShape:
 
     # -- the two answers (server/api/respond.py Shape) ------------------------------------------------
     def body(self, handles: list[Handle], done: list[Completed]) -> dict[str, Any]:
-        text, calls = done[0].text, []
-        if self._parser is not None:
-            text = self._parser.feed(text).content + self._parser.finish().content
-            calls = self._parser.calls
-        return self.response(done[0].ticket, text, done[0].finished.reason, calls)
+        piece = self._reader.read_all(done[0].text, done[0].token_ids)
+        self._thought = piece.reasoning
+        return self.response(done[0].ticket, piece.content, done[0].finished.reason, self._reader.calls)
 
     async def stream(self, handles: list[Handle], events: ChoiceEvents) -> AsyncGenerator[ServerSentEvent, None]:
         """The Responses API's typed events: created, in_progress, the item and part opened, text deltas,
@@ -252,24 +289,23 @@ class ResponseShape:
         ticket = handles[0].ticket
         yield self.event("response.created", response=self.response(ticket, "", None))
         yield self.event("response.in_progress", response=self.response(ticket, "", None))
-        if self._parser is None:
+        if self._parser is None and not self._reader.parses_reasoning:
             for e in self._open_message():
                 yield e
         async for _, event in events:
-            if isinstance(event, Tokens) and event.output.text_delta:
-                delta = event.output.text_delta
-                pieces = self._parser.feed(delta) if self._parser is not None else ParsedDelta(delta)
+            if isinstance(event, Tokens):
+                pieces = self._reader.feed(event.output.text_delta, event.output.new_token_ids)
                 for e in self._stream_delta(pieces):
                     yield e
             elif isinstance(event, Finished) and event.error is not None:
                 yield self.event("error", code=event.error.kind, message=event.error.message, param=None)
                 return
             elif isinstance(event, Finished):
-                calls: list[ToolCall] = []
-                if self._parser is not None:
-                    for e in self._stream_delta(self._parser.finish()):
-                        yield e
-                    calls = self._parser.calls
+                for e in self._stream_delta(self._reader.finish()):
+                    yield e
+                calls = self._reader.calls
+                for e in self._close_reasoning():
+                    yield e
                 for e in self._close_calls(calls):
                     yield e
                 if not self._open and not calls:
@@ -296,8 +332,11 @@ class ResponseShape:
                 self.event("response.output_item.done", output_index=self._msg_index,
                            item=self.message(text, "completed"))]  # fmt: skip
 
-    def _stream_delta(self, pieces: ParsedDelta) -> list[ServerSentEvent]:
-        out = []
+    def _stream_delta(self, piece: OutputDelta) -> list[ServerSentEvent]:
+        out = self._reasoning_delta(piece.reasoning)
+        pieces = piece.parsed()
+        if pieces.content or pieces.calls:
+            out += self._close_reasoning()
         if pieces.content:
             if not self._open:
                 out += self._open_message()
@@ -312,6 +351,38 @@ class ResponseShape:
                 out.append(self.event("response.function_call_arguments.delta", item_id=_call_item_id(self, c.index),
                                       output_index=index, delta=c.arguments))  # fmt: skip
         return out
+
+    def _reasoning_delta(self, text: str) -> list[ServerSentEvent]:
+        """The reasoning item opened (first time) and its text delta."""
+        if not text:
+            return []
+        out = []
+        if not self._thinking:
+            self._thinking = True
+            out += [self.event("response.output_item.added", output_index=self._next_index,
+                               item=self.reasoning_item("", "in_progress")),
+                    self.event("response.content_part.added", **self.where_reasoning(),
+                               part={"type": "reasoning_text", "text": ""})]  # fmt: skip
+            self._next_index += 1
+        self._thought += text
+        return [*out, self.event("response.reasoning_text.delta", **self.where_reasoning(), delta=text)]
+
+    def _close_reasoning(self) -> list[ServerSentEvent]:
+        if not self._thinking:
+            return []
+        self._thinking = False
+        item = self.reasoning_item(self._thought, "completed")
+        return [self.event("response.reasoning_text.done", **self.where_reasoning(), text=self._thought),
+                self.event("response.content_part.done", **self.where_reasoning(), part=item["content"][0]),
+                self.event("response.output_item.done", output_index=0, item=item)]  # fmt: skip
+
+    def where_reasoning(self) -> dict[str, Any]:
+        return {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+
+    def reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        """The reasoning output item (vLLM's and OpenAI's shape: the text as one reasoning_text part)."""
+        content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+        return {"id": self.reasoning_id, "type": "reasoning", "summary": [], "content": content, "status": status}
 
     def _close_calls(self, calls: list[ToolCall]) -> list[ServerSentEvent]:
         out = []
@@ -340,10 +411,13 @@ class ResponseShape:
         if reason is not None and (text or not calls):  # in stream order: first, or after the calls it followed
             message = self.message(text, "completed" if status == "completed" else "incomplete")
             output.insert(sum(1 for i in self._call_indices.values() if i < self._msg_index), message)
+        if reason is not None and self._thought:
+            output.insert(0, self.reasoning_item(self._thought, "completed"))
         prompt = len(ticket.prompt_token_ids)
+        thought = self._reader.reasoning_tokens(self._decode) if reason is not None and self._decode else 0
         usage = None if reason is None else {
             "input_tokens": prompt, "input_tokens_details": {"cached_tokens": ticket.cached_tokens},
-            "output_tokens": ticket.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": ticket.completion_tokens, "output_tokens_details": {"reasoning_tokens": thought},
             "total_tokens": prompt + ticket.completion_tokens,
         }  # fmt: skip
         return {

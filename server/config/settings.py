@@ -173,6 +173,11 @@ class ServerSettings(BaseSettings):
                                                "and a large lane), so a compile past its timeout is killed")
     tool_call_parser: Literal["hermes"] = Field("hermes", description="how tool calls are read back from model "
                                                 "text (hermes: <tool_call>{json}</tool_call>)")
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        None, description="return a thinking model's <think>...</think> apart from its answer (vLLM's names; "
+        "server/prompt/reasoning.py): `reasoning` in chat, reasoning items in /v1/responses, thinking blocks in "
+        "/v1/messages; tools and structured outputs apply after it; none: the text is left as it is"
+    )  # fmt: skip
 
     # -- model versions, admin API, response cache, feedback (docs/OPERATIONS.md) --------------------------
     model_version: str | None = Field(None, description="version of --model; default: a fingerprint of its files")

@@ -3,7 +3,7 @@ under the same names (`--served-model-name`, `--max-model-len`, `--gpu-memory-ut
 `--max-num-seqs`, `--enable-prefix-caching`, `--chat-template`, `--api-key`, `--tokenizer`, `--dtype`,
 `--block-size`, `--max-num-batched-tokens`, `--seed`, `--enforce-eager`, `--host`, `--port`,
 `--speculative-config`, `--kv-events-config`, `--enable-lora`, `--lora-modules`, `--max-loras`,
-`--max-lora-rank`, `--max-cpu-loras`), and the
+`--max-lora-rank`, `--max-cpu-loras`, `--reasoning-parser`), and the
 model may be given as `tokenmill serve MODEL`. Any other flag ends the command before anything loads
 with one line naming every such flag (vLLM's known ones apart from unknown ones), exit code 2:
 argparse alone would stop at the first, and read a vLLM flag's value as the model path.
@@ -23,7 +23,7 @@ VLLM_ONLY = frozenset({
     "--distributed-executor-backend", "--quantization", "-q", "--kv-cache-dtype", "--swap-space",
     "--cpu-offload-gb", "--trust-remote-code", "--download-dir", "--load-format", "--revision",
     "--code-revision", "--tokenizer-revision", "--tokenizer-mode", "--num-speculative-tokens",
-    "--guided-decoding-backend", "--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser",
+    "--guided-decoding-backend", "--enable-auto-tool-choice", "--tool-call-parser",
     "--enable-chunked-prefill", "--no-enable-chunked-prefill", "--disable-log-requests", "--disable-log-stats",
     "--uvicorn-log-level", "--max-seq-len-to-capture", "--limit-mm-per-prompt", "--mm-processor-kwargs",
     "--override-generation-config", "--generation-config", "--hf-overrides", "--rope-scaling", "--rope-theta",

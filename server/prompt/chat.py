@@ -9,6 +9,8 @@
   concatenates strings would fail on None); `tool_calls` stay on the message, their `arguments` JSON
   decoded to an object as templates expect (`| tojson` would otherwise quote a string twice).
 - `tool` messages keep `tool_call_id`; `name` is passed on when given.
+- An assistant turn's `reasoning` (or `reasoning_content`, its older name) goes to the template under
+  both names, as vLLM passes it (templates that replay earlier thinking read `reasoning_content`).
 
 Render options: `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` (template
 variables) and the server's `--chat-template` become the keyword arguments of `apply_chat_template`.
@@ -49,6 +51,8 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[Any] | None = None  # an assistant turn's calls (server/prompt/tools.py renders them)
     tool_call_id: str | None = None  # a tool turn's answer to that call
+    reasoning: str | None = None  # an assistant turn's reasoning (vLLM's field; `reasoning_content` too)
+    reasoning_content: str | None = None
 
 
 def template_messages(messages: list[ChatMessage], content_format: str) -> list[dict[str, Any]]:
@@ -69,6 +73,9 @@ def _message(m: ChatMessage, i: int, content_format: str) -> dict[str, Any]:
             raise ApiError(400, "invalid_request", f"{field}.tool_calls: only assistant messages carry tool calls",
                            param=f"{field}.tool_calls")  # fmt: skip
         out["tool_calls"] = [_tool_call(c, f"{field}.tool_calls.{j}") for j, c in enumerate(m.tool_calls)]
+    thought = m.reasoning if m.reasoning is not None else m.reasoning_content
+    if thought is not None and m.role == "assistant":  # for templates that replay it (Qwen3's reads reasoning_content)
+        out["reasoning"] = out["reasoning_content"] = thought
     if m.role == "tool":
         if not m.tool_call_id:
             raise ApiError(400, "invalid_request", f"{field}.tool_call_id is required for role 'tool'",
@@ -137,3 +144,13 @@ def render_options(add_generation_prompt: bool, continue_final_message: bool,
     if continue_final_message:
         options["continue_final_message"] = True
     return options
+
+
+def with_reasoning_effort(template_kwargs: dict[str, Any] | None, effort: str | None) -> dict[str, Any]:
+    """The template kwargs with a request's reasoning effort, as vLLM passes it: the template sees
+    `reasoning_effort`, and `enable_thinking` follows it (false for "none") unless the kwargs set it."""
+    kwargs = dict(template_kwargs or {})
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+        kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs

@@ -31,6 +31,7 @@ from engine.structured.compile_workers import CompileQueueFull
 from engine.structured.spec import GrammarDeadEnd, GrammarError, GrammarSpec, GrammarTimeout, GrammarTooLarge
 from server.http import json_limits
 from server.http.errors import ApiError
+from server.prompt.reasoning import ReasoningPlan
 
 # structured_outputs keys that tune vLLM's backends; accepted and ignored (our JSON's whitespace is bounded).
 _IGNORED_OPTIONS = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties",
@@ -137,6 +138,20 @@ def _schema(value: Any, param: str) -> dict[str, Any]:
 
 def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, "invalid_request", f"{param} {message}", param=param)
+
+
+def behind_reasoning(plan: ReasoningPlan | None,
+                     asked: GrammarRequest | None) -> tuple[ReasoningPlan | None, GrammarRequest | None]:  # fmt: skip
+    """A request's reasoning plan and grammar under a reasoning parser: a grammar (structured output or
+    tool calls) applies to the text after the reasoning, so when the output starts in reasoning the
+    grammar is wrapped to let the reasoning run up to its end marker first (GrammarSpec.after_reasoning).
+    With `include_reasoning` false the grammar holds from the first token, as vLLM does, and the output
+    is then read as content."""
+    if plan is None or asked is None or not plan.thinking:
+        return plan, asked
+    if not plan.include:
+        return replace(plan, thinking=False), asked
+    return plan, GrammarRequest(GrammarSpec.after_reasoning(asked.spec, plan.fmt.end), asked.param)
 
 
 def with_grammar(params: SamplingParams, spec: GrammarSpec | None) -> SamplingParams:

@@ -98,6 +98,7 @@ class Deployment:
         self.codec = PromptCodec(engine.tokenizer, settings.chat_template_text())
         self.tool_template = probe_template(engine.tokenizer, settings.chat_template_text())  # what it renders of tools
         self.tool_parser = settings.tool_call_parser
+        self.reasoning_parser = settings.reasoning_parser  # server/prompt/reasoning.py; None: no reasoning parsing
         # Compiles through this engine's grammar compiler (thread-safe), off the loop and the worker.
         self.grammars = GrammarService(engine.grammar_compiler, settings.structured_compile_timeout_s,
                                        settings.structured_max_grammar_bytes,

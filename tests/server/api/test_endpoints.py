@@ -104,7 +104,7 @@ def test_responses_messages_and_stream(client, offline_engine, greedy):
 def test_responses_refuses_what_it_cannot_do(client):
     for extra, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
                          ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
-                         ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type")):
+                         ({"input": [{"type": "file_search_call", "id": "fs_1"}]}, "input.0.type")):
         body = {"model": MODEL, "input": "hi", **extra}
         with pytest.raises(openai.BadRequestError) as e:
             client.responses.create(**body)
