@@ -136,3 +136,24 @@ def test_the_prompt_and_the_template_kwargs_decide_where_the_output_starts():
     assert closed is not None and not closed.thinking and opened is not None and opened.thinking
     assert off is not None and not off.thinking
     assert plan_reasoning(None, None, ids, lambda _: "") is None
+
+
+def test_the_flag_takes_vllms_names_and_refuses_others():
+    import argparse
+
+    from pydantic import ValidationError
+
+    from server.config.flags import add_flags, parse_settings
+    from server.config.vllm_flags import flag_problems
+
+    assert parse_settings(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    assert parse_settings([]).reasoning_parser is None
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    assert flag_problems(parser, ["--reasoning-parser", "deepseek_r1"]) is None  # no longer a vLLM-only flag
+    with pytest.raises(SystemExit):
+        parse_settings(["--reasoning-parser", "granite"])  # argparse: not one of the choices
+    with pytest.raises(ValidationError):
+        from server.config.settings import ServerSettings
+
+        ServerSettings(reasoning_parser="granite")
