@@ -116,6 +116,7 @@ class Snapshot:
     worker_alive: bool
     memory: DeviceMemory | None = None  # process-wide: read from the first version only
     grammar_cache: tuple[int, int] | None = None  # compiled grammars cached: (entries, bytes); None: no backend
+    waiting_adapters: frozenset[str] = frozenset()  # LoRA adapters of requests admitted, not started (lanes too)
 
 
 @dataclass(frozen=True)
@@ -595,12 +596,17 @@ def router_families(versions: list[VersionSnapshot], now: float) -> Iterator[Met
     """The Gateway API Inference Extension's model-server protocol under vLLM's names, one series per
     `model_name` (the versions of one model summed: a router balances replicas, not versions).
     `vllm:lora_requests_info` names the LoRA adapters with requests running and waiting (comma-separated,
-    vLLM's labels; the versions' summed), and its value is the time, as vLLM's."""
+    vLLM's labels; the versions' summed; waiting includes requests still in a lane), and its value is the
+    time, as vLLM's. KV usage goes out under both names, `vllm:kv_cache_usage_perc` and the older
+    `vllm:gpu_cache_usage_perc`."""
     g = GaugeMetricFamily
     waiting = g("vllm:num_requests_waiting", "Requests admitted and not running (lanes + preempted).",
                 labels=["model_name"])  # fmt: skip
     running = g("vllm:num_requests_running", "Requests in the engine's running batch.", labels=["model_name"])
     usage = g("vllm:kv_cache_usage_perc", "Share of KV blocks held by requests (0-1).", labels=["model_name"])
+    # vLLM's name before v1 (0.10 dropped it), still read by production-stack's router and AIBrix
+    old_usage = g("vllm:gpu_cache_usage_perc", "Share of KV blocks held by requests (0-1); the same as "
+                  "vllm:kv_cache_usage_perc, under vLLM's older name.", labels=["model_name"])  # fmt: skip
     config = g("vllm:cache_config_info", "KV cache configuration (value 1).",
                labels=["model_name", "block_size", "num_gpu_blocks"])  # fmt: skip
     lora = g("vllm:lora_requests_info", "LoRA adapters with requests running and waiting; value: the time.",
@@ -613,13 +619,16 @@ def router_families(versions: list[VersionSnapshot], now: float) -> Iterator[Met
         waiting.add_metric([name], sum(waiting_total(v.snapshot) for v in group))
         running.add_metric([name], sum(st.running for st in stats))
         total = sum(st.kv_blocks_total for st in stats)
-        usage.add_metric([name], sum(st.kv_blocks_used for st in stats) / total if total else 0.0)
+        share = sum(st.kv_blocks_used for st in stats) / total if total else 0.0
+        usage.add_metric([name], share)
+        old_usage.add_metric([name], share)
         head = next((v for v in group if v.role == "promoted"), group[0]).snapshot.stats
         config.add_metric([name, str(head.block_size), str(head.kv_blocks_total)], 1)
         running_loras = sorted({a for st in stats for a in st.lora_running})
-        waiting_loras = sorted({a for st in stats for a in st.lora_waiting})
+        waiting_loras = sorted({a for st in stats for a in st.lora_waiting}
+                               | {a for v in group for a in v.snapshot.waiting_adapters})  # fmt: skip
         lora.add_metric([name, str(head.max_loras), ",".join(running_loras), ",".join(waiting_loras)], now)
-    yield from (waiting, running, usage, config, lora)
+    yield from (waiting, running, usage, old_usage, config, lora)
 
 
 _VLLM_COUNTERS = {  # vLLM's name -> (the EngineStats field, also tokenmill_<field>_total's; help)

@@ -249,6 +249,7 @@ class Deployment:
         info = ModelInfo(self.name, self.engine_desc["dtype"], self.engine_desc["device"], self.version,
                          self.max_model_len)  # fmt: skip
         snap = Snapshot(stats=self.worker.stats, lanes=self.worker.lane_load(), worker_alive=self.worker.alive,
+                        waiting_adapters=self.worker.waiting_adapters(),
                         memory=self.memory(), grammar_cache=self.grammars.cache_size())  # fmt: skip
         return VersionSnapshot(info, self.state.value, role, weight, snap, self.metrics.seconds_since_last_step())
 

@@ -230,6 +230,13 @@ class Worker:
         with self._lock:
             return {lane: (self._admission.depth(lane), self._admission.queued_tokens(lane)) for lane in Lane}
 
+    def waiting_adapters(self) -> frozenset[str]:
+        """The LoRA adapters of requests admitted and not started yet (in a lane or the engine's queue):
+        the engine sees only those it was handed, a router asks about every one waiting."""
+        with self._lock:
+            return frozenset(t.params.lora_name for t in self._tickets.values()
+                             if t.started_at is None and t.params.lora_name is not None)  # fmt: skip
+
     # -- worker thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:

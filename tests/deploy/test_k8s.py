@@ -107,3 +107,28 @@ def test_autoscaling_on_load_and_ttft():
         float(t["metadata"]["threshold"])
     behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert behavior["scaleDown"]["stabilizationWindowSeconds"] > behavior["scaleUp"]["stabilizationWindowSeconds"]
+
+
+# Labels routers find model servers by: AIBrix's gateway (vllm-project/aibrix pkg/constants/model.go) and
+# llm-d (its InferencePool selector and the EPP's engine-type, which picks vLLM's metric names).
+ROUTER_LABELS = {"model.aibrix.ai/name", "model.aibrix.ai/port", "model.aibrix.ai/metric-port", "model.aibrix.ai/engine",
+                 "llm-d.ai/inferenceServing", "llm-d.ai/model", "llm-d.ai/engine-type"}  # fmt: skip
+
+
+def test_pods_carry_the_labels_aibrix_and_llm_d_route_by():
+    deployment = doc("deployment.yaml")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert ROUTER_LABELS <= labels.keys()
+    env = {e["name"]: e.get("value") for e in container()["env"]}
+    served = env["TOKENMILL_SERVED_MODEL_NAME"]  # what clients send as `model`: both routers match on it
+    assert labels["model.aibrix.ai/name"] == labels["llm-d.ai/model"] == served
+    assert deployment["metadata"]["labels"]["model.aibrix.ai/name"] == served
+    port = str(container()["ports"][0]["containerPort"])
+    assert labels["model.aibrix.ai/port"] == labels["model.aibrix.ai/metric-port"] == port
+    assert deployment["metadata"]["labels"]["model.aibrix.ai/port"] == port
+    assert labels["llm-d.ai/inferenceServing"] == "true"
+    assert labels["model.aibrix.ai/engine"] == labels["llm-d.ai/engine-type"] == "vllm"  # vLLM's metric names
+    # the selector stays the app label alone (a Deployment's selector cannot change in place)
+    assert deployment["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "tokenmill"}
+    settings = ServerSettings(served_model_name=served)
+    assert settings.served_model_name == served

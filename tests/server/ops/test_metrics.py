@@ -132,6 +132,7 @@ FAMILIES = {
     "vllm:num_requests_waiting": "gauge",
     "vllm:num_requests_running": "gauge",
     "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:gpu_cache_usage_perc": "gauge",
     "vllm:cache_config_info": "gauge",
     "vllm:lora_requests_info": "gauge",
     "vllm:spec_decode_num_drafts": "counter",
