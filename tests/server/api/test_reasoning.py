@@ -200,6 +200,9 @@ def test_responses_have_a_reasoning_item(client):
     assert final.output[0].content[0].text == f"\n{THOUGHT}\n"
     off = client.responses.create(model="fake-model", input="SCRIPT:a</think>b", reasoning={"effort": "none"})
     assert [o.type for o in off.output] == ["message"] and off.output_text == "a</think>b"
+    kwargs = client.responses.create(model="fake-model", input="SCRIPT:a</think>b",
+                                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    assert kwargs.output_text == "a</think>b"
 
 
 def test_responses_take_reasoning_items_back(client):
@@ -231,6 +234,9 @@ def test_messages_thinking_disabled_and_history(claude):
     off = claude.messages.create(model="fake-model", max_tokens=50, messages=ask("a</think>b"),
                                  thinking={"type": "disabled"})  # fmt: skip
     assert [b.type for b in off.content] == ["text"] and off.content[0].text == "a</think>b"
+    kwargs = claude.messages.create(model="fake-model", max_tokens=50, messages=ask("a</think>b"),
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+    assert [b.type for b in kwargs.content] == ["text"] and kwargs.content[0].text == "a</think>b"
     turn = [{"type": "thinking", "thinking": "hm", "signature": "s"}, {"type": "redacted_thinking", "data": "x"},
             {"type": "text", "text": "4"}]  # fmt: skip
     convo = [*ask("ok"), {"role": "assistant", "content": turn}, *ask("ok")]
