@@ -65,9 +65,9 @@ class GrammarSpec:
       grammar: source is an EBNF (GBNF) grammar with a `root` rule
       tool_calls: source is JSON {"tools": [{"name", "parameters"}], "mode": auto|required|named,
         "parallel": bool}; see `tool_calls()`
-      after_reasoning: source is JSON {"end": marker, "kind", "source"}: any text up to the first `end`
-        (a thinking model's reasoning, which the server returns apart), then a little whitespace, then the
-        inner grammar; see `after_reasoning()`
+      after_reasoning: source is JSON {"end": marker, "excludes": [...], "kind", "source"}: any text
+        without the `excludes` up to the first `end` (a thinking model's reasoning, which the server returns
+        apart), then a little whitespace, then the inner grammar; see `after_reasoning()`
     """
 
     kind: str
@@ -113,13 +113,16 @@ class GrammarSpec:
         return GrammarSpec("tool_calls", _compact({"tools": listed, "mode": mode, "parallel": bool(parallel)}))
 
     @staticmethod
-    def after_reasoning(inner: GrammarSpec, end: str) -> GrammarSpec:
+    def after_reasoning(inner: GrammarSpec, end: str, excludes: tuple[str, ...] = ()) -> GrammarSpec:
         """`inner` applied only after the reasoning: free text until the first `end` marker (a start
         marker, if the model writes one, is part of that text), then `inner`. The model must close its
-        reasoning before it can answer (vLLM applies a request's grammar once reasoning ends, too)."""
-        if inner.kind == "after_reasoning" or not end:
+        reasoning before it can answer (vLLM applies a request's grammar once reasoning ends, too).
+        `excludes`: strings the reasoning may not contain (those a parser reads as ending it otherwise,
+        so that grammar and parser agree on where the reasoning ends)."""
+        if inner.kind == "after_reasoning" or not end or not all(excludes):
             raise GrammarError("after_reasoning wraps one plain grammar and needs the end marker")
-        return GrammarSpec("after_reasoning", _compact({"end": end, "kind": inner.kind, "source": inner.source}))
+        return GrammarSpec("after_reasoning", _compact({"end": end, "excludes": list(excludes), "kind": inner.kind,
+                                                        "source": inner.source}))  # fmt: skip
 
 
 def _compact(value: Any) -> str:

@@ -189,8 +189,11 @@ def build_grammar(c: xgr.GrammarCompiler, kind: str, source: str) -> xgr.Compile
 
 def after_reasoning_tag(spec: dict[str, Any]) -> dict[str, Any]:
     """The structural tag of an after_reasoning spec (GrammarSpec.after_reasoning): reasoning (any text
-    up to the end marker), a little whitespace, then the inner grammar."""
-    reasoning = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": spec["end"]}
+    without the excluded strings, up to the end marker), a little whitespace, then the inner grammar."""
+    text: dict[str, Any] = {"type": "any_text"}
+    if spec["excludes"]:
+        text["excludes"] = spec["excludes"]  # strings that would end the reasoning for the parser
+    reasoning = {"type": "tag", "begin": "", "content": text, "end": spec["end"]}
     space = {"type": "regex", "pattern": f"[ \\n]{{0,{_MAX_WHITESPACE_AFTER_REASONING}}}"}
     elements = [reasoning, space, _inner_format(spec["kind"], spec["source"])]
     return {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}

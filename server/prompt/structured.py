@@ -151,7 +151,8 @@ def behind_reasoning(plan: ReasoningPlan | None,
         return plan, asked
     if not plan.include:
         return replace(plan, thinking=False), asked
-    return plan, GrammarRequest(GrammarSpec.after_reasoning(asked.spec, plan.fmt.end), asked.param)
+    wrapped = GrammarSpec.after_reasoning(asked.spec, plan.fmt.end, plan.fmt.also_ends)  # qwen3: no <tool_call> inside
+    return plan, GrammarRequest(wrapped, asked.param)
 
 
 def with_grammar(params: SamplingParams, spec: GrammarSpec | None) -> SamplingParams:

@@ -54,11 +54,23 @@ def test_the_spec_is_keyed_by_its_inner_grammar_and_marker():
     assert a == GrammarSpec.after_reasoning(GrammarSpec.json_schema(PAIR), END)
     assert a != GrammarSpec.after_reasoning(GrammarSpec.json_schema(PAIR), "[/THINK]")
     assert a != GrammarSpec.after_reasoning(GrammarSpec("json_object", ""), END)
-    assert json.loads(a.source) == {"end": END, "kind": "json_schema", "source": GrammarSpec.json_schema(PAIR).source}
+    assert json.loads(a.source) == {"end": END, "excludes": [], "kind": "json_schema",
+                                    "source": GrammarSpec.json_schema(PAIR).source}  # fmt: skip
+    assert a != GrammarSpec.after_reasoning(GrammarSpec.json_schema(PAIR), END, ("<tool_call>",))
     with pytest.raises(GrammarError):
         GrammarSpec.after_reasoning(a, END)
     with pytest.raises(GrammarError):
         GrammarSpec.after_reasoning(GrammarSpec.json_schema(PAIR), "")
+
+
+def test_excluded_strings_cannot_appear_in_the_reasoning(engine):
+    """qwen3's parser ends the reasoning at a <tool_call>: its grammar keeps one out of the reasoning, so
+    both agree on where the reasoning ends; the call comes after </think>."""
+    calls = GrammarSpec.tool_calls([("f", PAIR)], "required", False)
+    grammar = engine.grammar_compiler.compile(GrammarSpec.after_reasoning(calls, END, ("<tool_call>",)))
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    assert _accepts(grammar, "<think>I call f, no <tool_ yet" + END + "\n\n" + call)
+    assert not _accepts(grammar, "<think>" + call + END + "\n\n" + call)
 
 
 def test_the_compile_workers_build_it_as_the_thread_does(engine):

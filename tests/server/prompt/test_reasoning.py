@@ -157,3 +157,23 @@ def test_the_flag_takes_vllms_names_and_refuses_others():
         from server.config.settings import ServerSettings
 
         ServerSettings(reasoning_parser="granite")
+
+
+def test_a_grammar_waits_for_the_reasoning_to_end():
+    import json
+
+    from engine.structured.spec import GrammarSpec
+    from server.prompt.structured import GrammarRequest, behind_reasoning
+
+    asked = GrammarRequest(GrammarSpec("json_object", ""), "response_format")
+    for fmt, excludes in ((R1, []), (QWEN3, ["<tool_call>"])):  # qwen3's parser ends at a call: kept out
+        plan, grammar = behind_reasoning(ReasoningPlan(fmt, True), asked)
+        assert plan == ReasoningPlan(fmt, True) and grammar is not None and grammar.param == "response_format"
+        assert grammar.spec.kind == "after_reasoning"
+        assert json.loads(grammar.spec.source) == {"end": "</think>", "excludes": excludes, "kind": "json_object",
+                                                   "source": ""}  # fmt: skip
+    assert behind_reasoning(ReasoningPlan(R1, False), asked) == (ReasoningPlan(R1, False), asked)  # thinking off
+    # include_reasoning false: vLLM's rule, the grammar from the first token, the output read as content
+    assert behind_reasoning(ReasoningPlan(R1, True, include=False), asked) == (ReasoningPlan(R1, False, False), asked)
+    assert behind_reasoning(None, asked) == (None, asked)
+    assert behind_reasoning(ReasoningPlan(R1, True), None) == (ReasoningPlan(R1, True), None)
