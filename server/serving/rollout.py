@@ -233,6 +233,8 @@ class Rollout:
         old = slot.versions[slot.promoted]
         slot.set_canary(None, 0)
         slot.promoted, slot.previous = version, old.version
+        if slot.spec is not None:  # a models folder's model: what loads on demand is the promoted version
+            slot.spec = dep.spec
         self._retire(slot, old, self._settings.keep_previous_s if keep_previous_s is None else keep_previous_s)
         self._on_switch(name, None)
         dep.metrics.observe_event("promoted")
@@ -259,6 +261,8 @@ class Rollout:
             previous.state = VersionState.READY
             current = slot.versions[slot.promoted]
             slot.promoted, slot.previous = previous.version, None
+            if slot.spec is not None:
+                slot.spec = previous.spec
             self._retire(slot, current, 0.0)
             current.metrics.observe_event("rolled_back")
         self._on_switch(name, None)

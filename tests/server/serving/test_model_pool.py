@@ -1,7 +1,8 @@
 """Loading on demand (server/serving/pool.py) on fake engines, where a test holds a load or a request at
 will: concurrent first requests share one load and requests to a loaded model do not wait for it;
 `models_max` never unloads a model with a request in flight (the load waits `models_load_wait_s`, then
-503 + Retry-After); a model that would not fit in memory is a 503 naming what it needs, before any load.
+503 + Retry-After); a model that would not fit in memory is a 503 naming what it needs, before any load;
+a name still carries versions (admin load + promote), and the promoted one is what loads again.
 The end-to-end run on real models is test_models_dir_e2e.py."""
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ class GatedLoader:
     def __call__(self, spec: Any, kv_bytes: int | None) -> VersionedFakeEngine:
         self.loads[spec.name] += 1
         assert self.gates[spec.name].wait(60)
-        engine = VersionedFakeEngine(NAMES.index(spec.name) + 1)
+        engine = VersionedFakeEngine(NAMES.index(spec.name) + 1 + (10 if spec.version == "v2" else 0))
         self.engines[spec.name] = engine
         return engine
 
 
 def models_dir(tmp_path: Path) -> str:
+    tmp_path.mkdir(exist_ok=True)
     for name in NAMES:
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text("{}")
@@ -112,3 +114,27 @@ def test_a_model_that_does_not_fit_is_a_503_before_any_load(tmp_path):
         assert loader.loads["c"] == 0 and states(srv.url)["c"] == "unloaded"
         missing = send(srv.url, "d")
         assert missing.status_code == 404 and "['a', 'b', 'c']" in missing.json()["error"]["message"]
+
+
+def test_a_promoted_version_is_what_loads_again(tmp_path):
+    loader = GatedLoader()
+    (tmp_path / "a-v2").mkdir()
+    settings = make_settings(models_dir=models_dir(tmp_path / "dir"), models_max=1, kv_cache_memory=1 << 20,
+                             admin_api_keys="adm")  # fmt: skip
+    admin = {"Authorization": "Bearer adm"}
+    with run_server(settings, None, loader=loader) as srv:
+        first = send(srv.url, "a")
+        assert first.status_code == 200
+        r = httpx.post(f"{srv.url}/admin/models/a/versions", json={"version": "v2", "path": str(tmp_path / "a-v2")},
+                       headers=admin, timeout=60)  # fmt: skip
+        assert r.status_code == 201, r.text
+        r = httpx.post(f"{srv.url}/admin/models/a/versions/v2/promote", headers=admin, timeout=60)
+        assert r.status_code == 200, r.text
+        v2 = send(srv.url, "a")
+        assert v2.headers["X-Model-Version"] == "v2" and v2.json()["choices"][0]["text"] != first.json()["choices"][0]["text"]
+        wait_until(lambda: list(srv.runtime.models.slots["a"].versions) == ["v2"], what="v1 retired")
+        assert send(srv.url, "b").status_code == 200  # models_max 1: a unloads
+        assert states(srv.url)["a"] == "unloaded"
+        again = send(srv.url, "a")  # loads a again: its promoted version, v2
+        assert again.status_code == 200 and again.headers["X-Model-Version"] == "v2"
+        assert again.json()["choices"][0]["text"] == v2.json()["choices"][0]["text"]
