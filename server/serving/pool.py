@@ -83,11 +83,12 @@ class ModelPool:
         while not slot.serves(pinned):
             task = self._tasks.get(slot.name)
             if task is None:
-                if pinned is not None and pinned != slot.promoted and pinned not in slot.versions:
-                    return  # a version this name does not load on demand: pick() answers 404
+                wanted = pinned or slot.promoted
+                if wanted != slot.promoted or wanted in slot.versions or wanted in slot.loading:
+                    # another version (404), or loaded and not taking requests (still warming up, a dead
+                    # worker, an admin load in progress: 503): pick() says which
+                    return
                 self._check_recent_failure(slot)
-                if slot.versions:  # loaded but not taking requests (a version still warming up, a dead worker)
-                    return  # pick() answers 503
                 task = self._start(slot, "load", self._load(slot))
             await asyncio.shield(task)  # the load goes on when this request is cancelled (client gone)
 

@@ -230,15 +230,18 @@ class Rollout:
         dep = self._ready(slot, version)
         if version == slot.promoted:
             raise ApiError(409, "conflict", f"{dep.spec.ref} is already promoted")
-        old = slot.versions[slot.promoted]
+        old = slot.versions.get(slot.promoted)  # None: a models folder's model whose promoted version is unloaded
+        was = f"{name}@{slot.promoted}"
         slot.set_canary(None, 0)
-        slot.promoted, slot.previous = version, old.version
+        slot.promoted, slot.previous = version, old.version if old is not None else None
         if slot.spec is not None:  # a models folder's model: what loads on demand is the promoted version
             slot.spec = dep.spec
-        self._retire(slot, old, self._settings.keep_previous_s if keep_previous_s is None else keep_previous_s)
+        if old is not None:
+            self._retire(slot, old, self._settings.keep_previous_s if keep_previous_s is None else keep_previous_s)
+        del old
         self._on_switch(name, None)
         dep.metrics.observe_event("promoted")
-        log.info("promoted %s (was %s)", dep.spec.ref, old.spec.ref)
+        log.info("promoted %s (was %s)", dep.spec.ref, was)
         return slot
 
     def rollback(self, name: str) -> ModelSlot:

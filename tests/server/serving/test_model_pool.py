@@ -135,6 +135,19 @@ def test_a_promoted_version_is_what_loads_again(tmp_path):
         wait_until(lambda: list(srv.runtime.models.slots["a"].versions) == ["v2"], what="v1 retired")
         assert send(srv.url, "b").status_code == 200  # models_max 1: a unloads
         assert states(srv.url)["a"] == "unloaded"
+        # An admin load beside the unloaded promoted version: requests still load (and get) the promoted one.
+        r = httpx.post(f"{srv.url}/admin/models/a/versions", json={"version": "v3", "path": str(tmp_path / "a-v2")},
+                       headers=admin, timeout=60)  # fmt: skip
+        assert r.status_code == 201, r.text
         again = send(srv.url, "a")  # loads a again: its promoted version, v2
         assert again.status_code == 200 and again.headers["X-Model-Version"] == "v2"
         assert again.json()["choices"][0]["text"] == v2.json()["choices"][0]["text"]
+        # Promote while the promoted version is unloaded: the candidate simply takes over.
+        assert send(srv.url, "b").status_code == 200  # a (v2 and v3) unloads
+        r = httpx.post(f"{srv.url}/admin/models/a/versions", json={"version": "v4", "path": str(tmp_path / "a-v2")},
+                       headers=admin, timeout=60)  # fmt: skip
+        assert r.status_code == 201 and "v2" not in srv.runtime.models.slots["a"].versions, r.text
+        r = httpx.post(f"{srv.url}/admin/models/a/versions/v4/promote", headers=admin, timeout=60)
+        assert r.status_code == 200, r.text
+        v4 = send(srv.url, "a")
+        assert v4.status_code == 200 and v4.headers["X-Model-Version"] == "v4"
