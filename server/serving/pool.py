@@ -169,6 +169,8 @@ class ModelPool:
         await self._start(slot, "unload", self._unload_now(slot, reason))
 
     async def _unload_now(self, slot: ModelSlot, reason: str) -> None:
+        if not slot.idle():  # a request took it between the choice and this task's first step: keep it
+            return
         log.info("unloading %s (%s)", slot.name, reason)
         await self._rollout.unload_now(slot)
         self.unloads[reason] = self.unloads.get(reason, 0) + 1
