@@ -34,11 +34,11 @@ from server.http.errors import InternalErrorMiddleware, install_error_handlers
 from server.ops.connection_metrics import ConnectionCollector
 from server.ops.feedback import FeedbackStore
 from server.ops.kv_events_metrics import KVEventsCollector
-from server.serving.loading import VersionLoader, build_engine, initial_versions, load_version, open_kv_events
+from server.serving import loading
 from server.serving.runtime import Runtime
 
 
-def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoader | None = None,
+def create_app(settings: ServerSettings, engine: Any = None, loader: loading.VersionLoader | None = None,
                kv_events: KVEventSink | None = None) -> FastAPI:  # fmt: skip
     """The server app. `engine`: an already-built engine (tests inject one) for the single model; None
     loads `settings.models` / `models_dir`, else `settings.model` (else the default model, else the demo
@@ -51,13 +51,14 @@ def create_app(settings: ServerSettings, engine: Any = None, loader: VersionLoad
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        events = kv_events if kv_events is not None else open_kv_events(settings)  # before any engine loads
-        load = loader or functools.partial(load_version, settings, kv_events=events)
-        build = functools.partial(build_engine, kv_events=events)
+        events = kv_events if kv_events is not None else loading.open_kv_events(settings)  # before any engine loads
+        load = loader or functools.partial(loading.load_version, settings, kv_events=events)
+        build = functools.partial(loading.build_engine, kv_events=events)
         try:
-            initial = await initial_versions(settings, engine, load, build)
+            initial = await loading.initial_versions(settings, engine, load, build)
+            served = await loading.catalog(settings) if loading.on_demand(settings, engine) else None
             feedback = await asyncio.to_thread(FeedbackStore.open, settings.feedback_db) if settings.feedback_db else None
-            runtime = Runtime(settings, initial, load, feedback)
+            runtime = Runtime(settings, initial, load, feedback, served)
             del initial  # the workers own the engines: nothing else may keep one alive once its version unloads
             app.state.runtime = runtime
             guard = getattr(app.state, "connection_guard", None)  # set by GuardedServer

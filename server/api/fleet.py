@@ -84,7 +84,7 @@ async def render_completion(request: Request) -> list[dict[str, Any]]:
     """One GenerateRequest per prompt (vLLM returns a list here)."""
     rt = _runtime(request)
     body = await parse_body(request, CompletionRequest)
-    dep = deployment(rt, body.model)
+    dep = await deployment(rt, body.model)
     max_tokens = next((m for m in (body.max_tokens, body.max_completion_tokens) if m is not None),
                       COMPLETION_DEFAULT_MAX_TOKENS)  # fmt: skip
     prompts = await _completion_prompts(dep.codec, dep.max_model_len, body.prompt, max(max_tokens, 1),
@@ -97,7 +97,7 @@ async def render_chat(request: Request) -> dict[str, Any]:
     rt = _runtime(request)
     body = await parse_body(request, ChatRequest)
     body.check_chat_fields()
-    dep = deployment(rt, body.model)
+    dep = await deployment(rt, body.model)
     tools = plan_tools(body, body.messages, template_messages(body.messages, dep.codec.content_format),
                        dep.tool_template, dep.tool_parser, dep.grammars.compiler is not None)  # fmt: skip
     try:

@@ -44,7 +44,7 @@ async def generate(request: Request) -> Response:
     body = await _native_or_tgi(request)
     if isinstance(body, TGIRequest):
         return await tgi_generate(request, Call(rt, body))
-    with picked(rt, body.model) as (_, lease):
+    async with picked(rt, body.model) as (_, lease):
         dep = lease.deployment
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
         ids = await _prompt_ids(dep.codec, dep.max_model_len, body, max_tokens)

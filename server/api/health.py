@@ -21,6 +21,8 @@ def readiness(rt: Runtime) -> tuple[int, dict[str, Any]]:
     """(HTTP status, body) of GET /health."""
     status, reason = rt.readiness.status()
     now = time.monotonic()
+    if rt.models.primary_or_none() is None:  # models load on demand (models_dir) and none is loaded now
+        return _nothing_loaded(rt, status, reason, now)
     stats = rt.worker.stats
     load = rt.worker.lane_load()
     last_step = rt.worker.last_step_at
@@ -47,7 +49,18 @@ def readiness(rt: Runtime) -> tuple[int, dict[str, Any]]:
     return (200 if status is Status.OK else 503), body
 
 
+def _nothing_loaded(rt: Runtime, status: Status, reason: str | None, now: float) -> tuple[int, dict[str, Any]]:
+    """/health while no model is loaded: ready (a request loads its model), nothing running."""
+    body: dict[str, Any] = {"status": status.value, "model": rt.model_name, "version": None, "models": [],
+                            "uptime_s": round(now - rt.started_at, 3), "running": 0,
+                            "waiting": {lane.label: 0 for lane in Lane}, "engine_waiting": 0, "in_flight": 0,
+                            "worker_alive": True}  # fmt: skip
+    if reason:
+        body["reason"] = reason
+    return (200 if status is Status.OK else 503), body
+
+
 def liveness(rt: Runtime) -> tuple[int, dict[str, Any]]:
     """(HTTP status, body) of GET /health/live."""
-    alive = rt.worker.alive
+    alive = all(dep.worker.alive for dep in rt.models.promoted())
     return (200 if alive else 503), {"status": "alive" if alive else "dead", "worker_alive": alive}

@@ -266,7 +266,7 @@ CountCall = Annotated[Call[MessagesPrompt], generation(MessagesPrompt)]
 async def messages(request: Request, call: MessagesCall) -> Response:
     rt, body = call.runtime, call.body
     chat, fields, user, kwargs = body.chat_messages(), body.tool_fields(), body.user(), body.template_kwargs()
-    with picked(rt, body.model) as (slot, lease):
+    async with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
         ids, tools = await tool_chat_prompt(dep, fields, chat, body.max_tokens, "messages", "max_tokens",
                                             anthropic_names, kwargs)  # fmt: skip
@@ -287,7 +287,7 @@ async def messages(request: Request, call: MessagesCall) -> Response:
 async def count_tokens(call: CountCall) -> dict[str, Any]:
     """The prompt's tokens as /v1/messages would run it (system, messages, tools), without running it."""
     body = call.body
-    dep = deployment(call.runtime, body.model)
+    dep = await deployment(call.runtime, body.model)
     ids, _ = await tool_chat_prompt(dep, body.tool_fields(), body.chat_messages(), 1, "messages", "max_tokens",
                                     anthropic_names, body.template_kwargs())  # fmt: skip
     return {"input_tokens": len(ids)}

@@ -74,7 +74,7 @@ async def completions(request: Request, call: CompletionCall) -> Response:
     if max_tokens == 0 and not body.echo:
         raise ApiError(400, "invalid_request", "max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
     asked = requested_grammar(body)
-    with picked(rt, body.model) as (slot, lease):
+    async with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
         if asked is not None:
             dep.grammars.check(asked)  # its size: before the prompt is even tokenized
@@ -99,7 +99,7 @@ async def chat_completions(request: Request, call: ChatCall) -> Response:
     body.check_unsupported()
     body.check_chat_fields()
     output = requested_grammar(body)
-    with picked(rt, body.model) as (slot, lease):
+    async with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
         tools = plan_tools(body, body.messages, template_messages(body.messages, dep.codec.content_format),
                            dep.tool_template, dep.tool_parser, dep.grammars.compiler is not None)  # fmt: skip

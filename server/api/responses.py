@@ -230,7 +230,7 @@ async def responses(request: Request, call: ResponsesCall) -> Response:
     rt, body = call.runtime, call.body
     body.check()
     messages = body.messages()
-    with picked(rt, body.model) as (slot, lease):
+    async with picked(rt, body.model) as (slot, lease):
         dep = lease.deployment
         kwargs = body.template_kwargs()
         ids, tools = await tool_chat_prompt(dep, body.tool_fields(), messages, body.max_output_tokens or 1, "input",

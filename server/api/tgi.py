@@ -114,7 +114,7 @@ TGICall = Annotated[Call[TGIRequest], generation(TGIRequest)]
 async def info(request: Request) -> dict[str, Any]:
     """TGI's `Info` for the default model (TGI serves one): what we know, and TGI's names for it."""
     rt = request.app.state.runtime
-    dep = deployment(rt, None)
+    dep = await deployment(rt, None)
     s = rt.settings
     longest_input = max(dep.max_model_len - 1, 0)  # room for one new token
     return {
@@ -151,7 +151,7 @@ async def _generate(request: Request, call: Call[TGIRequest], stream: bool | Non
     p = body.parameters
     p.check()
     params = p.sampling_params()
-    with picked(rt, None) as (_, lease):
+    async with picked(rt, None) as (_, lease):
         dep = lease.deployment
         check_prompt_bytes(dep.codec, [body.inputs], params.max_tokens, dep.max_model_len, "inputs",
                            max_tokens_field="parameters.max_new_tokens")  # fmt: skip

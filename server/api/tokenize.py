@@ -19,9 +19,10 @@ router = APIRouter()
 _TOKEN_FIELDS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
-def deployment(rt: Runtime, model: str | None) -> Deployment:
-    """The version `model` names, without routing a request to it (no lease, no canary share)."""
-    slot, pinned = rt.models.resolve(model)
+async def deployment(rt: Runtime, model: str | None) -> Deployment:
+    """The version `model` names, without routing a request to it (no lease, no canary share); a models
+    folder's model loads first."""
+    slot, pinned, _ = await rt.loaded(model)
     dep = slot.versions.get(pinned or slot.promoted)
     if dep is None:
         raise ApiError(404, "model_not_found", f"model {model} is not served (see /v1/models)", param="model")
@@ -32,7 +33,7 @@ def deployment(rt: Runtime, model: str | None) -> Deployment:
 async def tokenize(request: Request) -> dict[str, Any]:
     rt: Runtime = request.app.state.runtime
     body = await parse_body(request, TokenizeRequest)
-    dep = deployment(rt, body.model)
+    dep = await deployment(rt, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "invalid_request", "give exactly one of prompt or messages", param="prompt")
     if body.prompt is not None:
@@ -51,7 +52,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
 async def detokenize(request: Request) -> dict[str, Any]:
     rt: Runtime = request.app.state.runtime
     body = await parse_body(request, DetokenizeRequest)
-    dep = deployment(rt, body.model)
+    dep = await deployment(rt, body.model)
     vocab = len(dep.codec.tokenizer)
     bad = next((t for t in body.tokens if t >= vocab), None)
     if bad is not None:
@@ -63,7 +64,7 @@ async def detokenize(request: Request) -> dict[str, Any]:
 async def tokenizer_info(request: Request, model: str | None = None) -> dict[str, Any]:
     """What a client needs to tokenize as the server does (lm-eval's remote tokenizer reads it)."""
     rt: Runtime = request.app.state.runtime
-    dep = deployment(rt, model)
+    dep = await deployment(rt, model)
     tok = dep.codec.tokenizer
     info: dict[str, Any] = {"tokenizer_class": type(tok).__name__, "model_max_length": dep.max_model_len,
                             "vocab_size": len(tok), "chat_template": dep.codec.chat_template,

@@ -11,11 +11,15 @@ from typing import Any, Literal
 from server.config.settings import ServerSettings
 from server.config.vllm_flags import VLLM_DTYPES
 
+# Other spellings of a flag (llama.cpp's), accepted beside the generated one.
+FLAG_ALIASES = {"models_idle_unload_s": ("--sleep-idle-seconds",)}
+
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """One `--kebab-case` flag per settings field. A flag not given leaves the lower sources in force."""
     for name, info in ServerSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
+        flags = (flag, *FLAG_ALIASES.get(name, ()))
         default = info.get_default(call_default_factory=True)
         shown = "none" if default is None else (",".join(default) if isinstance(default, list) else default)
         help_text = f"{info.description or name} (default: {shown})"
@@ -29,7 +33,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, nargs="+", metavar="NAME=PATH",
                                 help=help_text)
         else:
-            parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, choices=choices,
+            parser.add_argument(*flags, dest=name, default=argparse.SUPPRESS, choices=choices,
                                 metavar=None if choices else name.upper(), help=help_text)
 
 

@@ -186,9 +186,17 @@ class ServerSettings(BaseSettings):
         "(YAML: a list of {name, version, path}); the first is the default model"
     )  # fmt: skip
     models_dir: str | None = Field(
-        None, description="folder of NAME/VERSION/ model folders: admin loads resolve there; without model or "
-        "models, the one version of each name there serves"
+        None, description="folder of models (NAME.gguf, NAME/ model folders, NAME/VERSION/ folders): without "
+        "model, each serves by name, loaded on its first request; admin loads resolve there (llama.cpp: --models-dir)"
     )  # fmt: skip
+    models_max: int = Field(4, ge=0, description="most models of models_dir loaded at once; loading one more "
+                            "unloads the least recently used idle one; 0: no limit (llama.cpp: --models-max)")
+    models_idle_unload_s: float | None = Field(
+        None, gt=0, description="unload a models_dir model after this many seconds without requests; none: never "
+        "(llama.cpp: --sleep-idle-seconds)"
+    )  # fmt: skip
+    models_load_wait_s: float = Field(60.0, gt=0, description="a request for an unloaded model waits this long for "
+                                      "a loaded one to go idle when models_max are loaded and busy, then 503")
     admin_api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="keys of the admin API (/admin/*), comma-separated; none: admin API off"
     )

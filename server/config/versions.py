@@ -1,9 +1,13 @@
 """Model versions as the settings name them: `ModelSpec` (`name@version` and where its weights are), the
-`models:` entries of the settings, the `MODELS_DIR/name/version/` folder layout, and the content
+`models:` entries of the settings, the models folder (`models_dir`) and its two layouts, and the content
 fingerprint that versions a bare `--model PATH`. Plain Python: nothing here loads a model.
 
-Every served model has an explicit version. Nothing is picked as "latest": a folder layout with two
-versions of one name at startup is an error until `models:` says which one serves.
+A models folder holds, per name, either llama.cpp's flat layout (`DIR/NAME.gguf`, or `DIR/NAME/` a model
+folder: config.json or weight files in it) or tokenmill's versions layout (`DIR/NAME/VERSION/`). A flat
+entry is a model with one version, its content fingerprint (as a bare `--model PATH`).
+
+Every served model has an explicit version. Nothing is picked as "latest": a name with two version
+folders is an error until `models:` says which one serves.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][\w.\-/:]{0,127}$")
 VERSION_RE = re.compile(r"^[A-Za-z0-9][\w.\-+]{0,63}$")
 _FINGERPRINT_EDGE = 1 << 20  # bytes read from each end of a weights file (hashing GBs would take minutes)
 _SMALL_FILE = 1 << 20  # files up to this size are hashed whole (configs, tokenizer)
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")  # files that make a folder a model folder
 
 
 @dataclass(frozen=True)
@@ -87,14 +92,20 @@ def parse_entries(value: Any) -> Any:
 
 
 def startup_specs(entries: list[ModelEntry], models_dir: str | None) -> list[ModelSpec]:
-    """The versions to load at startup, one per name, in order (the first is the default model).
-    Empty when neither `models` nor `models_dir` is set: then `--model` (or the demo model) serves.
-    Raises ValueError naming the setting at fault."""
-    if entries:
-        return _specs_from_entries(entries, models_dir)
-    if models_dir:
-        return _specs_from_folder(Path(models_dir))
-    return []
+    """The versions to load at startup: the `models` entries, one per name, in order (the first is the
+    default model; `models_dir` resolves their paths). Empty without entries: then `--model` (or the demo
+    model) serves, or the models folder's models load on demand (`catalog_specs`). Raises ValueError
+    naming the setting at fault."""
+    return _specs_from_entries(entries, models_dir) if entries else []
+
+
+def catalog_specs(entries: list[ModelEntry], models_dir: str) -> list[tuple[ModelSpec, set[str]]]:
+    """Every model a models folder serves by name, loaded on demand, each with the other names clients
+    may use for it (`NAME.gguf`): the `models` entries first (they say which version of a name serves),
+    then the folder's other names, sorted. Raises ValueError naming the setting or folder at fault."""
+    specs = [(spec, set[str]()) for spec in _specs_from_entries(entries, models_dir)]
+    named = {spec.name for spec, _ in specs}
+    return specs + scan_models_dir(Path(models_dir), skip=named)
 
 
 def _specs_from_entries(entries: list[ModelEntry], models_dir: str | None) -> list[ModelSpec]:
@@ -111,21 +122,51 @@ def _specs_from_entries(entries: list[ModelEntry], models_dir: str | None) -> li
     return specs
 
 
-def _specs_from_folder(root: Path) -> list[ModelSpec]:
+def scan_models_dir(root: Path, skip: set[str] | None = None) -> list[tuple[ModelSpec, set[str]]]:
+    """The models in a folder, sorted by name, with their aliases; both layouts (module docstring).
+    Hidden entries, files other than .gguf and the names in `skip` (a `models` entry names their version)
+    are left out. Raises ValueError naming the entry at fault."""
     if not root.is_dir():
         raise ValueError(f"models_dir: {str(root)!r} is not a folder")
-    specs = []
-    for name_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        versions = sorted(p.name for p in name_dir.iterdir() if p.is_dir())
-        if len(versions) != 1:
-            raise ValueError(
-                f"models_dir: {name_dir.name!r} has {len(versions)} versions {versions}; say which one serves with "
-                f"`models: [{{name: {name_dir.name}, version: ...}}]`"
-            )
-        specs.append(ModelSpec(name_dir.name, versions[0], str(name_dir / versions[0])))
-    if not specs:
-        raise ValueError(f"models_dir: {str(root)!r} holds no NAME/VERSION/ folders")
-    return specs
+    found: list[tuple[ModelSpec, set[str]]] = []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith(".") or (entry.is_file() and entry.suffix != ".gguf"):
+            continue
+        if (entry.stem if entry.is_file() else entry.name) in (skip or set()):
+            continue
+        try:
+            if entry.is_file():  # llama.cpp's single-file model: DIR/NAME.gguf
+                found.append((ModelSpec(entry.stem, fingerprint(entry), str(entry)), {entry.name}))
+            elif is_model_folder(entry):  # llama.cpp's (and Hugging Face's) model folder: DIR/NAME/
+                found.append((ModelSpec(entry.name, fingerprint(entry), str(entry)), set()))
+            else:  # tokenmill's versions layout: DIR/NAME/VERSION/
+                version = _one_version(entry)
+                found.append((ModelSpec(entry.name, version, str(entry / version)), set()))
+        except ValueError as exc:
+            raise ValueError(f"models_dir: {entry.name!r} {exc}") from None
+    names = [spec.name for spec, _ in found]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"models_dir: {twice} each name both a NAME.gguf file and a NAME/ folder; keep one")
+    if not found and not skip:
+        raise ValueError(f"models_dir: {str(root)!r} holds no models (NAME.gguf, NAME/ model folders or "
+                         "NAME/VERSION/ folders)")  # fmt: skip
+    return found
+
+
+def is_model_folder(folder: Path) -> bool:
+    """A folder that holds a model itself (config.json or weight files), not version folders."""
+    return (folder / "config.json").exists() or any(
+        f.suffix in _WEIGHT_SUFFIXES and f.is_file() for f in folder.iterdir()
+    )
+
+
+def _one_version(name_dir: Path) -> str:
+    versions = sorted(p.name for p in name_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if len(versions) != 1:
+        raise ValueError(f"has {len(versions)} versions {versions}; say which one serves with "
+                         f"`models: [{{name: {name_dir.name}, version: ...}}]`")  # fmt: skip
+    return versions[0]
 
 
 def version_folder(models_dir: str | None, name: str, version: str, field: str) -> str:

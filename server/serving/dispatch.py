@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -27,11 +27,12 @@ if TYPE_CHECKING:
     from server.serving.runtime import Runtime
 
 
-@contextlib.contextmanager
-def picked(rt: Runtime, model: str | None) -> Iterator[tuple[ModelSlot, Lease]]:
-    """The slot `model` names and a lease on the version that serves this request. The lease is released
+@contextlib.asynccontextmanager
+async def picked(rt: Runtime, model: str | None) -> AsyncIterator[tuple[ModelSlot, Lease]]:
+    """The slot `model` names and a lease on the version that serves this request, once it is loaded (a
+    models folder's model loads on its first request: server/serving/pool.py). The lease is released
     when the block raises; otherwise the handle built in the block owns it. Raises ApiError 404/503."""
-    slot, lease = rt.models.acquire(model)
+    slot, lease = await rt.acquire(model)
     try:
         yield slot, lease
     except BaseException:

@@ -13,10 +13,23 @@ from typing import Any
 from engine.api import EngineProtocol
 from engine.kv.events import KVEventSink
 from server.config.settings import ServerSettings
-from server.config.versions import ModelSpec, fingerprint, startup_specs
+from server.config.versions import ModelSpec, catalog_specs, fingerprint, startup_specs
 from server.serving.fresh_thread import in_fresh_thread
 
 VersionLoader = Callable[[ModelSpec, "int | None"], EngineProtocol]  # (spec, KV bytes or None) -> engine
+
+
+def on_demand(settings: ServerSettings, engine: EngineProtocol | None) -> bool:
+    """Whether the models folder's models serve by name, loaded on demand (server/serving/pool.py): a
+    `models_dir` and no `--model` (nor an engine built by the caller)."""
+    return engine is None and not settings.model and bool(settings.models_dir)
+
+
+async def catalog(settings: ServerSettings) -> list[tuple[ModelSpec, set[str]]]:
+    """Every model the models folder serves, with its aliases (the `models` entries first). Reads the folder
+    (fingerprints of flat entries) off the loop. Raises ValueError naming the setting at fault."""
+    assert settings.models_dir is not None
+    return await asyncio.to_thread(catalog_specs, settings.models, settings.models_dir)
 
 
 def demo_model_path() -> str:
@@ -62,7 +75,7 @@ async def initial_versions(
     `--model` (or the demo model) when no `models` / `models_dir` is set."""
     discover = engine is None and not settings.model  # --model serves; models_dir then only resolves admin loads
     specs = startup_specs(settings.models, settings.models_dir) if discover else []
-    if specs:
+    if specs or on_demand(settings, engine):  # on demand: only the `models` entries load at startup
         loaded = []
         for spec in specs:
             built = await in_fresh_thread(loader, spec, None)

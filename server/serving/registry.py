@@ -9,6 +9,9 @@ every version of a model holds the same adapters (server/serving/adapters.py). T
 deterministic: of every 100 consecutive requests, exactly `weight` go to the canary (a credit counter,
 not a coin), so the share is exact on any window and reproducible in tests. Plain bookkeeping on the
 event loop: loading, draining and unloading engines is server/serving/rollout.py's job.
+
+A name a models folder serves (server/serving/pool.py) has a slot from the start, loaded or not: its
+`spec` is what loads on demand, and the slot may hold no version at all (unloaded).
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ class ModelSlot:
     weight: int = 0  # 0-100
     loading: dict[str, ModelSpec] = field(default_factory=dict)  # engines being built
     failed: dict[str, str] = field(default_factory=dict)  # version -> why its load or probe failed
+    spec: ModelSpec | None = None  # what loads on demand (a models folder's model); None: loaded at startup only
+    last_used: float = 0.0  # time.monotonic() of its last request (least recently used unloads first)
+    waiters: int = 0  # requests waiting for it to load: it is not unloaded while any waits
     _credit: float = 0.0  # canary share owed: +weight/100 per request, -1 per request sent to the canary
 
     def role(self, version: str) -> str:
@@ -66,6 +72,17 @@ class ModelSlot:
         if dep is None or not dep.accepting:
             raise ApiError(503, "unavailable", f"model {self.name} has no ready version", headers={"Retry-After": "1"})
         return dep
+
+    def serves(self, pinned: str | None) -> bool:
+        """Whether pick(pinned) finds a version taking requests now (nothing to load or wait for)."""
+        dep = self.versions.get(pinned or self.promoted)
+        return dep is not None and dep.accepting
+
+    def idle(self) -> bool:
+        """Loaded, every version ready (or draining) with nothing in flight, and no request waiting."""
+        return bool(self.versions) and not self.loading and not self.waiters and all(
+            dep.busy() == 0 and dep.state is not VersionState.LOADING for dep in self.versions.values()
+        )
 
     def set_canary(self, version: str | None, weight: int) -> None:
         self.canary, self.weight, self._credit = version, weight, 0.0
@@ -105,10 +122,18 @@ class ModelRegistry:
     def __init__(self) -> None:
         self.slots: dict[str, ModelSlot] = {}
 
-    def add_slot(self, dep: Deployment, aliases: set[str]) -> ModelSlot:
-        """A new name whose first (promoted) version is `dep`."""
-        slot = ModelSlot(dep.name, aliases - {dep.name}, {dep.version: dep}, promoted=dep.version)
+    def add_slot(self, dep: Deployment, aliases: set[str], on_demand: bool = False) -> ModelSlot:
+        """A new name whose first (promoted) version is `dep`; `on_demand`: it may be unloaded and loaded
+        again (a models folder's model)."""
+        slot = ModelSlot(dep.name, aliases - {dep.name}, {dep.version: dep}, promoted=dep.version,
+                         spec=dep.spec if on_demand else None)  # fmt: skip
         self.slots[dep.name] = slot
+        return slot
+
+    def add_unloaded(self, spec: ModelSpec, aliases: set[str]) -> ModelSlot:
+        """A new name that loads `spec` on its first request."""
+        slot = ModelSlot(spec.name, aliases - {spec.name}, promoted=spec.version, spec=spec)
+        self.slots[spec.name] = slot
         return slot
 
     @property
@@ -117,16 +142,27 @@ class ModelRegistry:
 
     @property
     def primary(self) -> Deployment:
-        """The default model's promoted version (what single-model code and /health report)."""
-        slot = self.default
-        return slot.versions[slot.promoted]
+        """The default model's promoted version (what single-model code and /health report), else another
+        model's when the default is not loaded. Raises ApiError 503 when no model is loaded."""
+        dep = self.primary_or_none()
+        if dep is None:
+            raise ApiError(503, "unavailable", "no model is loaded yet (models load on their first request; see "
+                           "/v1/models)", headers={"Retry-After": "1"})  # fmt: skip
+        return dep
+
+    def primary_or_none(self) -> Deployment | None:
+        promoted = self.promoted()
+        return promoted[0] if promoted else None
 
     def slot(self, name: str) -> ModelSlot:
         """The slot called `name` (admin API). Raises ApiError 404."""
         slot = self.slots.get(name)
         if slot is None:
-            raise ApiError(404, "model_not_found", f"model {name!r} is not configured; models: {sorted(self.slots)}")
+            raise ApiError(404, "model_not_found", f"model {name!r} is not configured; models: {self.names()}")
         return slot
+
+    def names(self) -> list[str]:
+        return sorted(self.slots)
 
     def resolve(self, model: str | None) -> tuple[ModelSlot, str | None]:
         """The slot a request's `model` names, and the version it pins (None: the slot picks).
@@ -147,7 +183,8 @@ class ModelRegistry:
             adapter_slot = self.adapter_slot(candidate)
             if adapter_slot is not None:
                 return adapter_slot, pinned, candidate
-        raise ApiError(404, "model_not_found", f"model {model!r} is not served here; see /v1/models", param="model")
+        raise ApiError(404, "model_not_found", f"model: {model!r} is not served here; models: {self.names()} (see "
+                       "/v1/models)", param="model")  # fmt: skip
 
     def is_model_name(self, name: str) -> bool:
         """Whether `name` is a slot's name or alias (a model name wins over an adapter's)."""
@@ -173,15 +210,20 @@ class ModelRegistry:
         return [(slot, dep) for slot in self.slots.values() for dep in slot.versions.values()]
 
     def promoted(self) -> list[Deployment]:
-        """The promoted version of every name (what readiness is about)."""
+        """The promoted version of every name that has it loaded (what readiness is about)."""
         return [slot.versions[slot.promoted] for slot in self.slots.values() if slot.promoted in slot.versions]
 
     def cards(self, created: int) -> list[dict[str, Any]]:
         """/v1/models: one card per name (its promoted version's), listing every version loading or loaded
-        with its state and role; failed loads and paths only show in the admin API."""
+        with its state and role; failed loads and paths only show in the admin API. Each card carries
+        tokenmill's `state` and llama.cpp's router `status` ({"value": loaded | loading | unloaded}, with
+        `failed` and the reason after a failed load); a name not loaded has no max_model_len yet."""
         out = []
         for slot in self.slots.values():
-            dep = slot.versions[slot.promoted]
+            dep = slot.versions.get(slot.promoted)
+            if dep is None:
+                out.append(unloaded_card(slot, created))
+                continue
             versions = []
             for row in slot.describe():
                 if row["state"] == VersionState.FAILED.value:
@@ -192,9 +234,25 @@ class ModelRegistry:
                 versions.append(entry)
             out.append({"id": slot.name, "object": "model", "created": created, "owned_by": "tokenmill",
                         "root": slot.name, "max_model_len": dep.max_model_len, "version": dep.version,
-                        "state": dep.state.value, "versions": versions})  # fmt: skip
+                        "state": dep.state.value, "status": {"value": _STATUS[dep.state]},
+                        "versions": versions})  # fmt: skip
             out += [adapter_card(slot, dep, info, created) for info in dep.adapters.values()]
         return out
+
+
+_STATUS = {VersionState.LOADING: "loading", VersionState.READY: "loaded", VersionState.DRAINING: "loaded",
+           VersionState.FAILED: "unloaded", VersionState.UNLOADED: "unloaded"}  # tokenmill state -> llama.cpp's
+
+
+def unloaded_card(slot: ModelSlot, created: int) -> dict[str, Any]:
+    """/v1/models card of a name whose promoted version is not loaded (loading, or not loaded yet)."""
+    state = VersionState.LOADING if slot.promoted in slot.loading else VersionState.UNLOADED
+    status: dict[str, Any] = {"value": _STATUS[state]}
+    why = slot.failed.get(slot.promoted)
+    if why is not None and state is VersionState.UNLOADED:
+        status.update(failed=True, error=why)
+    return {"id": slot.name, "object": "model", "created": created, "owned_by": "tokenmill", "root": slot.name,
+            "version": slot.promoted, "state": state.value, "status": status, "versions": []}
 
 
 def adapter_card(slot: ModelSlot, dep: Deployment, info: Any, created: int) -> dict[str, Any]:

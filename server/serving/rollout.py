@@ -117,14 +117,60 @@ class Rollout:
         if self._loading is not None:
             raise ApiError(409, "conflict", f"{self._loading} is loading; load one version at a time")
         kv = kv_bytes or self._settings.kv_cache_memory or self._running_kv(slot) or memory_check.DEFAULT_KV_BYTES
+        refusal = self.memory_refusal(spec, kv, 507)
+        if refusal is not None:
+            raise refusal
+        return spec, kv
+
+    def memory_refusal(self, spec: ModelSpec, kv: int, status: int) -> ApiError | None:
+        """The error (`status`, naming what is needed and free) when `spec` with `kv` KV bytes would not fit
+        beside the loaded versions; None when it fits. Measured on a loaded version's device (the host's
+        memory when none is loaded)."""
         need = memory_check.estimate(spec.path, self._settings.dtype, kv)
-        have = memory_check.room(self._models.primary.memory(), self._settings.gpu_memory_utilization)
+        loaded = self._models.primary_or_none()
+        have = memory_check.room(loaded.memory() if loaded else None, self._settings.gpu_memory_utilization)
         try:
             memory_check.check(spec.ref, need, have, self._settings.load_memory_headroom)
         except memory_check.InsufficientMemory as exc:
-            raise ApiError(507, "insufficient_memory", str(exc), extra={"needed_bytes": need.total,
-                           "available_bytes": have.available}) from None  # fmt: skip
-        return spec, kv
+            return ApiError(status, "insufficient_memory", str(exc), headers={"Retry-After": "5"} if status == 503 else None,
+                            extra={"needed_bytes": need.total, "available_bytes": have.available})  # fmt: skip
+        return None
+
+    # -- on demand (server/serving/pool.py) ------------------------------------------------------------
+    async def load_now(self, slot: ModelSlot, probe: Probe) -> Deployment:
+        """Load the slot's own model (`slot.spec`) as its promoted version: after an admin load in progress,
+        then as an admin load's task (engine in a thread, warm-up, probe). Raises LoadFailed."""
+        spec = slot.spec
+        assert spec is not None and spec.version == slot.promoted, "only a models folder's model loads on demand"
+        while self._loading is not None:
+            await asyncio.sleep(0.05)
+        self._loading = spec.ref
+        slot.loading[spec.version] = spec
+        slot.failed.pop(spec.version, None)
+        try:
+            return await self._load(slot, spec, None, probe)
+        finally:
+            slot.loading.pop(spec.version, None)
+            self._loading = None
+
+    async def unload_now(self, slot: ModelSlot) -> None:
+        """Unload every version of `slot` (its in-flight requests finish first, within the drain timeout);
+        returns once their engines are gone and the heap's free pages returned. The slot stays: it loads
+        again on its next request."""
+        slot.set_canary(None, 0)
+        slot.previous = None
+        # no local here may name a deployment: it would keep that engine alive past its unload
+        await asyncio.gather(*(self._unload_version(slot, version) for version in list(slot.versions)))
+
+    async def _unload_version(self, slot: ModelSlot, version: str) -> None:
+        dep = slot.versions[version]
+        task = self._retiring.pop(dep.spec.ref, None)
+        if task is not None:
+            task.cancel()
+        dep.state = VersionState.DRAINING
+        draining = self._drain_then_unload(slot, dep, 0.0)
+        del dep
+        await draining
 
     def _running_kv(self, slot: ModelSlot) -> int | None:
         dep = slot.versions.get(slot.promoted)
@@ -184,13 +230,18 @@ class Rollout:
         dep = self._ready(slot, version)
         if version == slot.promoted:
             raise ApiError(409, "conflict", f"{dep.spec.ref} is already promoted")
-        old = slot.versions[slot.promoted]
+        old = slot.versions.get(slot.promoted)  # None: a models folder's model whose promoted version is unloaded
+        was = f"{name}@{slot.promoted}"
         slot.set_canary(None, 0)
-        slot.promoted, slot.previous = version, old.version
-        self._retire(slot, old, self._settings.keep_previous_s if keep_previous_s is None else keep_previous_s)
+        slot.promoted, slot.previous = version, old.version if old is not None else None
+        if slot.spec is not None:  # a models folder's model: what loads on demand is the promoted version
+            slot.spec = dep.spec
+        if old is not None:
+            self._retire(slot, old, self._settings.keep_previous_s if keep_previous_s is None else keep_previous_s)
+        del old
         self._on_switch(name, None)
         dep.metrics.observe_event("promoted")
-        log.info("promoted %s (was %s)", dep.spec.ref, old.spec.ref)
+        log.info("promoted %s (was %s)", dep.spec.ref, was)
         return slot
 
     def rollback(self, name: str) -> ModelSlot:
@@ -213,6 +264,8 @@ class Rollout:
             previous.state = VersionState.READY
             current = slot.versions[slot.promoted]
             slot.promoted, slot.previous = previous.version, None
+            if slot.spec is not None:
+                slot.spec = previous.spec
             self._retire(slot, current, 0.0)
             current.metrics.observe_event("rolled_back")
         self._on_switch(name, None)

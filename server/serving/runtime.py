@@ -3,7 +3,8 @@ settings, the loaded model versions (server/serving/registry.py; each version ha
 worker thread, admission counters and tokenizer copy: server/serving/deployment.py), the rollout that
 changes them, the response cache, request accounting and feedback, metrics, readiness, warm-up and
 drain. Readiness checks live in server/serving/readiness.py, request accounting in
-server/serving/accounting.py: the runtime owns them and wires them to the deployments.
+server/serving/accounting.py, loading models on demand (`models_dir`) in server/serving/pool.py: the
+runtime owns them and wires them to the deployments.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from server.ops.metrics import CacheStats, ServerMetrics, VersionSnapshot
 from server.prompt.codec import PromptCodec
 from server.serving.accounting import RequestAccounting
 from server.serving.adapters import AdapterSync
-from server.serving.deployment import Deployment, VersionState
+from server.serving.deployment import Deployment, Lease, VersionState
 from server.serving.loading import VersionLoader
+from server.serving.pool import ModelPool
 from server.serving.readiness import Readiness
 from server.serving.registry import ModelRegistry, ModelSlot
 from server.serving.response_cache import CacheKey, ResponseCache
@@ -46,7 +48,10 @@ class Runtime:
         initial: list[tuple[ModelSpec, EngineProtocol, set[str]]],
         loader: VersionLoader,
         feedback: FeedbackStore | None = None,
+        catalog: list[tuple[ModelSpec, set[str]]] | None = None,
     ) -> None:
+        """`catalog`: every model a models folder serves by name, loaded on demand (None: only the
+        `initial` versions serve); those of `initial` are loaded already, the others load on first use."""
         self.settings = settings
         self.loop = asyncio.get_running_loop()
         longest = max((int(engine.max_model_len) for _, engine, _ in initial), default=131072)
@@ -59,11 +64,15 @@ class Runtime:
         self.feedback = feedback
         self.models = ModelRegistry()
         for spec, engine, aliases in initial:
-            self.models.add_slot(self.new_deployment(spec, engine), aliases)
+            self.models.add_slot(self.new_deployment(spec, engine), aliases, on_demand=catalog is not None)
+        for spec, aliases in catalog or []:
+            if spec.name not in self.models.slots:
+                self.models.add_unloaded(spec, aliases)
         self.readiness = Readiness(self.models, settings.stall_timeout_s)
         self.adapters = AdapterSync()  # LoRA adapters kept the same on every version of a model
         self.rollout = Rollout(self.models, settings, loader, self.new_deployment, self.metrics.version,
                                self._drop_cached, self._match_adapters)  # fmt: skip
+        self.pool = ModelPool(self.models, self.rollout, settings) if catalog is not None else None
         self.started_at = time.monotonic()
         self.created = int(time.time())
         self.open_responses = 0  # request handles not closed yet (their responses are still being sent)
@@ -106,12 +115,16 @@ class Runtime:
         task = self.loop.create_task(self.warm_up())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if self.pool is not None:
+            self.pool.start()
 
     async def close(self) -> None:
         """Abort what is left and stop the workers (end of the lifespan)."""
         self.readiness.draining = True
         for task in list(self._tasks):
             task.cancel()
+        if self.pool is not None:
+            await self.pool.close()
         await self.rollout.close()
         await asyncio.gather(*(dep.unload() for _, dep in self.models.deployments()))
         if self.feedback is not None:
@@ -157,6 +170,28 @@ class Runtime:
         return sum(dep.worker.in_flight() for _, dep in self.models.deployments())
 
     # -- requests ------------------------------------------------------------------------------------
+    async def acquire(self, model: str | None) -> tuple[ModelSlot, Lease]:
+        """Route a new request (server/serving/registry.py acquire): its slot and a lease on the version
+        that serves it, after loading the model when it is a models folder's model not loaded yet (the
+        request waits; requests to loaded models do not). Raises ApiError 404 (unknown model) or 503."""
+        slot, pinned, adapter = await self.loaded(model)
+        # no await from here on: the version picked is leased before anything can unload it
+        slot.last_used = time.monotonic()
+        dep = slot.pick(pinned)
+        return slot, dep.acquire() if adapter is None else dep.acquire(adapter)
+
+    async def loaded(self, model: str | None) -> tuple[ModelSlot, str | None, str | None]:
+        """registry.route(model) (slot, pinned version, adapter), once the slot serves it: a models
+        folder's model not loaded yet loads first. Raises ApiError 404 or 503."""
+        slot, pinned, adapter = self.models.route(model)
+        if self.pool is not None and slot.spec is not None and not slot.serves(pinned):
+            slot.waiters += 1  # not unloaded while this request waits for it
+            try:
+                await self.pool.ensure(slot, pinned)
+            finally:
+                slot.waiters -= 1
+        return slot, pinned, adapter
+
     def lane_for_size(self, tokens: int) -> Lane:
         return Lane.INTERACTIVE if tokens <= self.settings.short_request_tokens else Lane.STANDARD
 

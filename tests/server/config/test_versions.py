@@ -1,11 +1,14 @@
 """Model versions as the settings name them: `name@version`, the `models:` setting in every form, the
-MODELS_DIR/name/version/ layout (never "latest"), and the fingerprint that versions a bare --model."""
+models folder's two layouts (MODELS_DIR/name/version/, never "latest"; llama.cpp's flat NAME.gguf and
+NAME/ model folders), the on-demand flags with llama.cpp's spellings, and the fingerprint that versions
+a bare --model."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
+from server.config import versions
 from server.config.flags import parse_settings
 from server.config.settings import ServerSettings
 from server.config.versions import ModelEntry, ModelSpec, fingerprint, parse_entries, split_ref, startup_specs
@@ -49,7 +52,8 @@ def test_startup_specs_from_entries_and_folders(tmp_path):
     for name, version in (("alpha", "v1"), ("beta", "2")):
         (tmp_path / name / version).mkdir(parents=True)
     assert startup_specs([], None) == []
-    specs = startup_specs([], str(tmp_path))
+    assert startup_specs([], str(tmp_path)) == []  # the folder's models load on demand: nothing at startup
+    specs = [spec for spec, _ in versions.catalog_specs([], str(tmp_path))]
     assert [(s.name, s.version, s.path) for s in specs] == [("alpha", "v1", str(tmp_path / "alpha" / "v1")),
                                                             ("beta", "2", str(tmp_path / "beta" / "2"))]  # fmt: skip
     entries = [ModelEntry(name="beta", version="2"), ModelEntry(name="x", version="v9", path="/else")]
@@ -64,9 +68,52 @@ def test_startup_specs_from_entries_and_folders(tmp_path):
     # Two versions of one name and nothing saying which serves: refused, never "the latest".
     (tmp_path / "alpha" / "v2").mkdir()
     with pytest.raises(ValueError, match=r"'alpha' has 2 versions \['v1', 'v2'\]"):
-        startup_specs([], str(tmp_path))
+        versions.catalog_specs([], str(tmp_path))
+    # ... until a models entry says which one serves: entries first, then the folder's other names
+    specs = [spec.ref for spec, _ in versions.catalog_specs([ModelEntry(name="alpha", version="v2")], str(tmp_path))]
+    assert specs == ["alpha@v2", "beta@2"]
     with pytest.raises(ValueError, match="is not a folder"):
-        startup_specs([], str(tmp_path / "missing"))
+        versions.catalog_specs([], str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="holds no models"):
+        versions.catalog_specs([], str(tmp_path / "alpha" / "v1"))
+
+
+def test_models_folder_layouts(tmp_path):
+    """llama.cpp's flat layout (NAME.gguf, NAME/ with a model in it) beside tokenmill's NAME/VERSION/: a
+    flat entry is a model with one version, its content fingerprint."""
+    (tmp_path / "flat.gguf").write_bytes(b"GGUF" + bytes(60))
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "config.json").write_text("{}")
+    (tmp_path / "weights-only").mkdir()
+    (tmp_path / "weights-only" / "model.safetensors").write_bytes(bytes(16))
+    (tmp_path / "versioned" / "v3").mkdir(parents=True)
+    (tmp_path / "versioned" / "v3" / "config.json").write_text("{}")
+    (tmp_path / "README.md").write_text("not a model")
+    (tmp_path / ".cache").mkdir()
+    found = {spec.name: (spec, aliases) for spec, aliases in versions.catalog_specs([], str(tmp_path))}
+    assert sorted(found) == ["flat", "folder", "versioned", "weights-only"]
+    assert found["flat"][0].version == fingerprint(tmp_path / "flat.gguf") and found["flat"][1] == {"flat.gguf"}
+    assert found["flat"][0].path == str(tmp_path / "flat.gguf")
+    assert found["folder"][0].version == fingerprint(tmp_path / "folder")
+    assert found["folder"][0].path == str(tmp_path / "folder")
+    assert found["versioned"][0].ref == "versioned@v3" and found["versioned"][0].path == str(tmp_path / "versioned" / "v3")
+    (tmp_path / "folder.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"\['folder'\] each name both a NAME.gguf file and a NAME/ folder"):
+        versions.catalog_specs([], str(tmp_path))
+
+
+def test_on_demand_flags_with_llama_cpp_spellings(tmp_path):
+    s = parse_settings(["--models-dir", str(tmp_path), "--models-max", "2", "--sleep-idle-seconds", "30"])
+    assert (s.models_dir, s.models_max, s.models_idle_unload_s) == (str(tmp_path), 2, 30.0)
+    s = parse_settings(["--models-idle-unload-s", "5", "--models-load-wait-s", "9"])
+    assert (s.models_max, s.models_idle_unload_s, s.models_load_wait_s) == (4, 5.0, 9.0)  # llama.cpp's default max
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("models_dir: /m\nmodels_max: 0\nmodels_idle_unload_s: 600\n")
+    s = parse_settings(["--config", str(cfg)])
+    assert (s.models_dir, s.models_max, s.models_idle_unload_s) == ("/m", 0, 600.0)
+    for bad in (["--models-max", "-1"], ["--sleep-idle-seconds", "0"], ["--models-load-wait-s", "0"]):
+        with pytest.raises(ValidationError):
+            parse_settings(bad)
 
 
 def test_fingerprint_follows_the_files(tmp_path):
