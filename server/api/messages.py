@@ -34,7 +34,7 @@ from server.ops.feedback import RecordKey
 from server.prompt.chat import ChatMessage
 from server.prompt.structured import with_grammar
 from server.prompt.tools import ToolFields
-from server.serving.dispatch import cache_scope, picked, request_owner
+from server.serving.dispatch import cache_scope, picked, request_owner, request_tenant
 from server.serving.gateway import GenerationRequest
 
 router = APIRouter(prefix="/v1")
@@ -256,7 +256,8 @@ async def messages(request: Request, call: MessagesCall) -> Response:
         shape = MessageShape(lease.served_name(slot.name), tools, list(params.stop), dep.codec)
         req = GenerationRequest(shape.id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
                                 body.cache, cache_scope(rt, request, user), max_tokens_field="max_tokens",
-                                record=RecordKey(request_owner(rt, request, user), shape.id))  # fmt: skip
+                                record=RecordKey(request_owner(rt, request, user), shape.id),
+                                tenant=request_tenant(rt, request))  # fmt: skip
         handles = await start_choices(rt, request, lease, [[req]])
     return await respond(rt, request, handles, shape, body.stream)
 

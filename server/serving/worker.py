@@ -312,6 +312,7 @@ class Worker:
                 priority=ticket.engine_priority,
                 arrival_time=ticket.arrival,
                 deadlines=ticket.deadlines(),
+                tenant=ticket.tenant,
             )
         except InvalidParam as exc:
             self._finish(ticket, "error", ServerError("invalid_request", exc.message, 400, exc.field))
