@@ -44,8 +44,6 @@ class RequestAccounting:
 
     def finished(self, dep: Deployment, ticket: Ticket) -> None:
         """Runs on the version's worker thread when any admitted request ends (internal ones are skipped)."""
-        if ticket.tenant_unit is not None:  # its tenant's quota is settled whatever the outcome
-            ticket.tenant_unit.member_done(ticket.completion_tokens)
         if ticket.internal:
             return
         status, reason = request_status(ticket)
