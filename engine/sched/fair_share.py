@@ -48,7 +48,9 @@ class FairShare:
         self.set_weights(weights or {})
         self._counter: dict[str, float] = {}  # tenant -> weighted service / weight, since the last idle moment
         self._active: Counter[str] = Counter()  # tenant -> its requests queued or running
+        self._active_weight = 0.0  # the active tenants' weights summed (seat shares divide by it)
         self._seats: Counter[str] = Counter()  # tenant -> its requests running
+        self.changes = 0  # bumped whenever a seat share or a seat count moves (callers cache orders by it)
 
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """Replace the weights (a config reload). Counters already earned stay: only future service is
@@ -57,6 +59,8 @@ class FairShare:
         if bad:
             raise ValueError(f"tenant weights must be numbers > 0, got {bad!r}")
         self._weights = {t: float(w) for t, w in weights.items()}
+        self._active_weight = sum(self.weight(t) for t in getattr(self, "_active", ()))
+        self.changes = getattr(self, "changes", 0) + 1
 
     def weight(self, tenant: str) -> float:
         return self._weights.get(tenant, 1.0)
@@ -78,21 +82,27 @@ class FairShare:
                 self._counter[tenant] = max(self.counter(tenant), min(others))
             else:  # nobody active: everyone restarts level
                 self._counter.clear()
+            self._active_weight += self.weight(tenant)
+            self.changes += 1
         self._active[tenant] += 1
 
     def left(self, tenant: str) -> None:
         """A request of `tenant` left the scheduler (finished, aborted, expired)."""
         if self._active[tenant] <= 1:
             del self._active[tenant]
+            self._active_weight = sum(self.weight(t) for t in self._active)  # (no float drift)
+            self.changes += 1
         else:
             self._active[tenant] -= 1
 
     def seated(self, tenant: str) -> None:
         """A request of `tenant` took a seat (started, or resumed after a preemption)."""
         self._seats[tenant] += 1
+        self.changes += 1
 
     def unseated(self, tenant: str) -> None:
         """A running request of `tenant` left its seat (finished or preempted)."""
+        self.changes += 1
         if self._seats[tenant] <= 1:
             del self._seats[tenant]
         else:
@@ -105,8 +115,7 @@ class FairShare:
         """max_seats * the tenant's weight over the active tenants' weights (0 without max_seats)."""
         if self.max_seats is None:
             return 0.0
-        total = sum(self.weight(t) for t in self._active) or self.weight(tenant)
-        return self.max_seats * self.weight(tenant) / total
+        return self.max_seats * self.weight(tenant) / (self._active_weight or self.weight(tenant))
 
     def at_share(self, tenant: str) -> bool:
         """Whether the tenant holds its seat share or more while another tenant is active (so, in one

@@ -164,6 +164,8 @@ class _StepPlanner:
         self.out = out
         self.budget = sched.config.max_num_batched_tokens
         self.preempted_now: set[str] = set()  # preempted in this step: not started again in it
+        self._head: Request | None = None  # the waiting queue's head as of _head_version
+        self._head_version: tuple[int, int] | None = None
         self.best: int | None = None  # the most important effective priority scheduled so far this step
         # Whether decodes may carry drafts in this step: not in a large batch (disable_by_batch_size)
         spec = sched.config.speculative
@@ -188,7 +190,7 @@ class _StepPlanner:
             while i < len(running) and running[i].status != RequestStatus.RUNNING:
                 i += 1  # preempted earlier in this step
             r = running[i] if i < len(running) else None
-            w = None if waiting_blocked else self.s.waiting.peek(self.now)
+            w = None if waiting_blocked else self._waiting_head()
             if r is None and w is None:
                 break
             if w is not None and (r is None or self._key(w) < self._key(r)):
@@ -197,6 +199,14 @@ class _StepPlanner:
                 i += 1
                 self._continue(r)
         self._count_budget_deferrals()
+
+    def _waiting_head(self) -> Request | None:
+        """waiting.peek(), again only once the queue or the seats changed: the walk asks after every
+        running request it continues, and a peek costs O(priorities x tenants)."""
+        version = (self.s.waiting.changes, self.s.fair.changes)
+        if version != self._head_version:
+            self._head, self._head_version = self.s.waiting.peek(self.now), version
+        return self._head
 
     def _key(self, req: Request) -> tuple[int, bool, float, float, str]:
         return self.policy.key(req, self.now)

@@ -23,12 +23,14 @@ class WaitingQueue:
         self._fresh: dict[tuple[int, str], list[tuple[float, str, Request]]] = {}
         self._resumed: dict[str, Request] = {}  # preempted, waiting again
         self._members: dict[str, Request] = {}  # everything queued (both kinds)
+        self.changes = 0  # bumped by every add and remove (callers cache peek() by it)
 
     def add(self, req: Request) -> None:
         """Queue req. A request that ran before (num_preemptions > 0) goes to the resumed set."""
         if req.request_id in self._members:
             raise ValueError(f"request {req.request_id!r} is already queued")
         self._members[req.request_id] = req
+        self.changes += 1
         if req.num_preemptions:
             self._resumed[req.request_id] = req
         else:
@@ -57,6 +59,7 @@ class WaitingQueue:
         if self._members.get(req.request_id) is not req:
             return False
         del self._members[req.request_id]
+        self.changes += 1
         self._resumed.pop(req.request_id, None)  # a fresh one stays in its heap until it surfaces
         return True
 
