@@ -156,6 +156,14 @@ def _backlog(s: Scheduler, counts: dict[str, int], max_tokens: int = 16):
     return add
 
 
+def test_ties_between_tenants_go_by_arrival():
+    s = _scheduler(max_num_seqs=1)
+    s.add(_tenant_request("b-late", "B", arrival=5))
+    s.add(_tenant_request("a-early", "A", arrival=1))
+    assert s.fair.counter("A") == s.fair.counter("B") == 0.0
+    assert list(fake_step(s)) == ["a-early"]
+
+
 def test_with_one_tenant_the_order_is_unchanged():
     s = _scheduler(max_num_seqs=1)
     s.add(_tenant_request("late", "", arrival=5))
