@@ -284,6 +284,17 @@ class ServerSettings(BaseSettings):
             _check_api_key(key, info.field_name)
         return value
 
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _parse_tenants(cls, value: Any) -> Any:
+        """--tenants / TOKENMILL_TENANTS take the YAML list as JSON (the YAML file keeps keys out of `ps`)."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError("tenants: give a JSON list of {name, keys, ...} (or use the YAML file)") from None
+        return value
+
     @field_validator("models", mode="before")
     @classmethod
     def _split_models(cls, value: Any) -> Any:

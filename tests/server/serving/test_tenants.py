@@ -136,3 +136,13 @@ def test_tenant_keys_open_the_api_only_beside_api_keys():
     closed = make_settings(api_key="main", tenants=[{"name": "a", "keys": ["ka"]}])
     assert set(closed.accepted_api_keys()) == {"main", "ka"}
     assert closed.engine_config("x").tenant_weights == (("a", 1.0),)
+
+
+def test_tenants_from_a_flag_as_json():
+    from server.config.flags import parse_settings
+
+    s = parse_settings(["--tenants", '[{"name": "a", "keys": ["ka"], "weight": 3}]'])
+    assert s.tenants[0].name == "a" and s.tenants[0].weight == 3.0
+    with pytest.raises(ValidationError) as info:
+        parse_settings(["--tenants", "a=ka"])
+    assert "JSON list" in settings_error(info.value)
