@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from bench.fleet import fleet_sim, router
 from bench.inproc import determinism, floor, fused, gemv, linear_ab, lora, offline, quality, spec, startup
 from bench.report import command as report
-from bench.served import contention, load, long_prompt, priority, spec_http, structured, swap, sweep
+from bench.served import contention, load, long_prompt, priority, spec_http, structured, swap, sweep, tenants
 
 
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
@@ -35,6 +35,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     load.add_parser(subparsers)
     sweep.add_parser(subparsers)
     priority.add_parser(subparsers)
+    tenants.add_parser(subparsers)
     long_prompt.add_parser(subparsers)
     startup.add_parser(subparsers)
     swap.add_parser(subparsers)

@@ -33,10 +33,12 @@ class Request:
     # The LoRA adapter it runs on (engine/lora/registry.py LoraInfo.lora_id, unique per load); 0: the base
     # model. Salts its prefix-cache hashes, so no block is shared across adapters (engine/kv/block_manager.py).
     lora_id: int = 0
+    tenant: str = ""  # who it is billed to (engine/sched/fair_share.py); "": the default tenant
     # -- the scheduler's --------------------------------------------------------------------------------
     status: RequestStatus = RequestStatus.WAITING
     waiting_since: float = 0.0  # clock seconds it (re)entered the waiting queue: arrival, or preemption
     waited_s: float = 0.0  # seconds spent waiting before the current wait (it ages by the total)
+    num_charged_prompt_tokens: int = 0  # prompt tokens counted as its tenant's service (once each)
     started: bool = False  # scheduled at least once (its queue deadline no longer applies)
     num_preemptions: int = 0
     budget_deferred: bool = False  # left out of a step by more important work; counted once until it runs

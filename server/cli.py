@@ -106,11 +106,21 @@ def serve_settings(args: argparse.Namespace) -> ServerSettings:
     return settings_from_flags(args)
 
 
+def settings_error(exc: Exception) -> str:
+    """A settings error as one line per problem, naming the field and never quoting its value: a value may
+    be a key (api_keys, tenants), and this text goes to the terminal and the logs."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    problems = [f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
+                for e in exc.errors(include_url=False, include_input=False)]  # fmt: skip
+    return f"{len(problems)} problem(s)\n  " + "\n  ".join(problems)
+
+
 def serve(args: argparse.Namespace) -> int:
     try:
         settings = serve_settings(args)
     except (ValidationError, FileNotFoundError, ValueError) as exc:
-        print(f"tokenmill serve: invalid settings: {exc}", file=sys.stderr)
+        print(f"tokenmill serve: invalid settings: {settings_error(exc)}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_prompts)
     guard = connection_guard(settings)

@@ -33,6 +33,7 @@ class LoadRequest:
     prompt: str | tuple[int, ...]  # text, or token ids
     max_tokens: int
     lane: str | None = None  # priority; None: the server picks the lane
+    key: str | None = None  # sent as `Authorization: Bearer KEY` (a tenant's key); None: no header
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ async def send_one(client: httpx.AsyncClient, req: LoadRequest, cfg: LoadConfig)
 
 async def _stream(client: httpx.AsyncClient, req: LoadRequest, cfg: LoadConfig, rec: RequestRecord) -> None:
     parse = parse_generate_event if cfg.endpoint == "generate" else parse_openai_event
-    async with client.stream("POST", ENDPOINTS[cfg.endpoint], json=request_body(req, cfg)) as resp:
+    headers = {"Authorization": f"Bearer {req.key}"} if req.key else None
+    async with client.stream("POST", ENDPOINTS[cfg.endpoint], json=request_body(req, cfg), headers=headers) as resp:
         if resp.status_code != 200:
             text = (await resp.aread()).decode("utf-8", "replace")[:200]
             rec.done_at = time.perf_counter()

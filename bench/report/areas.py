@@ -73,6 +73,12 @@ AREAS: dict[str, Area] = {
         col("bound ms", "bound_ms"), col("failed", "failed"), col("mixed / one-lane tok/s", "mixed_tok_s",
                                                                    "one_lane_tok_s"),
         col("TTFT behind a 7,000-token prefill", "long_prefill"))),
+    "tenants": Area("Tenants: fair share inside a lane", (
+        col("phase", "phase"), col("streams big / small", "big_streams", "small_streams"),
+        col("small queue p50 / p99 ms", "small_queue_p50_ms", "small_queue_p99_ms", digits=0),
+        col("idle queue p50 ms", "idle_queue_p50_ms", digits=0), col("big queue p50 ms", "big_queue_p50_ms", digits=0),
+        col("big's token share", "big_share"), col("output tok/s", "tok_s", digits=1),
+        col("scheduler us/step 1 / 16 tenants", "sched_us_1", "sched_us_16", digits=0))),
     "contention": Area("Engine threads beside a one-core hog", (
         col("engine threads", "variant"), col("quiet tok/s", "quiet_tok_s", digits=1),
         col("beside the hog tok/s", "busy_tok_s", digits=1), col("threads at the end", "threads"))),

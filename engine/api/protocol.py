@@ -54,9 +54,15 @@ class EngineProtocol(Protocol):
         priority: int = 0,
         arrival_time: float | None = None,
         deadlines: Deadlines | None = None,
+        tenant: str = "",
     ) -> int:
         """Queue a request; returns its prompt length. Raises InvalidParam naming the field.
-        `priority`: lower runs first; `arrival_time`: time.monotonic() seconds (default: now)."""
+        `priority`: lower runs first; `arrival_time`: time.monotonic() seconds (default: now);
+        `tenant`: who it is billed to, for the fair share inside its priority ("": the default tenant)."""
+        ...
+
+    def set_tenant_weights(self, weights: dict[str, float]) -> None:
+        """Replace the tenants' fair-share weights (others weigh 1); service already counted stays."""
         ...
 
     def abort(self, request_id: str) -> bool:

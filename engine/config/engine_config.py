@@ -34,6 +34,10 @@ class EngineConfig:
     max_num_seqs: int = 64  # most requests running at once
     max_num_batched_tokens: int | None = None  # token budget of one step (decodes + prefill chunks); None: 512 CPU, 2048 CUDA
     aging_s: float = 60.0  # a waiting request gains one priority level per this many seconds (0: off); docs/ENGINE.md
+    # Fair share between tenants inside a priority (engine/sched/fair_share.py): weights by tenant name (others 1),
+    # and whether a tenant under its share of max_num_seqs takes a seat from one over its own in the same lane
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    fair_seats: bool = True
     # a prompt chunk of a request outranked by another in the same step: at most this many tokens (None: no cap)
     outranked_chunk_tokens: int | None = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings

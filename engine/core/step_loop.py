@@ -131,8 +131,10 @@ class StepLoop:
         priority: int = 0,
         arrival_time: float | None = None,
         deadlines: Deadlines | None = None,
+        tenant: str = "",
     ) -> int:
-        """Queue a request. Returns its prompt length in tokens. Raises InvalidParam naming the field."""
+        """Queue a request. Returns its prompt length in tokens. Raises InvalidParam naming the field.
+        `tenant` names who it is billed to: the fair share between tenants (engine/sched/fair_share.py)."""
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidParam("request_id", "request_id must be a non-empty string")
@@ -140,6 +142,8 @@ class StepLoop:
             raise InvalidParam("request_id", f"request_id {request_id!r} is already in use")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidParam("priority", f"priority must be an integer, got {priority!r}")
+        if not isinstance(tenant, str):
+            raise InvalidParam("tenant", f"tenant must be a string, got {type(tenant).__name__}")
         ids = self._prompt_ids(prompt, prompt_token_ids)
         self._check_fits(len(ids), params.max_tokens)
         bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
@@ -156,10 +160,15 @@ class StepLoop:
             eos_token_ids=self.eos_token_ids,
             deadlines=deadlines or Deadlines(),
             lora_id=lora_id,
+            tenant=tenant,
         )
         req.text = RequestTextState(self.tokenizer, params.stop)
         self.scheduler.add(req)
         return len(ids)
+
+    def set_tenant_weights(self, weights: dict[str, float]) -> None:
+        """See EngineProtocol.set_tenant_weights."""
+        self.scheduler.fair.set_weights(weights)
 
     def _lora_id(self, name: str | None) -> int:
         if name is None:

@@ -7,8 +7,11 @@ waiting in all (before it first ran, and after each preemption), never past leve
 already below 0 stays where it is). While a request runs its wait does not grow, so its level holds:
 a batch request that waited `2 * aging_s` runs as an interactive one and is not preempted for one.
 
-**Order.** `key(r) = (effective priority, arrival time, request id)`, smallest first. The arrival time
-is the client's (given by the caller), and a preempted request keeps it: it keeps its place in line.
+**Order.** `key(r) = (effective priority, its tenant holds its seat share, its tenant's service, arrival
+time, request id)`, smallest first. The service is the tenant's virtual token counter and the seat share
+its part of max_num_seqs (engine/sched/fair_share.py; with one tenant neither changes the order), so inside
+a level tenants under their share of the seats go first, then the least served. The arrival time is the client's (given by
+the caller), and a preempted request keeps it: it keeps its place in line.
 - Waiting requests start in key order, strictly: none starts before an earlier one that cannot.
 - The step's token budget is spent in key order over running and waiting requests together, so a long
   low-priority prefill is chunked behind more important work instead of holding the step.
@@ -16,9 +19,11 @@ is the client's (given by the caller), and a preempted request keeps it: it keep
   `outranks` it: a strictly better effective priority, and another priority of its own. Equal
   effective priorities never preempt each other, and neither do requests of one priority (lane):
   inside a lane the oldest waiting request simply gets the next free seat, so taking a running
-  request's seat would only trade one wait for another and pay a recompute. The victim is the least
-  important running request; ties go to the one with the least computed work, then the latest
-  arrival (`victim_key`, largest first).
+  request's seat would only trade one wait for another and pay a recompute. The one exception is
+  between tenants: at one effective level, a request of a tenant under its share of the seats takes
+  the seat of a tenant over its own (fair_share.py). The victim is the least
+  important running request; ties go to the most served tenant's, then the one with the least computed
+  work, then the latest arrival (`victim_key`, largest first).
 
 **Churn.** Each preemption needs a strictly more important request of another lane, and levels only
 ever improve (while waiting) and stop at 0. A preempted request can take its place back from its
@@ -31,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.request import Request, RequestStatus
+from engine.sched.fair_share import FairShare
 
 TOP_LEVEL = 0  # aging lifts a request up to this level (the server's interactive lane), no further
 
@@ -38,6 +44,8 @@ TOP_LEVEL = 0  # aging lifts a request up to this level (the server's interactiv
 @dataclass(frozen=True)
 class PriorityPolicy:
     aging_s: float = 0.0  # seconds of waiting per level gained; 0 turns aging off
+    # Tenants' service counters (engine/sched/fair_share.py): the order inside a level; None: one tenant
+    fair: FairShare | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.aging_s, bool) or not isinstance(self.aging_s, (int, float)) or not self.aging_s >= 0:
@@ -51,14 +59,24 @@ class PriorityPolicy:
         levels = int(waited // self.aging_s)
         return max(min(req.priority, TOP_LEVEL), req.priority - levels)
 
-    def key(self, req: Request, now: float) -> tuple[int, float, str]:
-        """The one order: smaller runs first."""
-        return (self.effective_priority(req, now), req.arrival_time, req.request_id)
+    def service(self, req: Request) -> float:
+        """The service counter of req's tenant (0 without fair share)."""
+        return 0.0 if self.fair is None else self.fair.counter(req.tenant)
 
-    def victim_key(self, req: Request, now: float) -> tuple[int, int, float]:
+    def key(self, req: Request, now: float) -> tuple[int, bool, float, float, str]:
+        """The one order: smaller runs first."""
+        full = self.fair is not None and self.fair.at_share(req.tenant)
+        return (self.effective_priority(req, now), full, self.service(req), req.arrival_time, req.request_id)
+
+    def victim_key(self, req: Request, now: float) -> tuple[int, float, int, float]:
         """Among running requests, the largest is preempted first."""
-        return (self.effective_priority(req, now), -req.num_computed_tokens, req.arrival_time)
+        return (self.effective_priority(req, now), self.service(req), -req.num_computed_tokens, req.arrival_time)
 
     def outranks(self, a: Request, b: Request, now: float) -> bool:
-        """Whether a may take b's place: a strictly better effective priority, and not b's own priority."""
-        return a.priority != b.priority and self.effective_priority(a, now) < self.effective_priority(b, now)
+        """Whether a may take b's place: a strictly better effective priority, and not b's own priority;
+        or, at the same effective priority, a's tenant under its seat share and b's over its own
+        (engine/sched/fair_share.py)."""
+        ea, eb = self.effective_priority(a, now), self.effective_priority(b, now)
+        if a.priority != b.priority and ea < eb:
+            return True
+        return ea == eb and self.fair is not None and self.fair.outranks(a.tenant, b.tenant)

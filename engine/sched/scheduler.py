@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from engine.api import Deadline, FinishReason, PreemptionCause
 from engine.kv.block_manager import BlockManager
 from engine.request import Request, RequestStatus
+from engine.sched.fair_share import FairShare
 from engine.sched.ordering import PriorityPolicy
 from engine.sched.outputs import ScheduledRequest, SchedulerOutput
 from engine.sched.waiting_queue import WaitingQueue
@@ -40,6 +41,10 @@ class SchedulerConfig:
     # Most distinct LoRA adapters among running requests (their device copies, engine/lora/registry.py);
     # a waiting request on another adapter waits for one to finish. None: LoRA off.
     max_loras: int | None = None
+    # Fair share between tenants (engine/sched/fair_share.py): weights by tenant name (others: 1), and
+    # whether a tenant under its seat share takes a seat from one over it in the same lane
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    fair_seats: bool = True
 
 
 class Scheduler:
@@ -47,7 +52,8 @@ class Scheduler:
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.config = config
         self.blocks = block_manager
-        self.policy = PriorityPolicy(config.aging_s)
+        self.fair = FairShare(dict(config.tenant_weights), max_seats=config.max_num_seqs if config.fair_seats else None)
+        self.policy = PriorityPolicy(config.aging_s, self.fair)
         self.clock = clock  # the callers' clock: arrival times and deadlines are read on it
         self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
@@ -66,6 +72,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self.fair.arrived(request.tenant)
         request.waiting_since = request.arrival_time
         self.waiting.add(request)
         self._deadlines.add(request)
@@ -74,12 +81,14 @@ class Scheduler:
         """End a request (any state): free its blocks at once and forget it."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self.fair.unseated(request.tenant)
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         self.blocks.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self.fair.left(request.tenant)
         self._deadlines.compact(len(self.requests))
         if isinstance(self.proposer, LearningProposer):  # suffix decoding caches what it generated
             self.proposer.finished(request)
@@ -100,6 +109,7 @@ class Scheduler:
     def preempt(self, victim: Request, cause: PreemptionCause, now: float) -> None:
         """Free a running request's blocks and queue it again (same arrival: same place in line)."""
         self.running.remove(victim)
+        self.fair.unseated(victim.tenant)
         self.blocks.free(victim)
         victim.status = RequestStatus.WAITING
         victim.waiting_since = now
@@ -116,8 +126,13 @@ class Scheduler:
         """Mark this step's tokens computed and register newly full blocks in the prefix cache. Draft
         tokens are not counted: `settle_drafts` adds the accepted ones once they are appended."""
         for s in out.scheduled:
-            s.request.num_computed_tokens = s.start + s.num_tokens - len(s.draft_token_ids)
-            self.blocks.register_computed_blocks(s.request)
+            req = s.request
+            req.num_computed_tokens = s.start + s.num_tokens - len(s.draft_token_ids)
+            self.blocks.register_computed_blocks(req)
+            # its tenant's service: prompt tokens computed for the first time, and the token sampled
+            prompt = max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - req.num_charged_prompt_tokens)
+            req.num_charged_prompt_tokens += prompt
+            self.fair.charge(req.tenant, prompt, 1 if s.sample else 0)
 
     def record_step_time(self, out: SchedulerOutput, elapsed_s: float, emitted_tokens: int) -> None:
         """Feed a finished step's time to the speculation gate, when every row of it was a decode."""
@@ -133,6 +148,7 @@ class Scheduler:
         and the request's acceptance rate (its next draft length) is updated."""
         req = s.request
         req.num_computed_tokens += accepted
+        self.fair.charge(req.tenant, 0, accepted)
         self.blocks.truncate(req)
         self.blocks.register_computed_blocks(req)
         update_acceptance(req, len(s.draft_token_ids), accepted)
@@ -148,6 +164,8 @@ class _StepPlanner:
         self.out = out
         self.budget = sched.config.max_num_batched_tokens
         self.preempted_now: set[str] = set()  # preempted in this step: not started again in it
+        self._head: Request | None = None  # the waiting queue's head as of _head_version
+        self._head_version: tuple[int, int] | None = None
         self.best: int | None = None  # the most important effective priority scheduled so far this step
         # Whether decodes may carry drafts in this step: not in a large batch (disable_by_batch_size)
         spec = sched.config.speculative
@@ -172,7 +190,7 @@ class _StepPlanner:
             while i < len(running) and running[i].status != RequestStatus.RUNNING:
                 i += 1  # preempted earlier in this step
             r = running[i] if i < len(running) else None
-            w = None if waiting_blocked else self.s.waiting.peek(self.now)
+            w = None if waiting_blocked else self._waiting_head()
             if r is None and w is None:
                 break
             if w is not None and (r is None or self._key(w) < self._key(r)):
@@ -182,7 +200,15 @@ class _StepPlanner:
                 self._continue(r)
         self._count_budget_deferrals()
 
-    def _key(self, req: Request) -> tuple[int, float, str]:
+    def _waiting_head(self) -> Request | None:
+        """waiting.peek(), again only once the queue or the seats changed: the walk asks after every
+        running request it continues, and a peek costs O(priorities x tenants)."""
+        version = (self.s.waiting.changes, self.s.fair.changes)
+        if version != self._head_version:
+            self._head, self._head_version = self.s.waiting.peek(self.now), version
+        return self._head
+
+    def _key(self, req: Request) -> tuple[int, bool, float, float, str]:
         return self.policy.key(req, self.now)
 
     def _top_level(self) -> int | None:
@@ -251,12 +277,16 @@ class _StepPlanner:
         self.s.waiting.remove(req)
         req.waited_s += max(0.0, self.now - req.waiting_since)
         self.s.blocks.acquire_cached_prefix(req, cached)
+        # a prefix served from the cache is not service: its tenant is charged for what is computed
+        req.num_charged_prompt_tokens = max(req.num_charged_prompt_tokens,
+                                            min(req.num_computed_tokens, req.num_prompt_tokens))
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = req.num_computed_tokens
         if not self.s.blocks.allocate(req, n):
             raise RuntimeError("block allocation failed after _fits said yes")
         req.status = RequestStatus.RUNNING
         self.s.running.append(req)
+        self.s.fair.seated(req.tenant)
         if not req.started:
             req.started = True
             self.out.started.append(req)

@@ -1,9 +1,10 @@
 """The waiting requests, in the order of engine/sched/ordering.py, without sorting them all every step.
 
-Inside one priority, requests that never ran wait since their arrival, so arrival order is also their
-effective order: one heap per priority by (arrival, id) holds them, and its head is that priority's
-best. Preempted requests wait since their preemption, which breaks that; they are few (one per
-preemption not yet resumed) and are compared one by one. `peek` costs O(priorities + preempted).
+Inside one priority and one tenant, requests that never ran wait since their arrival and share their
+tenant's service counter, so arrival order is also their effective order: one heap per (priority,
+tenant) by (arrival, id) holds them, and its head is that pair's best. Preempted requests wait since
+their preemption, which breaks that; they are few (one per preemption not yet resumed) and are compared
+one by one. `peek` costs O(priorities x tenants waiting + preempted).
 """
 
 from __future__ import annotations
@@ -18,29 +19,37 @@ from engine.sched.ordering import PriorityPolicy
 class WaitingQueue:
     def __init__(self, policy: PriorityPolicy) -> None:
         self._policy = policy
-        # priority -> heap of (arrival, id, request) for requests never preempted; lazy removal
-        self._fresh: dict[int, list[tuple[float, str, Request]]] = {}
+        # (priority, tenant) -> heap of (arrival, id, request) for requests never preempted; lazy removal
+        self._fresh: dict[tuple[int, str], list[tuple[float, str, Request]]] = {}
         self._resumed: dict[str, Request] = {}  # preempted, waiting again
         self._members: dict[str, Request] = {}  # everything queued (both kinds)
+        self.changes = 0  # bumped by every add and remove (callers cache peek() by it)
 
     def add(self, req: Request) -> None:
         """Queue req. A request that ran before (num_preemptions > 0) goes to the resumed set."""
         if req.request_id in self._members:
             raise ValueError(f"request {req.request_id!r} is already queued")
         self._members[req.request_id] = req
+        self.changes += 1
         if req.num_preemptions:
             self._resumed[req.request_id] = req
         else:
-            heapq.heappush(self._fresh.setdefault(req.priority, []), (req.arrival_time, req.request_id, req))
+            key = (req.priority, req.tenant)
+            heapq.heappush(self._fresh.setdefault(key, []), (req.arrival_time, req.request_id, req))
 
     def peek(self, now: float) -> Request | None:
         """The waiting request that runs next, left in place."""
         best: Request | None = None
         best_key = None
-        for heap in self._fresh.values():
+        empty = []
+        for key, heap in self._fresh.items():
             self._drop_dead(heap)
             if heap:
                 best, best_key = _better(self._policy, heap[0][2], now, best, best_key)
+            else:
+                empty.append(key)
+        for key in empty:  # a tenant's heap goes when it drains: tenants come and go
+            del self._fresh[key]
         for req in self._resumed.values():
             best, best_key = _better(self._policy, req, now, best, best_key)
         return best
@@ -50,6 +59,7 @@ class WaitingQueue:
         if self._members.get(req.request_id) is not req:
             return False
         del self._members[req.request_id]
+        self.changes += 1
         self._resumed.pop(req.request_id, None)  # a fresh one stays in its heap until it surfaces
         return True
 

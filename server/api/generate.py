@@ -25,7 +25,7 @@ from server.http.errors import ApiError, validation_to_api_error
 from server.http.json_limits import check_depth
 from server.ops.feedback import RecordKey
 from server.prompt.codec import PromptCodec, check_prompt_bytes
-from server.serving.dispatch import cache_scope, picked, request_owner
+from server.serving.dispatch import cache_scope, picked, request_owner, request_tenant
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Completed, Handle
 from server.serving.runtime import Runtime
@@ -52,7 +52,8 @@ async def generate(request: Request) -> Response:
         request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
         req = GenerationRequest(request_id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
                                 body.cache, cache_scope(rt, request, body.user),
-                                record=RecordKey(request_owner(rt, request, body.user), request_id))  # fmt: skip
+                                record=RecordKey(request_owner(rt, request, body.user), request_id),
+                                tenant=request_tenant(rt, request))  # fmt: skip
         handles = await start_choices(rt, request, lease, [[req]])
     return await respond(rt, request, handles, NativeShape(body.logprobs is not None), body.stream)
 

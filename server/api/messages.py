@@ -40,7 +40,7 @@ from server.prompt.chat import ChatMessage, with_reasoning_effort
 from server.prompt.reasoning import plan_reasoning
 from server.prompt.structured import behind_reasoning, with_grammar
 from server.prompt.tools import ToolFields
-from server.serving.dispatch import cache_scope, picked, request_owner
+from server.serving.dispatch import cache_scope, picked, request_owner, request_tenant
 from server.serving.gateway import GenerationRequest
 
 router = APIRouter(prefix="/v1")
@@ -278,7 +278,8 @@ async def messages(request: Request, call: MessagesCall) -> Response:
         shape = MessageShape(lease.served_name(slot.name), tools, list(params.stop), dep.codec, reasoning)
         req = GenerationRequest(shape.id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
                                 body.cache, cache_scope(rt, request, user), max_tokens_field="max_tokens",
-                                record=RecordKey(request_owner(rt, request, user), shape.id))  # fmt: skip
+                                record=RecordKey(request_owner(rt, request, user), shape.id),
+                                tenant=request_tenant(rt, request))  # fmt: skip
         handles = await start_choices(rt, request, lease, [[req]])
     return await respond(rt, request, handles, shape, body.stream)
 

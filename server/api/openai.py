@@ -32,7 +32,7 @@ from server.prompt.reasoning import plan_reasoning
 from server.prompt.structured import GrammarRequest, behind_reasoning, requested_grammar, with_grammar
 from server.prompt.tools import plan_tools
 from server.serving.deployment import Lease
-from server.serving.dispatch import cache_scope, picked, request_owner
+from server.serving.dispatch import cache_scope, picked, request_owner, request_tenant
 from server.serving.gateway import GenerationRequest, precheck
 from server.serving.handle import Handle
 from server.serving.runtime import Runtime
@@ -193,12 +193,14 @@ async def _start(rt: Runtime, request: Request, body: OpenAIFields, prompts: lis
     n = body.choices_per_prompt
     _check_choices(len(prompts), n)
     scope, owner = cache_scope(rt, request, body.user), request_owner(rt, request, body.user)
+    tenant = request_tenant(rt, request)
 
     def choice(p: int, j: int) -> GenerationRequest:
         index = p * n + j
         rid = response_id if len(prompts) * n == 1 else f"{response_id}-{index}"  # the engine's id
         return GenerationRequest(rid, prompts[p], sample_params(params, j), body.lane(), body.timeout_s,
                                  body.first_token_timeout_s, body.cache, scope, max_tokens_field=max_tokens_field,
-                                 record=RecordKey(owner, response_id, index))  # rated as (response id, choice)
+                                 record=RecordKey(owner, response_id, index),  # rated as (response id, choice)
+                                 tenant=tenant)
 
     return await start_choices(rt, request, lease, [[choice(p, j) for j in range(n)] for p in range(len(prompts))])

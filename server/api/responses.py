@@ -42,7 +42,7 @@ from server.prompt.reasoning import ReasoningPlan, plan_reasoning
 from server.prompt.structured import behind_reasoning, with_grammar
 from server.prompt.tool_parser import ToolCall, ToolParser
 from server.prompt.tools import ToolFields, ToolPlan
-from server.serving.dispatch import cache_scope, picked, request_owner
+from server.serving.dispatch import cache_scope, picked, request_owner, request_tenant
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Completed, Handle
 from server.serving.ticket import Finished, Ticket, Tokens
@@ -244,7 +244,8 @@ async def responses(request: Request, call: ResponsesCall) -> Response:
         shape = ResponseShape(body, lease.served_name(slot.name), dep.version, tools, reasoning, dep.codec.decode)
         req = GenerationRequest(shape.id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
                                 body.cache, cache_scope(rt, request, body.user), max_tokens_field="max_output_tokens",
-                                record=RecordKey(request_owner(rt, request, body.user), shape.id))  # fmt: skip
+                                record=RecordKey(request_owner(rt, request, body.user), shape.id),
+                                tenant=request_tenant(rt, request))  # fmt: skip
         handles = await start_choices(rt, request, lease, [[req]])
     return await respond(rt, request, handles, shape, body.stream)
 

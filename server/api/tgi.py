@@ -33,7 +33,7 @@ from server.http.errors import ApiError
 from server.http.numbers import MAX_INT
 from server.ops.feedback import RecordKey
 from server.prompt.codec import PromptCodec, check_prompt_bytes
-from server.serving.dispatch import cache_scope, picked, request_owner
+from server.serving.dispatch import cache_scope, picked, request_owner, request_tenant
 from server.serving.gateway import GenerationRequest
 from server.serving.handle import Completed, Handle
 from server.serving.ticket import Finished, Tokens
@@ -161,7 +161,8 @@ async def _generate(request: Request, call: Call[TGIRequest], stream: bool | Non
         rid = f"tgi-{uuid.uuid4().hex}"
         req = GenerationRequest(rid, ids, params, scope=cache_scope(rt, request, None),
                                 max_tokens_field="parameters.max_new_tokens",
-                                record=RecordKey(request_owner(rt, request, None), rid))  # fmt: skip
+                                record=RecordKey(request_owner(rt, request, None), rid),
+                                tenant=request_tenant(rt, request))  # fmt: skip
         handles = await start_choices(rt, request, lease, [[req]])
     shape = TGIShape(dep.codec, body, ids, as_list)
     return await respond(rt, request, handles, shape, body.stream if stream is None else stream)

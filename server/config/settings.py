@@ -25,6 +25,7 @@ from engine.config.lora import LoraConfig
 from engine.config.speculative import SpeculativeConfig
 from server.config.lanes import Lane, LaneBounds, LaneDeadlines
 from server.config.lora import parse_lora_modules
+from server.config.tenants import TenantConfig, check_tenants
 from server.config.units import parse_size, parse_token_count
 from server.config.versions import ModelEntry, check_version, parse_entries
 from server.config.vllm_flags import VLLM_DTYPES
@@ -200,6 +201,10 @@ class ServerSettings(BaseSettings):
     admin_api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="keys of the admin API (/admin/*), comma-separated; none: admin API off"
     )
+    tenants: list[TenantConfig] = Field(
+        default_factory=list, description="YAML: a list of {name, keys, weight, tokens_per_minute, "
+        "requests_per_minute, max_concurrent}: fair share and quotas by API key (docs/OPERATIONS.md \"Tenants\")"
+    )  # fmt: skip
     keep_previous_s: float = Field(0.0, ge=0, description="after a promote, keep the drained old version loaded this long (rollback)")
     version_drain_timeout_s: float = Field(300.0, gt=0, description="in-flight requests of a replaced version get this long")
     probe_prompt: str = Field("The capital of France is", min_length=1, description="prompt of a new version's probe")
@@ -292,6 +297,17 @@ class ServerSettings(BaseSettings):
             _check_api_key(key, info.field_name)
         return value
 
+    @field_validator("tenants", mode="before")
+    @classmethod
+    def _parse_tenants(cls, value: Any) -> Any:
+        """--tenants / TOKENMILL_TENANTS take the YAML list as JSON (the YAML file keeps keys out of `ps`)."""
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError:
+                raise ValueError("tenants: give a JSON list of {name, keys, ...} (or use the YAML file)") from None
+        return value
+
     @field_validator("models", mode="before")
     @classmethod
     def _split_models(cls, value: Any) -> Any:
@@ -310,6 +326,7 @@ class ServerSettings(BaseSettings):
             raise ValueError("give model or models, not both")
         if self.models and (self.served_model_name or self.model_version):
             raise ValueError("served_model_name and model_version go with model; a models entry names its own")
+        check_tenants(self.tenants, tuple(self.admin_api_keys))
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         return self
@@ -338,6 +355,7 @@ class ServerSettings(BaseSettings):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             aging_s=self.aging_s,
+            tenant_weights=tuple((t.name, t.weight) for t in self.tenants),
             outranked_chunk_tokens=self.outranked_chunk_tokens,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
@@ -399,9 +417,19 @@ class ServerSettings(BaseSettings):
         )
 
     def accepted_api_keys(self) -> tuple[str, ...]:
-        """Every key that opens the API; empty means no authentication."""
+        """Every key that opens the API; empty means no authentication. Tenant keys open it too, but
+        do not close it: with tenants and no api_key, a request without a key is the default tenant's."""
         keys = ([self.api_key] if self.api_key else []) + list(self.api_keys)
-        return tuple(dict.fromkeys(keys))
+        return tuple(dict.fromkeys(keys + list(self.tenant_keys()))) if keys else ()
+
+    def keyed(self) -> bool:
+        """Whether requests are told apart by key (API keys or tenant keys configured): the response
+        cache's scope and feedback's owner then include the key."""
+        return bool(self.accepted_api_keys() or self.tenant_keys())
+
+    def tenant_keys(self) -> dict[str, str]:
+        """Each tenant key -> its tenant's name."""
+        return {key: t.name for t in self.tenants for key in t.keys}
 
     def accepted_admin_keys(self) -> tuple[str, ...]:
         """Every key that opens the admin API; empty means it is off."""

@@ -59,6 +59,7 @@ class RequestRecord:
     owner: str = ""  # RecordKey.owner
     choice: int = 0  # the choice's index in its response
     lora: str | None = None  # the LoRA adapter it ran on (its `model`); None: the base model
+    tenant: str = "default"  # who it was billed to (server/config/tenants.py)
 
     @property
     def key(self) -> RecordKey:
@@ -102,10 +103,11 @@ class RequestRecords:
         return found[0]
 
 
-# Version 2 (PRAGMA user_version): lora, the adapter the request ran on (NULL: the base model).
+# Version 3 (PRAGMA user_version): tenant, who the request was billed to ('default' before).
+# Version 2: lora, the adapter the request ran on (NULL: the base model).
 # Version 1: owner and choice; one rating per (owner, request_id, choice); _migrate adds lora.
 # Version 0 had request_id UNIQUE and neither column: _migrate rebuilds it.
-_SCHEMA_VERSION = 2
+_SCHEMA_VERSION = 3
 _TABLE = """
 CREATE TABLE IF NOT EXISTS feedback (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -131,6 +133,7 @@ CREATE TABLE IF NOT EXISTS feedback (
     owner TEXT NOT NULL DEFAULT '',
     choice INTEGER NOT NULL DEFAULT 0,
     lora TEXT,
+    tenant TEXT NOT NULL DEFAULT 'default',
     UNIQUE (owner, request_id, choice)
 );
 """
@@ -192,7 +195,8 @@ def _connect(path: str) -> sqlite3.Connection:
 def _migrate(conn: sqlite3.Connection) -> None:
     """Bring a database of an older version to _SCHEMA_VERSION in one transaction. Version 0 rows keep
     their ids and columns and get owner '' and choice 0 (whose they were was not stored); rows of
-    versions 0 and 1 get lora NULL (adapters were not served then: the base model's)."""
+    versions 0 and 1 get lora NULL (adapters were not served then: the base model's), and rows before
+    version 3 tenant 'default'."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         columns = [row[1] for row in conn.execute("PRAGMA table_info(feedback)")]
@@ -203,8 +207,11 @@ def _migrate(conn: sqlite3.Connection) -> None:
             names = ", ".join(columns)
             conn.execute(f"INSERT INTO feedback ({names}) SELECT {names} FROM feedback_v0")
             conn.execute("DROP TABLE feedback_v0")
-        elif columns and "lora" not in columns:
-            conn.execute("ALTER TABLE feedback ADD COLUMN lora TEXT")
+        else:
+            if columns and "lora" not in columns:
+                conn.execute("ALTER TABLE feedback ADD COLUMN lora TEXT")
+            if columns and "tenant" not in columns:
+                conn.execute("ALTER TABLE feedback ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default'")
         conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
         conn.execute("COMMIT")
     except BaseException:

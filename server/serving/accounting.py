@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.api import Deadline
 from server.ops.feedback import RequestRecord, RequestRecords
+from server.ops.tenant_metrics import TenantMetrics
 from server.serving.ticket import Ticket
 
 if TYPE_CHECKING:
@@ -25,16 +26,19 @@ request_log = logging.getLogger("tokenmill.requests")
 class RequestAccounting:
     """Counts, logs and records ended requests. `log_prompts`: log lines carry prompt and output ids."""
 
-    def __init__(self, records: RequestRecords, log_prompts: bool = False) -> None:
+    def __init__(self, records: RequestRecords, log_prompts: bool = False,
+                 tenant_metrics: TenantMetrics | None = None) -> None:  # fmt: skip
         self.records = records
         self._log_prompts = log_prompts
+        self.tenant_metrics = tenant_metrics
 
     def rejected(self, dep: Deployment, ticket: Ticket, rejection: Rejection) -> None:
         """A request its lane refused (429): counted and logged, not recorded (nothing to rate)."""
         dep.metrics.observe_rejected(ticket.lane, rejection.reason)
         request_log.info(json.dumps({
             "event": "request", "id": ticket.request_id, "model": dep.name, "version": dep.version,
-            "lane": ticket.lane.label, "status": "rejected", "reason": rejection.reason, "finish_reason": None,
+            "lane": ticket.lane.label, "tenant": ticket.tenant, "status": "rejected", "reason": rejection.reason,
+            "finish_reason": None,
             "prompt_tokens": len(ticket.prompt_token_ids), "retry_after_s": rejection.retry_after_s,
         }))  # fmt: skip
 
@@ -64,7 +68,7 @@ class RequestAccounting:
             "lane": ticket.lane.label, "status": status, "reason": reason, "finish_reason": ticket.finish_reason,
             "prompt_tokens": len(ticket.prompt_token_ids), "completion_tokens": ticket.completion_tokens,
             "cached_tokens": ticket.cached_tokens, **timing, "kv_blocks_peak": ticket.kv_blocks_peak,
-            "response_cached": cached, "lora": ticket.params.lora_name,
+            "response_cached": cached, "lora": ticket.params.lora_name, "tenant": ticket.tenant,
         }  # fmt: skip
         if ticket.error is not None:
             line["error"] = ticket.error.message
@@ -72,12 +76,15 @@ class RequestAccounting:
             line["prompt_token_ids"] = ticket.prompt_token_ids
             line["output_token_ids"] = ticket.output_token_ids
         request_log.info(json.dumps(line))
+        if self.tenant_metrics is not None:
+            self.tenant_metrics.observe_choice(ticket.tenant, len(ticket.prompt_token_ids), ticket.completion_tokens,
+                                               timing["queue_s"], ticket.record_key.choice == 0)  # fmt: skip
         key = ticket.record_key
         self.records.put(RequestRecord(
             key.request_id, dep.name, dep.version, ticket.lane.label, status, ticket.finish_reason,
             len(ticket.prompt_token_ids), ticket.completion_tokens, ticket.cached_tokens, timing["queue_s"],
             timing["ttft_s"], timing["e2e_s"], ticket.kv_blocks_peak, ticket.preemptions, cached, time.time(),
-            owner=key.owner, choice=key.choice, lora=ticket.params.lora_name,
+            owner=key.owner, choice=key.choice, lora=ticket.params.lora_name, tenant=ticket.tenant,
         ))  # fmt: skip
 
 

@@ -43,14 +43,19 @@ async def picked(rt: Runtime, model: str | None) -> AsyncIterator[tuple[ModelSlo
 def cache_scope(rt: Runtime, request: Request, user: str | None) -> str:
     """Whose response-cache entries a request may see: its API key's (unless response_cache_scope is
     global) and its `user`'s; "" when neither applies (shared)."""
-    return _principal(request, rt.settings.response_cache_scope == "api_key" and bool(rt.settings.accepted_api_keys()),
+    return _principal(request, rt.settings.response_cache_scope == "api_key" and rt.settings.keyed(),
                       user)  # fmt: skip
 
 
 def request_owner(rt: Runtime, request: Request, user: str | None) -> str:
     """Whose request this is, for feedback (server/ops/feedback.py RecordKey): its API key's (when the
     server has keys) and its `user`'s; "" when neither applies (a server without keys, no `user`)."""
-    return _principal(request, bool(rt.settings.accepted_api_keys()), user)
+    return _principal(request, rt.settings.keyed(), user)
+
+
+def request_tenant(rt: Runtime, request: Request) -> str:
+    """The tenant the request's key reaches (server/serving/tenants.py); the default tenant otherwise."""
+    return rt.tenants.resolve(request_key(request.headers))
 
 
 def _principal(request: Request, by_key: bool, user: str | None) -> str:

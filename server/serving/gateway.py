@@ -8,6 +8,7 @@ server accepts requests at all is checked once per request, before any of this (
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -16,9 +17,12 @@ from fastapi import Request
 
 from engine.api import SamplingParams
 from server.config.lanes import Lane
+from server.config.tenants import DEFAULT_TENANT
 from server.http.errors import ApiError
 from server.ops.feedback import RecordKey
+from server.serving.accounting import request_log
 from server.serving.handle import Completed
+from server.serving.tenants import TenantUnit
 from server.serving.ticket import Collector, Event, Finished, ServerError, Started, Ticket, Tokens
 from server.serving.worker import DuplicateRequestId, WorkerUnavailable
 
@@ -44,6 +48,7 @@ class GenerationRequest:
     scope: str = ""  # whose cache entries it may see (server/serving/dispatch.py cache_scope)
     max_tokens_field: str = "max_tokens"  # the body's name for max_tokens, as errors name it
     record: RecordKey | None = None  # whose request it is and the id feedback rates it by; None: request_id
+    tenant: str = DEFAULT_TENANT  # who it is billed to (server/serving/tenants.py request_tenant)
 
 
 def admit_unit(runtime: Runtime, choices: Sequence[tuple[Lease, GenerationRequest]], held: Collection[int] = (),
@@ -54,8 +59,9 @@ def admit_unit(runtime: Runtime, choices: Sequence[tuple[Lease, GenerationReques
     request's share of the engine's seats (`seat_share`) run one priority level lower, so another
     client's request starts promptly. Choices whose positions are in `held` wait for their handle's
     release(). `size`: the request's choices, these and any the response cache answered (default: these).
+    The unit is charged to its tenant's quotas first (server/serving/tenants.py).
     Takes over the leases. Raises ApiError: 400 (empty or too long; a unit its lane can
-    never hold, naming `param`), 409 (request_id in flight), 429 (lane full), 503 (not serving)."""
+    never hold, naming `param`), 409 (request_id in flight), 429 (lane full, or a tenant quota), 503 (not serving)."""
     dep = choices[0][0].deployment
     for _, req in choices:
         check_context(dep.max_model_len, len(req.prompt_token_ids), req.params.max_tokens, req.max_tokens_field)
@@ -68,8 +74,31 @@ def admit_unit(runtime: Runtime, choices: Sequence[tuple[Lease, GenerationReques
     for t in tickets:
         t.choices = size or len(tickets)
     _check_unit_fits(dep, lane, sum(t.tokens for t in tickets), len(tickets), param)
-    _submit(runtime, dep, tickets, {tickets[k].request_id for k in held})
+    prompt_tokens = sum(len(t.prompt_token_ids) for t in tickets)
+    unit = _charge_tenant(runtime, tickets[0], prompt_tokens, len(tickets))
+    for t in tickets:
+        t.tenant_unit = unit
+    try:
+        _submit(runtime, dep, tickets, {tickets[k].request_id for k in held})
+    except ApiError as exc:
+        runtime.tenants.refund(unit, prompt_tokens)
+        if exc.status == 429:
+            runtime.tenant_metrics.observe_rejected(tickets[0].tenant, "lane_full")
+        raise
     return [RequestHandle(runtime, ticket, lease) for ticket, (lease, _) in zip(tickets, choices, strict=True)]
+
+
+def _charge_tenant(runtime: Runtime, ticket: Ticket, prompt_tokens: int, members: int) -> TenantUnit:
+    """Charge a unit to its tenant's quotas; ApiError 429 naming the tenant and the quota when one refuses."""
+    got = runtime.tenants.admit(ticket.tenant, prompt_tokens, members)
+    if isinstance(got, TenantUnit):
+        return got
+    runtime.tenant_metrics.observe_rejected(got.tenant, got.reason)
+    request_log.info(json.dumps({"event": "request", "id": ticket.request_id, "tenant": got.tenant,
+                                 "lane": ticket.lane.label, "status": "rejected", "reason": got.reason,
+                                 "prompt_tokens": prompt_tokens, "retry_after_s": got.retry_after_s}))  # fmt: skip
+    raise ApiError(429, "rate_limited", got.message, headers={"Retry-After": str(got.retry_after_s)},
+                   extra={"tenant": got.tenant, "quota": got.reason}, accounted=True)  # fmt: skip
 
 
 def _check_unit_fits(dep: Deployment, lane: Lane, total: int, count: int, param: str) -> None:
@@ -103,6 +132,7 @@ def _ticket(runtime: Runtime, req: GenerationRequest, lane: Lane, priority: int 
         timeout_s=req.timeout_s or defaults.total_s,
         record=req.record,
         priority=priority,
+        tenant=req.tenant,
     )
 
 

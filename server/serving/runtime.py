@@ -21,6 +21,7 @@ from server.config.settings import DRAIN_FLUSH_S, ServerSettings
 from server.config.versions import ModelSpec
 from server.ops.feedback import FeedbackStore, RequestRecords
 from server.ops.metrics import CacheStats, ServerMetrics, VersionSnapshot
+from server.ops.tenant_metrics import TenantMetrics
 from server.prompt.codec import PromptCodec
 from server.serving.accounting import RequestAccounting
 from server.serving.adapters import AdapterSync
@@ -31,6 +32,7 @@ from server.serving.readiness import Readiness
 from server.serving.registry import ModelRegistry, ModelSlot
 from server.serving.response_cache import CacheKey, ResponseCache
 from server.serving.rollout import Rollout
+from server.serving.tenants import Tenants
 from server.serving.ticket import ServerError
 from server.serving.worker import Worker
 
@@ -60,7 +62,9 @@ class Runtime:
         self.cache = ResponseCache(settings.response_cache_bytes, settings.response_cache_ttl_s,
                                    on_evict=self._on_evict)  # fmt: skip
         self.records = RequestRecords(settings.request_records, settings.request_record_ttl_s)
-        self.accounting = RequestAccounting(self.records, settings.log_prompts)
+        self.tenants = Tenants(settings.tenants)  # keys -> tenant, and their quotas
+        self.tenant_metrics = TenantMetrics(self.metrics.registry, self.tenants.names)
+        self.accounting = RequestAccounting(self.records, settings.log_prompts, self.tenant_metrics)
         self.feedback = feedback
         self.models = ModelRegistry()
         for spec, engine, aliases in initial:

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 from engine.api import Deadline, Deadlines, RequestOutput, SamplingParams
 from server.config.lanes import Lane
+from server.config.tenants import DEFAULT_TENANT
 from server.ops.feedback import RecordKey
+from server.serving.tenants import TenantUnit
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,8 @@ class Ticket:
     # its share of the engine's seats (server/serving/gateway.py admit_unit)
     priority: int | None = None
     choices: int = 1  # choices admitted with it as one unit (n, or prompts x n); what vllm:request_params_n reads
+    tenant: str = DEFAULT_TENANT  # who it is billed to (server/serving/tenants.py); the engine's fair share too
+    tenant_unit: TenantUnit | None = None  # its request's quota charge, settled when it ends (None: no quota book)
     # -- written by the worker; read by the route once Finished arrived -----------------------------------
     arrival: float = 0.0  # clock time it was admitted; the engine orders it and times its deadlines by it
     started_at: float | None = None  # the engine first scheduled it

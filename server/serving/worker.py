@@ -319,6 +319,7 @@ class Worker:
                 priority=ticket.engine_priority,
                 arrival_time=ticket.arrival,
                 deadlines=ticket.deadlines(),
+                tenant=ticket.tenant,
             )
         except InvalidParam as exc:
             self._finish(ticket, "error", ServerError("invalid_request", exc.message, 400, exc.field))
@@ -424,6 +425,8 @@ class Worker:
         ticket.finished_at = self._clock()
         ticket.finish_reason = reason
         ticket.error = error
+        if ticket.tenant_unit is not None:  # settled before the client hears of the end: its next request sees it
+            ticket.tenant_unit.member_done(ticket.completion_tokens)
         self._post(ticket, Finished(reason, error))
         try:
             self._on_finish(ticket)

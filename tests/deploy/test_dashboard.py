@@ -34,6 +34,11 @@ REQUIRED = [
     "Step time by phase p50 / p99",
     "Device memory",
     "Seconds since last step",
+    # tenants (docs/OPERATIONS.md "Tenants"): a row repeated per tenant
+    "Tenant requests/s",
+    "Tenant tokens/s",
+    "Tenant 429/s by reason",
+    "Tenant queue wait p99",
 ]
 
 
@@ -58,7 +63,9 @@ def test_dashboard_structure():
     assert "id" not in d or d["id"] is None  # provisioned dashboards get their id from Grafana
     variables = {v["name"]: v for v in d["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    for name in ("job", "instance"):
+    rows = [p for p in d["panels"] if p["type"] == "row" and p.get("repeat")]
+    assert [r["repeat"] for r in rows] == ["tenant"]  # one row per tenant
+    for name in ("job", "instance", "tenant"):
         assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids))

@@ -161,6 +161,7 @@ def substitute(expr: str, series: str = "tokenmill_") -> str:
     """A dashboard query as Grafana sends it, with this test's variable values (`series`: the Series
     variable, tokenmill_ or vllm:)."""
     out = expr.replace("$__rate_interval", RATE_WINDOW).replace("$job", "tokenmill").replace("$instance", ".*")
+    out = out.replace("$tenant", ".*")
     out = out.replace("${prefix}", series)
     assert "$" not in out, out
     return out
@@ -191,6 +192,7 @@ def test_every_dashboard_panel_returns_data(stack, series):
     assert errors == [] and empty == []
     # The load's outcomes show where they should.
     assert max(seen["429/s by lane"]) > 0
+    assert max(seen["Tenant 429/s by reason"]) > 0  # the lane's 429s, charged to the default tenant
     assert max(seen["Timeouts and cancellations/s"]) > 0
     assert max(seen["Prefix cache hit rate"]) > 0
     assert seen["Replicas up"] == [1.0]

@@ -88,14 +88,15 @@ class FakeEngine(StepLoop):
 
     def __init__(self, max_model_len: int = 512, max_num_seqs: int = 8, block_size: int = 4,
                  num_blocks: int = 1024, step_delay_s: float = 0.0, aging_s: float = 0.0,
-                 kv_event_sink: KVEventSink | None = None) -> None:  # fmt: skip
+                 kv_event_sink: KVEventSink | None = None,
+                 tenant_weights: tuple[tuple[str, float], ...] = ()) -> None:  # fmt: skip
         super().__init__(
             model_name="fake-model",
             tokenizer=FakeTokenizer(),
             runner=FakeRunner(),
             block_manager=BlockManager(num_blocks, block_size, record_events=kv_event_sink is not None),
             kv_event_sink=kv_event_sink,
-            scheduler_config=SchedulerConfig(max_num_seqs, 2048, aging_s),
+            scheduler_config=SchedulerConfig(max_num_seqs, 2048, aging_s, tenant_weights=tenant_weights),
             max_model_len=max_model_len,
             vocab_size=VOCAB,
             eos_token_ids=frozenset({EOS_ID}),

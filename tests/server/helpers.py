@@ -217,6 +217,10 @@ class Background:
     def post(self, tag: str, url: str, body: dict[str, Any], timeout: float = 60.0):
         return self._pool.submit(httpx.post, url, json=body, timeout=timeout)
 
+    def submit(self, fn: Callable[..., Any], *args: Any):
+        """Run fn(*args) in the pool; its future."""
+        return self._pool.submit(fn, *args)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 

@@ -126,7 +126,7 @@ def test_a_version_0_database_is_migrated_in_place(tmp_path):
 
     asyncio.run(scenario())
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
     indexes = {row[1] for row in conn.execute("PRAGMA index_list(feedback)")}
     assert "feedback_by_version" in indexes and not conn.execute(
         "SELECT name FROM sqlite_master WHERE name = 'feedback_v0'").fetchall()  # fmt: skip
@@ -169,7 +169,7 @@ def test_a_version_1_database_gets_the_lora_column(tmp_path):
 
     asyncio.run(scenario())
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
     conn.close()
 
 

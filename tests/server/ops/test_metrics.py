@@ -128,6 +128,11 @@ FAMILIES = {
     "tokenmill_http_accept_errors": "counter",
     "tokenmill_http_errors": "counter",
     "tokenmill_requests_waiting": "gauge",
+    "tokenmill_tenant_requests": "counter",
+    "tokenmill_tenant_prompt_tokens": "counter",
+    "tokenmill_tenant_generation_tokens": "counter",
+    "tokenmill_tenant_rejections": "counter",
+    "tokenmill_tenant_queue_time_seconds": "histogram",
     "tokenmill_cache_config_info": "gauge",
     "vllm:num_requests_waiting": "gauge",
     "vllm:num_requests_running": "gauge",
@@ -142,7 +147,8 @@ FAMILIES = {
     **VLLM_FAMILIES,
 }
 # Process-wide series: the only ones without `model` and `version` labels.
-PROCESS_WIDE = ("process_", "python_", "tokenmill_device_memory_", "tokenmill_http_")  # connections are the server's
+# connections are the server's, and tenants span every model (their one label: the tenant's name)
+PROCESS_WIDE = ("process_", "python_", "tokenmill_device_memory_", "tokenmill_http_", "tokenmill_tenant_")
 ROUTER = "vllm:"  # the model-server protocol's series: `model_name` instead (tests/server/ops/test_router_metrics.py)
 
 
