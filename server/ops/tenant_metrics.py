@@ -7,6 +7,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from server.ops.metrics import LATENCY_BUCKETS
 
+# why a tenant's request was refused: its quotas (server/serving/tenants.py), or its lane was full
+REASONS = ("tokens_per_minute", "requests_per_minute", "max_concurrent", "lane_full")
+
 
 class TenantMetrics:
     def __init__(self, registry: CollectorRegistry, tenants: list[str]) -> None:
@@ -21,9 +24,11 @@ class TenantMetrics:
         self.queue_time = Histogram("tokenmill_tenant_queue_time_seconds", "Arrival until a tenant's request "
                                     "left its lane (started, or ended while queued).", ["tenant"],
                                     buckets=LATENCY_BUCKETS, registry=registry)  # fmt: skip
-        for name in tenants:  # every configured tenant shows from the first scrape, at 0
+        for name in tenants:  # every configured tenant shows from the first scrape, at 0: rate() sees a burst
             for series in (self.requests, self.prompt_tokens, self.generation_tokens, self.queue_time):
                 series.labels(tenant=name)
+            for reason in REASONS:
+                self.rejections.labels(tenant=name, reason=reason)
 
     def observe_choice(self, tenant: str, prompt_tokens: int, generated_tokens: int, queue_s: float | None,
                        first: bool) -> None:  # fmt: skip
