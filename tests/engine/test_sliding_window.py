@@ -140,3 +140,15 @@ def test_speculative_verify_over_the_window_keeps_parity(build_model):
     assert mismatches([r.token_ids for r in res], ref.token_ids) == []
     assert engine.stats().spec_accepted_tokens > 10
     engine.check_integrity()
+
+
+def test_a_windowed_mistral_gguf_file_keeps_its_window(build_model, tmp_path):
+    """make_gguf writes it as `mistral` with mistral.attention.sliding_window (llama's metadata has no
+    window); the engine reads it back onto every layer and frees blocks as for the folder
+    (tests/engine/test_gguf_parity.py checks its tokens against transformers)."""
+    from engine.testing.make_gguf import write_gguf
+
+    path = write_gguf(build_model("tiny-mistral-swa"), tmp_path / "swa.gguf", "F32")
+    engine = make_engine(path)
+    assert [layer.self_attn.window for layer in engine.runner.model.model.layers] == [WINDOW] * 3
+    assert engine.scheduler.blocks.sliding_window == WINDOW
