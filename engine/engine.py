@@ -23,7 +23,7 @@ from engine.kv.cache import allocate_kv_cache
 from engine.kv.events import KVEventSink
 from engine.lora.loading import make_registry
 from engine.models import batch_invariant
-from engine.models.windows import uniform_window
+from engine.models.windows import layer_windows, uniform_window
 from engine.runner import startup
 from engine.runner.cuda_graphs import capture_graphs, graph_buckets, graphs_enabled
 from engine.runner.model_runner import ModelRunner
@@ -127,6 +127,12 @@ class Engine(StepLoop):
                 self.load_lora(name, path)
             except LoraError as exc:  # say which adapter
                 raise type(exc)(exc.field, f"lora module {name!r}: {exc.message}") from None
+        windows = [w for w in layer_windows(self.hf_config) if w is not None]
+        if windows:  # which layers attend through a window, and whether out-of-window blocks are freed
+            log.info("sliding window: %s tokens on %d of %d layers; KV blocks that left it: %s", max(windows),
+                     len(windows), len(layer_windows(self.hf_config)),
+                     "freed" if self.scheduler.blocks.sliding_window is not None
+                     else "kept (full-attention layers read them)")  # fmt: skip
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "
             "cuda graphs=%s, packed weights=%s, quantization=%s, CPU kernels: %s; small-batch linears: %s",
