@@ -152,3 +152,13 @@ def test_a_windowed_mistral_gguf_file_keeps_its_window(build_model, tmp_path):
     engine = make_engine(path)
     assert [layer.self_attn.window for layer in engine.runner.model.model.layers] == [WINDOW] * 3
     assert engine.scheduler.blocks.sliding_window == WINDOW
+
+
+def test_the_cpp_decode_loop_takes_windows_and_declines_soft_capping(build_model):
+    engine = make_engine(build_model("tiny-mistral-swa"), fused_decode=True)
+    model = engine.runner.model
+    assert model.model.fused_decode is not None and model.model.fused_decode.windows == [WINDOW] * 3
+    assert model.fused_decode_unsupported() is None
+    for layer in model.model.layers:  # as a Gemma 2 subclass sets it from its config
+        layer.self_attn.softcap = 50.0
+    assert model.fused_decode_unsupported() == "attention-logit soft-capping"
