@@ -34,10 +34,9 @@ def _triton_backend(splits):
     from engine.attention import triton_kernels as K
 
     if not K.INTERPRETED:  # imported earlier in this process without the interpreter: decorate again
-        importlib.reload(K)
+        importlib.reload(K)  # in place: triton_backend's K is this module object
     from engine.attention import triton_backend
 
-    importlib.reload(triton_backend)
     tiles = triton_backend.TritonTiles(decode_n=16, prefill_m=16, prefill_n=16)  # small: the interpreter is slow
     return triton_backend.TritonAttentionBackend(num_sms=4, tiles=tiles, num_splits=splits)
 
