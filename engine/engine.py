@@ -23,6 +23,7 @@ from engine.kv.cache import allocate_kv_cache
 from engine.kv.events import KVEventSink
 from engine.lora.loading import make_registry
 from engine.models import batch_invariant
+from engine.models.windows import layer_windows, uniform_window
 from engine.runner import startup
 from engine.runner.cuda_graphs import capture_graphs, graph_buckets, graphs_enabled
 from engine.runner.model_runner import ModelRunner
@@ -94,7 +95,8 @@ class Engine(StepLoop):
                                one_row_attention=config.deterministic),
             block_manager=BlockManager(num_blocks, self.block_size, config.enable_prefix_caching,
                                        record_events=kv_event_sink is not None,
-                                       event_hash_salt=secrets.randbits(64)),
+                                       event_hash_salt=secrets.randbits(64),
+                                       sliding_window=uniform_window(self.hf_config)),
             scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.aging_s,
                                              config.outranked_chunk_tokens, config.speculative,
                                              tenant_weights=config.tenant_weights,
@@ -127,6 +129,12 @@ class Engine(StepLoop):
                 self.load_lora(name, path)
             except LoraError as exc:  # say which adapter
                 raise type(exc)(exc.field, f"lora module {name!r}: {exc.message}") from None
+        windows = [w for w in layer_windows(self.hf_config) if w is not None]
+        if windows:  # which layers attend through a window, and whether out-of-window blocks are freed
+            log.info("sliding window: %s tokens on %d of %d layers; KV blocks that left it: %s", max(windows),
+                     len(windows), len(layer_windows(self.hf_config)),
+                     "freed" if self.scheduler.blocks.sliding_window is not None
+                     else "kept (full-attention layers read them)")  # fmt: skip
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "
             "cuda graphs=%s, packed weights=%s, quantization=%s, CPU kernels: %s; small-batch linears: %s",

@@ -129,6 +129,7 @@ class Scheduler:
             req = s.request
             req.num_computed_tokens = s.start + s.num_tokens - len(s.draft_token_ids)
             self.blocks.register_computed_blocks(req)
+            self.blocks.release_out_of_window(req)
             # its tenant's service: prompt tokens computed for the first time, and the token sampled
             prompt = max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - req.num_charged_prompt_tokens)
             req.num_charged_prompt_tokens += prompt
@@ -151,6 +152,7 @@ class Scheduler:
         self.fair.charge(req.tenant, 0, accepted)
         self.blocks.truncate(req)
         self.blocks.register_computed_blocks(req)
+        self.blocks.release_out_of_window(req)
         update_acceptance(req, len(s.draft_token_ids), accepted)
 
 

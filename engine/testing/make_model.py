@@ -192,6 +192,29 @@ PRESETS: dict[str, Preset] = {
         seed=4,
         extra_config=(("sliding_window", None),),
     ),
+    # Sliding windows (engine/models/windows.py) shorter than the test prompts, so the window matters:
+    # Mistral's on every layer (the engine frees blocks that left it), Qwen2's on the layers from
+    # max_window_layers on (a model mixing full and sliding layers keeps every block).
+    "tiny-mistral-swa": Preset(
+        "MistralForCausalLM",
+        **_TINY,
+        num_hidden_layers=3,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=31,
+        extra_config=(("sliding_window", 12),),
+    ),
+    "tiny-qwen2-swa": Preset(
+        "Qwen2ForCausalLM",
+        **_TINY,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=32,
+        extra_config=(("use_sliding_window", True), ("sliding_window", 16), ("max_window_layers", 1)),
+    ),
     # The other Llama-like families (engine/models/): each the tiny shape with what makes it differ.
     # OLMo 2: norms after attention and MLP, Q/K norms over the whole projection.
     "tiny-olmo2": Preset(
