@@ -32,6 +32,7 @@ from engine.sample.sampler import Sampler
 from engine.sched.scheduler import SchedulerConfig
 from engine.structured import make_compiler
 from engine.weights.cpu_weights import prepare_weights
+from engine.weights.gguf.blocks import blocks_for
 from engine.weights.loader import load_model
 from engine.weights.model_open import open_model_source, with_tokenizer
 
@@ -60,8 +61,12 @@ class Engine(StepLoop):
         self.dtype = startup.resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = startup.resolve_max_model_len(config, self.hf_config)
         self.block_size = startup.resolve_block_size(config.block_size, self.device)
-        model = load_model(source, self.dtype, self.device, self.max_model_len, config.show_progress)
-        self.weights = prepare_weights(model, config, self.device, self.dtype)  # packing, kernels, INT8
+        blocks = blocks_for(source, config.quantization, self.device)  # GGUF matrices kept quantized
+        model = load_model(source, self.dtype, self.device, self.max_model_len, config.show_progress,
+                           frozenset(blocks.held) if blocks else frozenset())
+        # packing, kernels, INT8, GGUF blocks
+        self.weights = prepare_weights(model, config, self.device, self.dtype, ggml=blocks.weights if blocks else None,
+                                       ggml_text=blocks.describe() if blocks else "gguf")
         self.packed_weights = self.weights.packed
         backend = select_backend(self.device, config.attention_backend, self.dtype)
         if config.deterministic and (reason := batch_invariant.unsupported(self.device, backend.name)):

@@ -16,7 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine.attention.select_backend
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # engine.structured.make_compiler
-QUANTIZATIONS = (None, "int8")  # engine/models/quantization.py
+QUANTIZATIONS = (None, "int8", "gguf", "none")  # engine/models/quantization.py, gguf_linear.py
 CPU_GEMV = ("auto", "on", "off")  # engine/weights/cpu_weights.py
 
 
@@ -53,7 +53,10 @@ class EngineConfig:
     # compile grammars in worker processes, so a compile past its budget is killed (the server does);
     # False: on the caller's thread (offline use, tests)
     grammar_compile_processes: bool = False
-    quantization: str | None = None  # "int8": INT8 weight-only linears (CPU; half the weight bytes); None: dtype
+    # None: a GGUF file's Q4_0 / Q4_1 / Q8_0 matrices kept quantized on the CPU ("gguf"), anything else in dtype;
+    # "gguf": that, or an error where it cannot apply; "none": every weight in dtype (GGUF dequantized);
+    # "int8": INT8 weight-only linears (CPU; half the weight bytes)
+    quantization: str | None = None
     # INT8 input columns per scale of an output row; None, or a weight whose K it does not divide: one scale per row.
     quantization_group_size: int | None = 64
     cpu_gemv: str = "auto"  # CPU small-batch linear kernels: auto (bf16/INT8: where measured faster at start-up; float32: up to 32 rows), on, off

@@ -14,6 +14,11 @@
 - float32 on a CPU with AVX2/FMA: the float32 small-batch kernel (GemvF32Linear) up to f32_max_rows()
   rows (a fixed limit, not timed: 12 where MKL has AVX-512, else 32; "on": every row count), MKL's
   F.linear above; "off" or no kernel: F.linear only.
+- GGUF blocks (`quantization="gguf"`): the matrices engine/weights/gguf/blocks.py kept as the file stores
+  them (Q4_0, Q4_1, Q8_0) become GGMLLinear (engine/models/gguf_linear.py): the block kernel for the row
+  counts where it beats dequantizing the weight for PyTorch (measured per shape, as above), the latter
+  above; the embedding is looked up in its blocks (a tied model's in the head's). The file's other
+  matrices (dequantized into dtype at load) take the bf16 path above, or F.linear.
 - CUDA: nothing changes here.
 """
 
@@ -29,6 +34,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.config.engine_config import resolve_step_budget
+from engine.kernels import cpu_kernels
 from engine.models.batch_invariant import row_linears
 from engine.models.cpu_linear import (
     ALWAYS,
@@ -40,6 +46,7 @@ from engine.models.cpu_linear import (
     measure_max_rows,
     silu_mul,
 )
+from engine.models.gguf_linear import GGMLEmbedding, GGMLLinear, GGMLWeight
 from engine.models.invariant_linear import (
     CALL_ROWS,
     RowLinear,
@@ -73,21 +80,32 @@ class WeightsReport:
     """What prepare_weights did, for the engine's start-up log line and the benchmarks."""
 
     packed: bool  # oneDNN-packed bf16 layouts in use
-    quantization: str | None  # "int8" or None
+    quantization: str | None  # "int8", "gguf (Q4_1, Q8_0)" (the types kept; "; dequantized: ..."), or None
     gemv: str  # the small-batch kernels: "off (why)", or "<rows> x <cols>: up to R rows" per weight shape
     weight_bytes: int  # bytes of the linear weights (logits head included) one decode step reads
 
 
 def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                    preloaded: Mapping[str, Int8Weight] | None = None) -> WeightsReport:
+                    preloaded: Mapping[str, Int8Weight] | None = None,
+                    ggml: Mapping[str, GGMLWeight] | None = None, ggml_text: str = "gguf") -> WeightsReport:
     """Replace the model's linears (in place) as the module docstring says; returns what it did.
 
     preloaded: INT8 weights that arrived quantized (a GGUF Q8_0 tensor through
     quantization.int8_from_blocks; a fused weight's shards concatenated by rows, as its scales are
     per row), by the name of the model parameter they stand for ("model.layers.0.self_attn.qkv_proj.weight",
     "model.embed_tokens.weight"). With quantization "int8" they are used as they are and the rest
-    is quantized here; without it they are refused."""
-    if config.quantization is not None and device.type != "cpu":
+    is quantized here; without it they are refused.
+
+    ggml: GGUF blocks by parameter name (engine/weights/gguf/blocks.py; their parameters were never
+    written), kept as they are; ggml_text: the report's quantization field then."""
+    if ggml:
+        if device.type != "cpu":
+            raise ValueError(f"GGUF quantized weights run on the CPU only (device is {device}); use quantization='none'")
+        if config.deterministic:
+            raise ValueError("deterministic does not take GGUF quantized weights: use quantization='none' "
+                             "(the weights dequantized to dtype)")
+        return _ggml(model, config, dtype, dict(ggml), ggml_text)
+    if config.quantization in ("int8",) and device.type != "cpu":
         raise ValueError(f"quantization {config.quantization!r} runs on the CPU only (device is {device})")
     if preloaded and config.quantization != "int8":
         raise ValueError("preloaded INT8 weights need quantization='int8'")
@@ -108,7 +126,7 @@ def _invariant(model: LlamaForCausalLM, config: EngineConfig, device: torch.devi
     and INT8 weights (no oneDNN copy), one-row products for float32; ValueError where they cannot run."""
     if device.type != "cpu":
         raise ValueError(f"deterministic runs on the CPU only (device is {device})")
-    if config.quantization is None and dtype == torch.float32:
+    if config.quantization != "int8" and dtype == torch.float32:
         reason = "cpu_gemv is 'off'" if config.cpu_gemv == "off" else kernels_unavailable("f32")
         if reason is None:  # one float32 chain per output in column order, whatever the rows: invariant
             model.replace_linears(lambda weight, bias, role: GemvF32Linear(weight, bias, ALWAYS))
@@ -116,7 +134,7 @@ def _invariant(model: LlamaForCausalLM, config: EngineConfig, device: torch.devi
         row_linears(model)
         return WeightsReport(False, None, f"off (float32: one-row products, deterministic; {reason})",
                              _weight_bytes(model))
-    if config.quantization is None and dtype != torch.bfloat16:
+    if config.quantization != "int8" and dtype != torch.bfloat16:
         raise ValueError(f"deterministic supports float32 and bfloat16 on the CPU, not {dtype}")
     kind = "int8" if config.quantization == "int8" else "bf16"
     reason = kernels_unavailable(kind)
@@ -277,6 +295,47 @@ def _int8(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype,
     return WeightsReport(False, "int8", gemv, _weight_bytes(model))
 
 
+def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blocks: dict[str, GGMLWeight],
+          text: str) -> WeightsReport:
+    reason = "cpu_gemv is 'off'" if config.cpu_gemv == "off" else cpu_kernels.load("ggml")
+    if reason is not None and config.cpu_gemv != "off":
+        log.warning("GGUF block kernels unavailable (%s); the blocks are dequantized for each product", reason)
+    bf16_reason = kernels_unavailable("bf16") if dtype == torch.bfloat16 and config.cpu_gemv != "off" else "off"
+    names = {id(p): name for name, p in model.named_parameters()}  # before any replacement
+    unknown = sorted(set(blocks) - set(names.values()))
+    if unknown:
+        raise ValueError(f"GGUF blocks for parameters the model does not have: {unknown[:5]}")
+    plans: dict[tuple, int] = {}
+    tied = model.lm_head is None
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None, role: str) -> nn.Module:
+        given = blocks.get(names.get(id(weight), ""))
+        if given is None:  # dequantized at load: the bf16 kernel where it runs, else F.linear
+            if bf16_reason is not None:
+                return _plain(weight, bias)
+            lin = GemvLinear(weight, bias, ALWAYS, config.max_num_seqs, role == "gate_up", onednn=False)
+            lin.max_rows = _planned_rows(plans, lin, role, config, dtype)
+            return lin if lin.max_rows else _plain(weight, bias)
+        if (given.n, given.k) != tuple(weight.shape):
+            raise ValueError(f"GGUF blocks {names[id(weight)]!r} are {given.n}x{given.k}, the model's "
+                             f"{tuple(weight.shape)}")
+        qlin = GGMLLinear(given, bias, ALWAYS, reason is None, role == "gate_up")
+        if reason is None:
+            qlin.max_rows = _planned_rows(plans, qlin, role, config, dtype)
+        return qlin
+
+    model.replace_linears(make)
+    embed = model.model.embed_tokens
+    embed_blocks = blocks.get("model.embed_tokens.weight")
+    if embed_blocks is not None:  # looked up in its blocks: the head's (tied) or its own
+        source = model.lm_head if tied else GGMLLinear(embed_blocks, None, 0, kernel=False)
+        model.model.embed_tokens = GGMLEmbedding(source, dtype)
+    elif not tied and not isinstance(embed, nn.Embedding):
+        raise ValueError("the embedding is neither blocks nor a plain embedding")
+    gemv = f"off ({reason})" if reason is not None else _plan_text(plans)
+    return WeightsReport(False, text, gemv, _weight_bytes(model))
+
+
 def _int8_source(model: nn.Module, preloaded: dict[str, Int8Weight],
                  group_size: int | None) -> Callable[[torch.Tensor], Int8Weight]:
     """weight -> its INT8 form: the preloaded one for its parameter name, else quantized here."""
@@ -297,12 +356,13 @@ def _int8_source(model: nn.Module, preloaded: dict[str, Int8Weight],
     return int8_of
 
 
-def _planned_rows(plans: dict[tuple, int], lin: GemvLinear | Int8Linear, role: str, config: EngineConfig,
+def _planned_rows(plans: dict[tuple, int], lin: GemvLinear | Int8Linear | GGMLLinear, role: str, config: EngineConfig,
                   dtype: torch.dtype) -> int:
     """lin's max_rows: ALWAYS with cpu_gemv "on", else measured once per weight shape (in `plans`)
     over the row counts it meets: up to max_num_seqs for the logits head (sampled rows only), up to
     the step's token budget for the others (prefill chunks)."""
-    key = (lin.out_features, lin.in_features, lin.bias is not None, lin.interleave)  # = _key(...)
+    kind = lin.weight_q.type_name if isinstance(lin, GGMLLinear) else ""
+    key = (lin.out_features, lin.in_features, lin.bias is not None, lin.interleave, kind)  # = _key(...) for bf16
     if key not in plans:
         budget = resolve_step_budget(config.max_num_batched_tokens, torch.device("cpu"))  # CPU weights
         limit = config.max_num_seqs if role == "lm_head" else max(config.max_num_seqs, budget)
@@ -311,10 +371,10 @@ def _planned_rows(plans: dict[tuple, int], lin: GemvLinear | Int8Linear, role: s
 
 
 def _key(weight: torch.Tensor, bias: torch.Tensor | None, interleave: bool) -> tuple:
-    return (weight.shape[0], weight.shape[1], bias is not None, interleave)
+    return (weight.shape[0], weight.shape[1], bias is not None, interleave, "")
 
 
-def _measure(lin: GemvLinear | Int8Linear, limit: int, dtype: torch.dtype) -> int:
+def _measure(lin: GemvLinear | Int8Linear | GGMLLinear, limit: int, dtype: torch.dtype) -> int:
     """Rows up to which lin's kernel beats its other path (oneDNN, or dequantize + F.linear)."""
     product = lin._large if isinstance(lin, GemvLinear) else lin._dequantized_linear
     other = (lambda x: silu_mul(product(x))) if lin.interleave else product
@@ -333,9 +393,9 @@ def _plain(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
 
 def _plan_text(plans: dict[tuple, int]) -> str:
     parts = []
-    for (n, k, _, interleave), rows in plans.items():
+    for (n, k, _, interleave, kind), rows in plans.items():
         limit = "all" if rows == ALWAYS else str(rows)
-        parts.append(f"{n}x{k}{' (silu)' if interleave else ''}: <= {limit} rows")
+        parts.append(f"{n}x{k}{f' {kind}' if kind else ''}{' (silu)' if interleave else ''}: <= {limit} rows")
     return "; ".join(parts) or "no linears"
 
 
@@ -344,13 +404,14 @@ def _weight_bytes(model: nn.Module) -> int:
     total = 0
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     # An untied INT8 embedding's rows are looked up, not multiplied: not read whole.
-    lookup_only = embed.source if isinstance(embed, Int8Embedding) and embed.source is not model.lm_head else None
+    lookup_only = (embed.source if isinstance(embed, (Int8Embedding, GGMLEmbedding)) and embed.source is not model.lm_head
+                   else None)
     inner = {id(m.large) for m in model.modules() if isinstance(m, GemvLinear)}  # counted with their GemvLinear
     inner |= {id(m.inner) for m in model.modules() if isinstance(m, TiledLinear)}
     for m in model.modules():
         if m is lookup_only or id(m) in inner:
             continue
-        if isinstance(m, (GemvLinear, GemvF32Linear, Int8Linear)):
+        if isinstance(m, (GemvLinear, GemvF32Linear, Int8Linear, GGMLLinear)):
             total += m.weight_bytes
         elif isinstance(m, (PackedLinear, TiledLinear)):
             total += m.out_features * m.in_features * 2

@@ -24,15 +24,19 @@ log = logging.getLogger("tokenmill.engine")
 
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device, max_positions: int, show_progress: bool = True,
+    held: frozenset[str] = frozenset(),
 ) -> LlamaForCausalLM:
-    """The model of `source` in `dtype` on `device`, every parameter loaded (ValueError otherwise)."""
+    """The model of `source` in `dtype` on `device`, every parameter loaded (ValueError otherwise).
+    held: checkpoint names the caller keeps in another form (GGUF blocks, engine/weights/gguf/blocks.py):
+    the source does not yield them, their parameters stay unwritten (untouched pages: no memory) and
+    count as loaded, for the caller to replace."""
     t0 = time.perf_counter()
     cls = model_class(getattr(source.hf_config, "architectures", None))
     with torch.device("meta"):
         model = cls(source.hf_config, max_positions)
     model = model.to(dtype=dtype).to_empty(device=device)
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    loaded: set[str] = {tag for name in held if (tag := _target(model, name)) is not None}
     # disable=None: a bar only on a terminal (server logs and test output stay clean)
     with tqdm(desc=f"loading {source.path.name}", total=len(source.weights), unit="tensor",
               disable=None if show_progress else True) as bar:  # fmt: skip
@@ -73,6 +77,16 @@ def _proc_status_kib(field: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def _target(model: LlamaForCausalLM, name: str) -> str | None:
+    """The loaded-key tag of a checkpoint tensor: its parameter, "#shard" for a fused one; None: not loaded."""
+    if "rotary_emb" in name or (name == "lm_head.weight" and model.tie_word_embeddings):
+        return None
+    for sub, (fused, shard) in model.packed.items():
+        if sub in name.split("."):
+            return f"{name.replace(sub, fused)}#{shard}"
+    return name
 
 
 def _load_one(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Tensor) -> str | None:

@@ -42,7 +42,10 @@ def settings_from_flags(namespace: argparse.Namespace) -> ServerSettings:
     given: dict[str, Any] = {}
     for name, value in vars(namespace).items():
         if name in ServerSettings.model_fields:
-            given[name] = None if isinstance(value, str) and value.lower() in ("none", "null") else value
+            # "none" is a value of its own where the field lists it (--quantization none), else unset
+            literal = "none" in (_flag_kind(ServerSettings.model_fields[name].annotation)[1] or [])
+            null = isinstance(value, str) and value.lower() in ("none", "null") and not literal
+            given[name] = None if null else value
     return ServerSettings(**given)
 
 

@@ -78,7 +78,9 @@ class ServerSettings(BaseSettings):
     pack_weights: bool = Field(True, description="CPU bf16: linear weights packed for oneDNN (same output, faster)")
     grammar_backend: Literal["xgrammar", "none"] = Field("xgrammar", description="structured outputs and enforced "
                                                          "tool calls; none: such requests get a 400")
-    quantization: Literal["int8"] | None = Field(None, description="int8: INT8 weight-only linears (CPU; half the weight bytes)")
+    quantization: Literal["int8", "gguf", "none"] | None = Field(
+        None, description="default: a GGUF file's Q4_0/Q4_1/Q8_0 weights stay quantized on the CPU (gguf: required); "
+        "none: every weight dequantized to --dtype; int8: INT8 weight-only linears (CPU; half the weight bytes)")
     speculative_config: dict[str, Any] | None = Field(
         None, description="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; methods ngram, suffix, draft_model (with \"model\": PATH) "

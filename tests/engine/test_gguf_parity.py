@@ -1,7 +1,9 @@
 """GGUF files written by the tests (gguf.GGUFWriter, from the seeded presets) served by the engine:
 logits (log-softmax over each step's top tokens) within 1e-4 of transformers' own GGUF load, and
 greedy output token-exact in float32, for float files and for the dequantized weights of quantized
-ones. Both sides dequantize with the gguf package, so a quantized file gives both the same weights."""
+ones (`quantization="none"`; the other architectures' Q8_0 files are served quantized, the default, within
+the same tolerance). Both sides dequantize with the gguf package, so a quantized file gives both the same
+weights."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ def served(request, build_model, gguf_dir):
     path = gguf_path(build_model, gguf_dir, preset, qtype)
     case = small_case(seed=3)
     hf = hf_from_gguf(path)
-    return make_engine(path), case, hf, hf_greedy(hf, case.prompts, case.max_tokens)
+    return make_engine(path, quantization="none"), case, hf, hf_greedy(hf, case.prompts, case.max_tokens)
 
 
 def test_greedy_and_logits_match_transformers_gguf_load(served):

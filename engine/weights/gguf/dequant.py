@@ -4,9 +4,9 @@ F32, F16 and BF16 are viewed in place (no copy until the loader casts them into 
 quantized types are dequantized to float32 with `gguf.quants.dequantize` (numpy), one tensor at a time,
 so the whole float32 model never exists beside the serving-dtype one.
 
-INT8 seam: `q8_0_blocks` gives a Q8_0 tensor's int8 values and per-32 scales exactly as stored. When
-the engine has INT8 linear weights, the loader can take those instead of `to_torch`'s float32 copy
-(scale * int8 == the dequantized value, bit for bit); until then Q8_0 is dequantized like the rest.
+INT8 seam: `q8_0_blocks` gives a Q8_0 tensor's int8 values and per-32 scales exactly as stored
+(scale * int8 == the dequantized value, bit for bit). The engine's default on the CPU keeps Q4_0, Q4_1
+and Q8_0 matrices as blocks instead (engine/weights/gguf/blocks.py); this module dequantizes the rest.
 """
 
 from __future__ import annotations

@@ -25,12 +25,15 @@ class GGUFWeights:
         self.num_kv_heads = num_kv_heads  # key/value heads (k_proj's)
         self.names = {t.name: _mapped(gf, t.name) for t in gf.tensors}  # checked at once: fail before loading
         self._by_name = {t.name: t for t in gf.tensors}
+        self.held: set[str] = set()  # HF names the engine keeps quantized (gguf/blocks.py): not yielded
 
     def __len__(self) -> int:
         return len(self.gf.tensors)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for t in self.gf.tensors:
+            if self.names[t.name] in self.held:
+                continue
             yield self.names[t.name], self.tensor(t.name)
             self.gf.release(t)  # the consumer is done with it (WeightSource: valid until the next item)
 

@@ -1,0 +1,111 @@
+// The GGUF block kernels on AVX2 + FMA + F16C (kernels/ggml.h): each block of a weight row is loaded
+// once per tile, decoded to 4 x 8 float32 in registers (the dequantized values bit for bit: integer
+// widening, an exact int -> float conversion, a product by the block's scale, Q4_1's sum with its
+// minimum) and multiplied into the tile's accumulators by FMAs, lane l of an accumulator taking the
+// columns 8i + l in column order: the portable path's sums exactly.
+//
+// A register tile is NR output rows x MR rows of x (NR * MR accumulators): the chains of FMAs into one
+// accumulator are latency-bound, so a one-row call still runs NR = 4 independent chains; rows of x
+// share each decoded block (4-row tiles decode a block once for 4 rows). Torch-free.
+#include <immintrin.h>
+
+#include "ggml.h"
+
+#define TM_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+namespace tokenmill::ggml::avx2 {
+
+namespace {
+
+TM_AVX2 inline float scale_at(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
+
+// Block b's 32 values into w[0..3] (columns 0-7, 8-15, 16-23, 24-31).
+template <int T>
+TM_AVX2 inline void decode(const uint8_t* b, __m256* w) {
+  const __m256 d = _mm256_set1_ps(scale_at(b));
+  if constexpr (T == Q8_0) {
+    for (int v = 0; v < 4; ++v) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * v));
+      w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+    }
+  } else {
+    const __m128i qv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (T == Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(qv, mask), hi = _mm_and_si128(_mm_srli_epi16(qv, 4), mask);
+    __m256i i[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
+                    _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
+    if constexpr (T == Q4_0) {
+      for (int v = 0; v < 4; ++v) w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(i[v], _mm256_set1_epi32(8))));
+    } else {
+      const __m256 m = _mm256_set1_ps(scale_at(b + 2));
+      for (int v = 0; v < 4; ++v) w[v] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(i[v])), m);
+    }
+  }
+}
+
+// Output rows n..n+NR-1 for rows r..r+MR-1 of x.
+template <int T, int NR, int MR>
+TM_AVX2 __attribute__((noinline)) void tile(const Job& j, int64_t n, int64_t r) {
+  constexpr int64_t BB = T == Q8_0 ? 34 : T == Q4_1 ? 20 : 18;
+  const int64_t blocks = j.k / QK;
+  __m256 acc[NR][MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < NR; ++i)
+#pragma GCC unroll 4
+    for (int q = 0; q < MR; ++q) acc[i][q] = _mm256_setzero_ps();
+  const uint8_t* w0 = j.w + n * j.row_bytes;
+  const float* x0 = j.x + r * j.k;
+  for (int64_t b = 0; b < blocks; ++b) {
+#pragma GCC unroll 8
+    for (int i = 0; i < NR; ++i) {
+      __m256 w[4];
+      decode<T>(w0 + i * j.row_bytes + b * BB, w);
+#pragma GCC unroll 4
+      for (int q = 0; q < MR; ++q) {
+        const float* x = x0 + q * j.k + b * QK;
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) acc[i][q] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(x + 8 * v), acc[i][q]);
+      }
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int q = 0; q < MR; ++q) {
+      alignas(32) float s[8];
+      _mm256_store_ps(s, acc[i][q]);
+      j.y[(r + q) * j.n + n + i] = reduce8(s) + (j.bias ? j.bias[n + i] : 0.f);
+    }
+}
+
+// Rows of x in tiles of 4, 2, 1 (fewer output rows per tile where x has more rows: 8 accumulators).
+template <int T, int NR>
+TM_AVX2 void rows_of_x(const Job& j, int64_t n) {
+  int64_t r = 0;
+  if constexpr (NR <= 2) {
+    for (; r + 4 <= j.m; r += 4) tile<T, NR, 4>(j, n, r);
+  }
+  for (; r + 2 <= j.m; r += 2) tile<T, NR == 4 ? 4 : NR, 2>(j, n, r);
+  for (; r < j.m; ++r) tile<T, NR, 1>(j, n, r);
+}
+
+template <int T>
+TM_AVX2 void run(const Job& j, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (j.m >= 4) {  // 2 output rows x 4 rows of x
+    for (; n + 2 <= n1; n += 2) rows_of_x<T, 2>(j, n);
+  } else {
+    for (; n + 4 <= n1; n += 4) rows_of_x<T, 4>(j, n);
+  }
+  for (; n < n1; ++n) rows_of_x<T, 1>(j, n);
+}
+
+}  // namespace
+
+void run_rows(const Job& j, int64_t n0, int64_t n1) {
+  switch (j.type) {
+    case Q4_0: run<Q4_0>(j, n0, n1); break;
+    case Q4_1: run<Q4_1>(j, n0, n1); break;
+    default: run<Q8_0>(j, n0, n1); break;
+  }
+}
+
+}  // namespace tokenmill::ggml::avx2
