@@ -1,4 +1,4 @@
-"""GGUF files served with their Q4_0 / Q4_1 / Q8_0 matrices kept quantized (the default on the CPU,
+"""GGUF files served with their Q4_0 / Q4_1 / Q8_0 matrices kept quantized (opt-in on the CPU,
 `quantization="gguf"`; engine/weights/gguf/blocks.py, engine/models/gguf_linear.py) against the same
 file served dequantized (`quantization="none"`, the parity suite's engine, transformers-exact).
 
@@ -45,7 +45,8 @@ def test_quantized_greedy_equals_dequantized(build_model, gguf_dir, preset, qtyp
     case = small_case(seed=5)
     params = [greedy(m) for m in case.max_tokens]
     ref = make_engine(path, quantization="none").generate(case.prompts, params)
-    engine = make_engine(path, cpu_gemv=cpu_gemv, max_num_batched_tokens=64)  # prefill in chunks of 64
+    asked = None if qtype == "Q4_K" else "gguf"
+    engine = make_engine(path, cpu_gemv=cpu_gemv, max_num_batched_tokens=64, quantization=asked)  # chunks of 64
     res = engine.generate(case.prompts, params)
     assert mismatches([r.token_ids for r in res], [r.token_ids for r in ref]) == []
     model = engine.runner.model
@@ -66,8 +67,9 @@ def test_quantized_bf16_serves_and_reads_fewer_bytes(build_model, gguf_dir):
     path = gguf_path(build_model, gguf_dir, "tiny-llama", "Q4_0")
     case = small_case(seed=6)
     params = [greedy(m) for m in case.max_tokens]
-    q = make_engine(path, dtype="bfloat16")
+    q = make_engine(path, dtype="bfloat16", quantization="gguf")
     d = make_engine(path, dtype="bfloat16", quantization="none")
+    assert make_engine(path, dtype="bfloat16").weights.quantization is None  # the default dequantizes (opt-in)
     assert q.weights.quantization.startswith("gguf (Q4_0")
     assert d.weights.quantization is None
     assert q.weights.weight_bytes < 0.4 * d.weights.weight_bytes  # ~4.5 bits a weight against 16
@@ -80,7 +82,7 @@ def test_requests_that_cannot_be_served_quantized_are_refused(build_model, gguf_
     with pytest.raises(ValueError, match="quantization 'gguf' needs a GGUF file"):
         make_engine(build_model("tiny-llama"), quantization="gguf")
     with pytest.raises(ValueError, match="deterministic does not take GGUF quantized weights"):
-        make_engine(path, deterministic=True, dtype="bfloat16")
+        make_engine(path, deterministic=True, dtype="bfloat16", quantization="gguf")
     k_path = gguf_path(build_model, gguf_dir, "tiny-llama-k", "Q4_K")
     with pytest.raises(ValueError, match="holds no Q4_0 / Q4_1 / Q8_0 matrix"):
         make_engine(k_path, quantization="gguf")
@@ -106,10 +108,11 @@ def test_lora_and_ngram_speculation_run_on_the_quantized_base(build_model, gguf_
         return [r.token_ids for r in engine.generate([p for p, _, _ in jobs], params)]
 
     ref = tokens(make_engine(path, quantization="none", lora=lora))
-    got = tokens(make_engine(path, lora=lora))
+    got = tokens(make_engine(path, lora=lora, quantization="gguf"))
     assert mismatches(got, ref) == []
     assert [t for t, j in zip(ref, jobs, strict=True) if j[2]] != [t for t, j in zip(ref, jobs, strict=True) if not j[2]]
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-    plain = [r.token_ids for r in make_engine(path).generate(case.prompts, [greedy(m) for m in case.max_tokens])]
-    drafted = make_engine(path, speculative=spec).generate(case.prompts, [greedy(m) for m in case.max_tokens])
+    plain = [r.token_ids for r in make_engine(path, quantization="gguf").generate(case.prompts,
+                                                                                 [greedy(m) for m in case.max_tokens])]
+    drafted = make_engine(path, speculative=spec, quantization="gguf").generate(case.prompts, [greedy(m) for m in case.max_tokens])
     assert mismatches([r.token_ids for r in drafted], plain) == []

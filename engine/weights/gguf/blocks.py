@@ -93,13 +93,14 @@ def _blocks(weights: GGUFWeights, name: str) -> GGMLWeight:
 
 
 def blocks_for(source, quantization: str | None, device: torch.device) -> BlockPlan | None:
-    """The block plan of a model source under EngineConfig.quantization (None: automatic), or None when
+    """The block plan of a model source under EngineConfig.quantization ("gguf": asked for; anything else,
+    None included, dequantizes: opt-in until the block kernels beat bf16 at one row, docs/ENGINE.md), or None when
     every weight loads into the serving dtype. Sets the source's held names (the loader skips them).
     ValueError where "gguf" was asked for and cannot apply."""
     from engine.models import model_class
 
     explicit = quantization == "gguf"
-    if quantization not in (None, "gguf"):
+    if not explicit:
         return None
     if source.format != "gguf" or not isinstance(source.weights, GGUFWeights):
         if explicit:
