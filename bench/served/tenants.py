@@ -89,6 +89,7 @@ def phase(args: argparse.Namespace, weights: dict[str, float], streams: dict[str
     steps = metric_sum(after, "tokenmill_engine_step_duration_seconds_count") - metric_sum(before, "tokenmill_engine_step_duration_seconds_count")
     step_s = metric_sum(after, "tokenmill_engine_step_duration_seconds_sum") - metric_sum(before, "tokenmill_engine_step_duration_seconds_sum")
     total = sum(tokens(r) for r in got.values())
+    print(f"phase {weights} {streams}: " + ", ".join(f"{t} {tokens(r)} tokens" for t, r in got.items()), flush=True)
     return {
         "weights": weights, "streams": streams, "idle_queue_s": idle, "mean_step_s": step_s / steps if steps else None,
         "output_tok_s": total / args.duration,
