@@ -11,7 +11,7 @@ import torch
 
 from ..helpers import build_real_engine, make_settings, run_server
 
-PRESETS = ["tiny-olmo2", "tiny-granite", "tiny-smollm3", "tiny-phi3"]
+PRESETS = ["tiny-olmo2", "tiny-granite", "tiny-smollm3", "tiny-phi3", "tiny-gemma3"]
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Foo:\n    def __init__(self):", "print('hello')"]
 N = 16
 
