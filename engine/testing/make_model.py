@@ -475,11 +475,14 @@ def _init_model(spec: Preset, config: transformers.PretrainedConfig) -> torch.nn
 def _randomize_norms_and_biases(model: torch.nn.Module, std: float) -> None:
     # Fresh RMSNorm weights are exactly 1 and biases 0, so an engine that skips a norm (Qwen3's q/k norm)
     # or a bias (Qwen2's q/k/v bias) would still match. Random values make such bugs visible.
-    # Gemma's norms scale by 1 + weight, in [3, 4] here: with scales near 1 the sqrt(hidden)-scaled
-    # embedding dominates the residual stream and tied logits repeat the last token forever.
-    low = 2.0 if type(model).__name__.startswith("Gemma") else 0.5
+    # Gemma's norms scale by 1 + weight: around 1 (weight in [-0.5, 0.5]), but 5 to 6 on the attention
+    # and MLP outputs: with those near 1 the sqrt(hidden)-scaled embedding dominates the residual stream
+    # and the tied logits repeat the last token forever.
+    gemma = type(model).__name__.startswith("Gemma")
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
+            low = (4.0 if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"))
+                   else -0.5) if gemma else 0.5  # fmt: skip
             param.uniform_(low, low + 1.0)
         elif name.endswith(".bias"):
             param.normal_(0.0, 4 * std)
