@@ -23,6 +23,7 @@ from engine.kv.cache import allocate_kv_cache
 from engine.kv.events import KVEventSink
 from engine.lora.loading import make_registry
 from engine.models import batch_invariant
+from engine.models.windows import uniform_window
 from engine.runner import startup
 from engine.runner.cuda_graphs import capture_graphs, graph_buckets, graphs_enabled
 from engine.runner.model_runner import ModelRunner
@@ -94,7 +95,8 @@ class Engine(StepLoop):
                                one_row_attention=config.deterministic),
             block_manager=BlockManager(num_blocks, self.block_size, config.enable_prefix_caching,
                                        record_events=kv_event_sink is not None,
-                                       event_hash_salt=secrets.randbits(64)),
+                                       event_hash_salt=secrets.randbits(64),
+                                       sliding_window=uniform_window(self.hf_config)),
             scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.aging_s,
                                              config.outranked_chunk_tokens, config.speculative),
             max_model_len=self.max_model_len,

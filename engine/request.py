@@ -48,6 +48,8 @@ class Request:
     finish_reason: FinishReason | None = None
     # -- the block manager's ------------------------------------------------------------------------------
     block_ids: list[int] = field(default_factory=list)
+    # leading blocks freed as they left a sliding window (their block_ids entries: NULL_BLOCK placeholders)
+    num_freed_blocks: int = 0
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
     last_block_hash: int | None = None  # chained hash of the last registered block
     # -- the output processor's (token appends, text) ------------------------------------------------------

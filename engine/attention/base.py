@@ -51,9 +51,18 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,  # same
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Store k/v into their slots, then attend each query causally over its sequence's
-        cached context. Returns [num_tokens, num_heads, head_dim]."""
+        cached context. Returns [num_tokens, num_heads, head_dim].
+
+        window: a sliding-window layer's W (transformers' `sliding_window`): the query at position p
+        sees the keys at positions k with p - W < k <= p, its own included (W keys at most); None:
+        every earlier position. Keys before p - W + 1 are never read, so a freed block there may sit
+        in the block table as a placeholder (engine/kv/block_manager.py).
+        softcap: attention-logit soft-capping (Gemma 2): the scaled scores s become
+        softcap * tanh(s / softcap) before the mask and the softmax; None: no cap."""
 
     def graph_decode_metadata(
         self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,

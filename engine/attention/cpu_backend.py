@@ -34,16 +34,22 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # dimension-major block. Slot -1 stores nothing.
         torch.ops.tokenmill.paged_store_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.block_size)
 
-    def _context_kv(self, k_cache, v_cache, p: _Prefill, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx = p.gather.shape[0]
-        kb = _k_blocks(k_cache, block_size).index_select(1, p.blocks)  # [kvh, n, d, bs]
-        kk = kb.transpose(2, 3).reshape(kb.shape[0], -1, kb.shape[2])[:, :ctx]  # [kvh, ctx, d]
-        return kk, v_cache.index_select(1, p.gather)
+    def _context_kv(self, k_cache, v_cache, p: _Prefill, block_size: int,
+                    lo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [lo, ctx): whole blocks from the one holding lo, then the range cut out of them
+        ctx, first = p.gather.shape[0], lo // block_size
+        kb = _k_blocks(k_cache, block_size).index_select(1, p.blocks[first:])  # [kvh, n, d, bs]
+        start = lo - first * block_size
+        kk = kb.transpose(2, 3).reshape(kb.shape[0], -1, kb.shape[2])[:, start : start + ctx - lo]  # [kvh, ctx - lo, d]
+        return kk, v_cache.index_select(1, p.gather[lo:])
 
-    def _decode(self, q, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: TorchMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         nd = q.shape[0]
         tables = meta.decode_gather.view(nd, -1)  # [nd, width] block ids (padding: block 0, never read)
-        # Scores, softmax and values per (sequence, KV head) in one kernel (one parallel region a layer).
+        # Scores, softmax and values per (sequence, KV head) in one kernel (one parallel region a layer);
+        # window 0 and softcap 0.0 mean none. The kernel reads only the window's blocks.
         return torch.ops.tokenmill.paged_decode_attention(
-            q, k_cache, v_cache, tables, meta.decode_lens, meta.block_size, meta.decode_ctx, scale
+            q, k_cache, v_cache, tables, meta.decode_lens, meta.block_size, meta.decode_ctx, scale,
+            window or 0, softcap or 0.0,
         )  # [nd, heads, d] in the cache's dtype

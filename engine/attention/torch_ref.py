@@ -7,7 +7,7 @@ re-layout copies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,11 +38,12 @@ class TorchMetadata(AttentionMetadata):
     # same shape); backends that read the cache in place never build them:
     # decode_rows: [kv_heads * len(decode_gather)] rows of the cache viewed [kv_heads * num_blocks,
     # block_size * d]; decode_k/decode_v: the gathered blocks, one workspace for all layers;
-    # decode_bias: [num_decodes * kv_heads, 1, decode_ctx] in q's dtype, 0 attend, -inf padding.
+    # decode_biases: per window (None: full attention), [num_decodes * kv_heads, 1, decode_ctx] in
+    # q's dtype, 0 attend, -inf padding or outside the window.
     decode_rows: torch.Tensor | None = None
     decode_k: torch.Tensor | None = None
     decode_v: torch.Tensor | None = None
-    decode_bias: torch.Tensor | None = None
+    decode_biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 def _slots(block_table: list[int], block_size: int, n: int) -> torch.Tensor:
@@ -89,31 +90,33 @@ class TorchAttentionBackend(AttentionBackend):
             slot_mapping, store_all, nd, bs, max_ctx, decode_gather, decode_lens, prefills
         )
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         self._store(k, v, k_cache, v_cache, meta)
         nd = meta.num_decodes
         if not meta.prefills:  # decode-only step: no packed output to assemble
-            return self._decode(q, k_cache, v_cache, meta, scale)
+            return self._decode(q, k_cache, v_cache, meta, scale, window, softcap)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
         for p in meta.prefills:
             qq = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
-            kk, vv = self._context_kv(k_cache, v_cache, p, meta.block_size)  # [kv_heads, ctx, d] each
-            kk, vv = kk.unsqueeze(0), vv.unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qq, kk, vv, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=True
-            )
+            lo = _window_start(p, window)
+            kk, vv = self._context_kv(k_cache, v_cache, p, meta.block_size, lo)  # [kv_heads, ctx - lo, d] each
+            o = _prefill_attention(qq, kk.unsqueeze(0), vv.unsqueeze(0), p, lo, scale, window, softcap)
             out[p.q_start : p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
         return out
 
     # ---- what a backend with another cache layout overrides (cpu_backend.py) ----------------------
-    def _decode(self, q, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    def _decode(self, q, k_cache, v_cache, meta: TorchMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        return _decode_attention(q, k_cache, v_cache, meta, scale, window, softcap)
 
-    def _context_kv(self, k_cache, v_cache, p: _Prefill, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A prefilling sequence's whole context: K, V [kv_heads, context_len, d]."""
-        return k_cache.index_select(1, p.gather), v_cache.index_select(1, p.gather)
+    def _context_kv(self, k_cache, v_cache, p: _Prefill, block_size: int,
+                    lo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefilling sequence's context from position lo on: K, V [kv_heads, context_len - lo, d]."""
+        gather = p.gather[lo:]
+        return k_cache.index_select(1, gather), v_cache.index_select(1, gather)
 
     def _store(self, k, v, k_cache, v_cache, meta: TorchMetadata) -> None:
         # k, v: [T, kv_heads, d] -> cache [kv_heads, slots, d]
@@ -126,9 +129,48 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache[:, meta.slot_mapping[keep]] = v[keep].transpose(0, 1)
 
 
-def _decode_attention(q, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
+def _window_start(p: _Prefill, window: int | None) -> int:
+    """The first context position any query row of a prefill chunk sees: its first row sits at
+    context_len - q_len and sees back to window - 1 positions before that; 0 without a window."""
+    if window is None:
+        return 0
+    return max(0, p.gather.shape[0] - p.q_len - window + 1)
+
+
+def _prefill_attention(q, k, v, p: _Prefill, lo: int, scale: float, window: int | None,
+                       softcap: float | None) -> torch.Tensor:
+    """q [1, heads, q_len, d] over the context k, v [1, kv_heads, ctx - lo, d] that starts at
+    position lo: causal with an offset, windowed and soft-capped as asked. Returns [1, heads, q_len, d]."""
+    ctx = p.gather.shape[0]
+    mask = p.mask
+    if window is not None or lo:
+        kpos = torch.arange(lo, ctx, device=q.device)[None, :]  # [1, ctx - lo]
+        qpos = (ctx - p.q_len + torch.arange(p.q_len, device=q.device))[:, None]  # [q_len, 1]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    # transformers' eager attention (Gemma 2): scores * scale, softcap * tanh(scores / softcap), the
+    # mask, softmax in float32
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [1, heads, q_len, ctx - lo]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(p.q_len, ctx, dtype=torch.bool, device=q.device).tril(ctx - p.q_len)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def _decode_attention(q, k_cache, v_cache, meta: TorchMetadata, scale: float, window: int | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
     """One query per sequence; batched matmuls per (sequence, KV head), GQA without repeating K/V.
-    Much cheaper on CPU than the flash kernel for a single query row."""
+    Much cheaper on CPU than the flash kernel for a single query row. The query of a sequence with
+    context length c sits at position c - 1: with a window W it sees positions c - W .. c - 1."""
     nd, h, d = q.shape
     kvh, ctx, bs = k_cache.shape[0], meta.decode_ctx, meta.block_size
     if meta.decode_rows is None:
@@ -143,13 +185,22 @@ def _decode_attention(q, k_cache, v_cache, meta: TorchMetadata, scale: float) ->
         # gathered tensors (on CPU a fresh multi-megabyte allocation can cost more than the copy).
         meta.decode_k = k_cache.new_empty(meta.decode_rows.shape[0], bs * d)
         meta.decode_v = v_cache.new_empty(meta.decode_rows.shape[0], bs * d)
-        pad = torch.arange(ctx, device=q.device)[None, :] >= meta.decode_lens[:, None]  # [nd, ctx]
-        bias = torch.zeros(nd, 1, ctx, dtype=q.dtype, device=q.device).masked_fill_(pad[:, None], float("-inf"))
-        meta.decode_bias = bias.repeat_interleave(kvh, dim=0)  # [nd * kvh, 1, ctx]
+    bias = meta.decode_biases.get(window)
+    if bias is None:
+        pos = torch.arange(ctx, device=q.device)[None, :]  # [1, ctx]
+        hide = pos >= meta.decode_lens[:, None]  # [nd, ctx]: padding past the context
+        if window is not None:
+            hide |= pos < meta.decode_lens[:, None] - window  # left the window
+        bias = torch.zeros(nd, 1, ctx, dtype=q.dtype, device=q.device).masked_fill_(hide[:, None], float("-inf"))
+        bias = meta.decode_biases[window] = bias.repeat_interleave(kvh, dim=0)  # [nd * kvh, 1, ctx]
     kk = torch.index_select(k_cache.view(-1, bs * d), 0, meta.decode_rows, out=meta.decode_k).view(-1, ctx, d)
     vv = torch.index_select(v_cache.view(-1, bs * d), 0, meta.decode_rows, out=meta.decode_v).view(-1, ctx, d)
     qq = q.reshape(nd * kvh, h // kvh, d)  # [nd * kvh, group, d] (a copy when q is a view into qkv)
-    # scale * q k^T + bias (0 or -inf: exact whatever the rounding), then softmax over the context.
-    scores = torch.baddbmm(meta.decode_bias, qq, kk.transpose(1, 2), alpha=scale)  # [nd * kvh, group, ctx]
+    if softcap is None:
+        # scale * q k^T + bias (0 or -inf: exact whatever the rounding), then softmax over the context.
+        scores = torch.baddbmm(bias, qq, kk.transpose(1, 2), alpha=scale)  # [nd * kvh, group, ctx]
+    else:
+        scores = torch.bmm(qq, kk.transpose(1, 2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap + bias
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.bmm(probs, vv).view(nd, h, d)

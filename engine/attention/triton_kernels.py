@@ -12,6 +12,10 @@ lives in row `slot = block_table[p // block_size] * block_size + p % block_size`
                  chunk of q_len tokens ending at context length c sits at position c - q_len + r and
                  sees positions 0..c - q_len + r (cached prefix and earlier chunks included)
 
+With WINDOW (a sliding window of `window` positions) the query at position p sees positions
+p - window + 1 .. p only, and the kernels read no block before that (a freed block may sit in the
+table there); with SOFTCAP each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2).
+
 Softmax runs online in float32. Offsets into the cache are int64: one layer's cache can hold more
 than 2**31 elements. Kernels run on CUDA, and on CPU tensors under the Triton interpreter
 (TRITON_INTERPRET=1 before this module is imported), which is how the tests run them.
@@ -47,6 +51,15 @@ def _mm(a, b, F32: tl.constexpr):
 
 
 @triton.jit
+def _softcap(s, softcap):
+    """softcap * tanh(s / softcap), tanh from exp (no tl.tanh): sign(x) (1 - e) / (1 + e), e = exp(-2|x|)."""
+    x = s / softcap
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t) * softcap
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_ch, stride_cs,
@@ -70,23 +83,27 @@ def _store_kv_kernel(
 
 # Integers that change from step to step are not specialised on (each new value class would compile
 # the kernel again): the split count and the block-table width.
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "window"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale, num_heads, num_splits,
+    scale, num_heads, num_splits, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # grid: (sequences, kv_heads, num_splits)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + seq).to(tl.int32)
-    # partitions of whole BLOCK_N tiles; the last ones may be empty (short contexts, padded batches)
-    part = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * part
+    lo = 0  # the first position the query (at ctx - 1) sees
+    if WINDOW:
+        lo = tl.maximum(ctx - window, 0)
+    # partitions of whole BLOCK_N tiles of [lo, ctx); the last ones may be empty (short contexts, padded batches)
+    part = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * part
     end = tl.minimum(start + part, ctx)
 
     g = tl.arange(0, BLOCK_G)
@@ -110,6 +127,8 @@ def _decode_kernel(
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
         s = _mm(q, tl.trans(k), F32) * scale  # [BLOCK_G, BLOCK_N]
+        if SOFTCAP:
+            s = _softcap(s, softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds a valid position
         alpha = tl.exp(m_i - m_new)
@@ -155,13 +174,14 @@ def _merge_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr,
-    q_starts_ptr, q_lens_ptr, context_lens_ptr, tile_seqs_ptr, tile_rows_ptr, scale,
+    q_starts_ptr, q_lens_ptr, context_lens_ptr, tile_seqs_ptr, tile_rows_ptr, scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F32: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     # grid: (query tiles of all prefill chunks, query heads)
     tile = tl.program_id(0)
@@ -187,8 +207,12 @@ def _prefill_kernel(
     cache_head = (head // GROUP).to(tl.int64) * stride_ch
     table = block_tables_ptr + seq * stride_bt
     end = tl.minimum(ctx, ctx - q_len + row0 + BLOCK_M)  # no row of this tile sees past here
-    # from position 0, so every row's first tile holds a visible key and its running max is finite
-    for n0 in range(0, end, BLOCK_N):
+    lo = 0  # no row of this tile sees before here (its first row's window start)
+    if WINDOW:
+        lo = tl.maximum(ctx - q_len + row0 - window + 1, 0)
+    # a row whose window starts later may see nothing in the first tiles: its running max stays
+    # -inf there, and m_safe keeps exp() off -inf - -inf
+    for n0 in range(lo, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
         block = tl.load(table + pos // CACHE_BLOCK, mask=valid, other=0).to(tl.int64)
@@ -198,11 +222,16 @@ def _prefill_kernel(
         k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0)
         s = _mm(q, tl.trans(k), F32) * scale  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            s = _softcap(s, softcap)
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, F32)
         m_i = m_new
@@ -251,10 +280,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, out: torch.Tensor, scale: float, block_size: int, num_splits: int,
-    block_n: int = 64,
+    block_n: int = 64, window: int | None = None, softcap: float | None = None,
 ) -> None:
     """q, out: [B, H, D] (out may be a row slice of a larger tensor); block_tables: [B, W] int;
-    context_lens: [B] int (0: padding, writes zeros). Writes out."""
+    context_lens: [B] int (0: padding, writes zeros); window, softcap: as AttentionBackend.forward.
+    Writes out."""
     b, h, d = q.shape
     kvh = k_cache.shape[0]
     if b == 0:
@@ -272,11 +302,12 @@ def paged_decode(
         part_m = part_l = part_acc = out  # unused
     _decode_kernel[(b, kvh, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
-        scale, h, num_splits,
+        scale, h, num_splits, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, CACHE_BLOCK=block_size, SPLIT=split,
-        BLOCK_G=_pow2(group), BLOCK_D=_pow2(d), BLOCK_N=block_n, F32=_use_f32(q.dtype), num_warps=ATTN_WARPS,
+        BLOCK_G=_pow2(group), BLOCK_D=_pow2(d), BLOCK_N=block_n, F32=_use_f32(q.dtype),
+        WINDOW=window is not None, SOFTCAP=softcap is not None, num_warps=ATTN_WARPS,
     )
     if split:
         _merge_kernel[(b, h)](
@@ -289,11 +320,11 @@ def paged_prefill(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     block_tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor, context_lens: torch.Tensor,
     tile_seqs: torch.Tensor, tile_rows: torch.Tensor, scale: float, block_size: int,
-    block_m: int, block_n: int,
+    block_m: int, block_n: int, window: int | None = None, softcap: float | None = None,
 ) -> None:
     """q, out: [T, H, D] packed; per prefill chunk: block_tables [P, W], q_starts, q_lens,
     context_lens [P]; per query tile: tile_seqs (its chunk) and tile_rows (its first row, a multiple
-    of block_m). Writes the chunks' rows of out."""
+    of block_m); window, softcap: as AttentionBackend.forward. Writes the chunks' rows of out."""
     num_tiles = tile_seqs.shape[0]
     if num_tiles == 0:
         return
@@ -302,10 +333,12 @@ def paged_prefill(
     group = h // k_cache.shape[0]
     _prefill_kernel[(num_tiles, h)](
         q, k_cache, v_cache, out, block_tables, q_starts, q_lens, context_lens, tile_seqs, tile_rows, scale,
+        window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, CACHE_BLOCK=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=_pow2(d), F32=_use_f32(q.dtype), num_warps=ATTN_WARPS,
+        BLOCK_D=_pow2(d), F32=_use_f32(q.dtype), WINDOW=window is not None, SOFTCAP=softcap is not None,
+        num_warps=ATTN_WARPS,
     )
 
 

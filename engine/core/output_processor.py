@@ -118,7 +118,7 @@ def _output(req: Request, tokens: list[int], text: str, logprobs: list[TokenLogp
         completion_tokens=req.num_output_tokens,
         cached_tokens=max(req.num_cached_tokens, 0),
         error=error,
-        kv_blocks=len(req.block_ids),
+        kv_blocks=len(req.block_ids) - req.num_freed_blocks,
         started=started,
         num_preemptions=req.num_preemptions,
         deadline=deadline,

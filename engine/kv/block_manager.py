@@ -11,6 +11,15 @@ With `record_events`, every change to the set of findable blocks is recorded as 
 (engine/kv/events.py): registered -> BlockStored, evicted -> BlockRemoved, reset -> AllBlocksCleared;
 the engine takes them once per step (`take_events`). Replaying them in order rebuilds exactly
 `cached_hashes()`.
+
+Sliding windows (`sliding_window`, set only when every layer of the model attends through the same
+window: Mistral; engine/models/windows.py uniform_window): once a request's computed tokens reach past
+a block by the whole window, no later query reads it, so `release_out_of_window` frees it. Its entry
+in the block table stays, as NULL_BLOCK, so positions keep their blocks; `request.num_freed_blocks`
+counts these leading placeholders. A freed block is handed back like a finished request's: one that
+holds a registered prefix stays findable until evicted (its K/V are unchanged until then, so a hit on
+it is exact), then the chain of hits stops there as for any evicted block. A model that mixes sliding
+and full layers (Gemma 2/3) keeps every block: its full layers read them all.
 """
 
 from __future__ import annotations
@@ -35,6 +44,12 @@ class Block:
     lora_id: int = 0
 
 
+# What a freed out-of-window block leaves in its request's block table: a block id every kernel can index
+# but none reads for that sequence (engine/attention/base.py: no key before the window is read; the
+# reference reads it under a -inf mask, and the cache holds finite values everywhere).
+NULL_BLOCK = 0
+
+
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
@@ -57,9 +72,11 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         record_events: bool = False,
         event_hash_salt: int = 0,
+        sliding_window: int | None = None,
     ) -> None:
         """`record_events`: keep KV events for take_events(); `event_hash_salt`: mixed into the hashes
-        they carry (engine/kv/events.py external_hash)."""
+        they carry (engine/kv/events.py external_hash); `sliding_window`: the window of a model whose
+        every layer has it (blocks that left it are freed, release_out_of_window), None otherwise."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.block_size = block_size
@@ -74,6 +91,7 @@ class BlockManager:
         # KV events since the last take_events(), in order; None: not recorded (no cost)
         self._events: list[KVCacheEvent] | None = [] if record_events else None
         self._salt = event_hash_salt
+        self.sliding_window = sliding_window
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -165,17 +183,40 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks. Blocks go to the free list in reverse order, so the LRU
         evicts a sequence's tail before its head (heads are the likelier shared prefixes)."""
-        for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
+        for block_id in reversed(request.block_ids[request.num_freed_blocks :]):
+            self._release(block_id)
         request.block_ids = []
+        request.num_freed_blocks = 0
         request.num_computed_tokens = 0
         request.num_hashed_blocks = 0
         request.last_block_hash = None
+
+    def release_out_of_window(self, request: Request) -> int:
+        """Free the request's blocks that no query will read again (a sliding-window model, see the
+        module docstring): the next query sits at position num_computed_tokens or later and sees back
+        to sliding_window - 1 positions before it, so block i is done once (i + 1) * block_size <=
+        num_computed_tokens - sliding_window + 1. With prefix caching only registered blocks go (the
+        rest are registered first, by register_computed_blocks). Returns how many were freed now."""
+        if self.sliding_window is None:
+            return 0
+        done = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        if self.enable_prefix_caching:
+            done = min(done, request.num_hashed_blocks)
+        done = min(done, len(request.block_ids))
+        start = request.num_freed_blocks
+        for i in range(start, done):
+            self._release(request.block_ids[i])
+            request.block_ids[i] = NULL_BLOCK
+        request.num_freed_blocks = max(start, done)
+        return max(0, done - start)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.block_hash is None:
+                self._free.move_to_end(block_id, last=False)  # nothing to keep: reuse first
 
     def truncate(self, request: Request) -> None:
         """Free the blocks past the request's computed tokens (a rejected draft tail's). They were
@@ -294,7 +335,7 @@ class BlockManager:
         """
         refs = [0] * self.num_blocks
         for req in requests:
-            for block_id in req.block_ids:
+            for block_id in req.block_ids[req.num_freed_blocks :]:
                 refs[block_id] += 1
         for block in self.blocks:
             is_free = block.block_id in self._free

@@ -13,7 +13,7 @@ from engine.models.smollm3 import SmolLM3ForCausalLM
 
 ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,  # same math; sliding window handled by max_model_len
+    "MistralForCausalLM": LlamaForCausalLM,  # Llama with a sliding window on every layer (models/windows.py)
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,

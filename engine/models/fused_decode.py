@@ -58,6 +58,9 @@ class FusedDecode:
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = attn.scale
         self.qk_norm = attn.qk_norm
+        # per layer, its sliding window (0: full attention); soft-capped layers never get here
+        # (LlamaForCausalLM.fused_decode_unsupported)
+        self.windows = [layer.self_attn.window or 0 for layer in layers]
         self.eps = layers[0].input_layernorm.eps
         self.fused_norm = layers[0].input_layernorm.fused
         self._plans: dict[int, _Plan | None] = {}  # row count -> plan (None: the Python layers)
@@ -96,7 +99,7 @@ class FusedDecode:
             x, ctx.cos, ctx.sin, k_caches, v_caches, meta.slot_mapping, meta.decode_gather.view(nd, -1),
             meta.decode_lens, meta.block_size, meta.decode_ctx, self.scale, plan.weights, plan.kinds, plan.shapes,
             self.heads, self.kv_heads, self.head_dim, self.eps, self.fused_norm, self.qk_norm,
-            lora_set, None if lora is None else lora.slots,
+            lora_set, None if lora is None else lora.slots, self.windows,
         )  # fmt: skip
         return out[0], out[1]
 

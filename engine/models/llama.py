@@ -22,6 +22,7 @@ from engine.models.layers import (
 )
 from engine.models.packed_linear import PackedLinear, pack_linears
 from engine.models.rope import check_rope_supported, rope_inv_freq, rotary_dim_of
+from engine.models.windows import layer_windows
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -39,6 +40,10 @@ class LlamaAttention(nn.Module):
         self.scale = self.attention_scale(cfg)
         self.rotary_dim = rotary_dim_of(cfg, self.head_dim)  # < head_dim: partial rotary (Phi-4-mini)
         self.use_rope = True  # False: a NoPE layer (SmolLM3)
+        # sliding window of this layer (None: full attention; models/windows.py reads the config) and the
+        # attention-logit soft-cap (None: none; a subclass sets it from its config, Gemma 2)
+        self.window: int | None = layer_windows(cfg)[layer_idx]
+        self.softcap: float | None = None
         bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = [q_size, kv_size, kv_size]
@@ -58,7 +63,8 @@ class LlamaAttention(nn.Module):
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = self.query_key(qkv, ctx)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale).reshape(t, -1)  # [T, H D]
+        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.window,
+                                self.softcap).reshape(t, -1)  # [T, H D]
         return self.o_proj(o) if lora is None else lora.add("o", o, self.o_proj(o))
 
     def attention_scale(self, cfg) -> float:
@@ -188,11 +194,14 @@ class LlamaForCausalLM(nn.Module):
 
     def fused_decode_unsupported(self) -> str | None:
         """Why the C++ decode loop (engine/kernels/csrc/cpu_decode.cpp: pre-norm layers, full RoPE on
-        every layer, Q/K norms per head, scale 1 on the residual branches) cannot run this model;
+        every layer, Q/K norms per head, scale 1 on the residual branches, sliding windows per layer but
+        no attention-logit soft-cap) cannot run this model;
         None when it can. A subclass whose math differs says so here, and keeps the Python layers."""
         attn = self.model.layers[0].self_attn
         if attn.rotary_dim < attn.head_dim:
             return f"partial rotary ({attn.rotary_dim} of {attn.head_dim} dims)"
+        if any(layer.self_attn.softcap is not None for layer in self.model.layers):
+            return "attention-logit soft-capping"
         return None
 
     def use_cpu_kernels(self, norms: bool, fused_decode: bool = True) -> None:

@@ -80,13 +80,10 @@ def resolve_block_size(block_size: int | None, device: torch.device) -> int:
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
+    # A sliding window (Mistral, Qwen2 with its window on) does not cap the context: every attention
+    # backend masks to each layer's window (engine/models/windows.py), so the model serves its full
+    # max_position_embeddings.
     model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        # Our attention has no sliding-window masking: cap the context where full attention is exact.
-        if model_max > window:
-            log.warning("model uses a %d-token sliding window: max_model_len capped to it", window)
-        model_max = min(model_max, int(window))
     model_max = _short_rope_cap(hf_config, model_max, config.max_model_len)
     if config.max_model_len is None:
         return model_max

@@ -118,6 +118,7 @@ class Scheduler:
         for s in out.scheduled:
             s.request.num_computed_tokens = s.start + s.num_tokens - len(s.draft_token_ids)
             self.blocks.register_computed_blocks(s.request)
+            self.blocks.release_out_of_window(s.request)
 
     def record_step_time(self, out: SchedulerOutput, elapsed_s: float, emitted_tokens: int) -> None:
         """Feed a finished step's time to the speculation gate, when every row of it was a decode."""
@@ -135,6 +136,7 @@ class Scheduler:
         req.num_computed_tokens += accepted
         self.blocks.truncate(req)
         self.blocks.register_computed_blocks(req)
+        self.blocks.release_out_of_window(req)
         update_acceptance(req, len(s.draft_token_ids), accepted)
 
 

@@ -32,7 +32,7 @@ GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2F
              "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
              "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Gemma2ForCausalLM": "gemma2",
              "Gemma3ForCausalLM": "gemma3"}  # fmt: skip
-PERMUTED = ("llama", "granite", "smollm3")  # architectures whose Q/K rows llama.cpp's converter permutes
+PERMUTED = ("llama", "mistral", "granite", "smollm3")  # architectures whose Q/K rows llama.cpp's converter permutes
 TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K)}
 _QK_K = 256  # values per K-quant super-block
 
@@ -45,6 +45,10 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
         raise ValueError(f"qtype must be one of {sorted(TYPES)}, got {qtype!r}")
     config = json.loads((folder / "config.json").read_text())
     name = arch or GGUF_ARCH[config["architectures"][0]]
+    if name == "llama" and config["architectures"][0] == "MistralForCausalLM" and config.get("sliding_window"):
+        # llama's metadata has no window: a windowed Mistral goes out as `mistral` with
+        # mistral.attention.sliding_window (engine/weights/gguf/config.py reads it)
+        name = "mistral"
     if name == "smollm3" and config["no_rope_layers"] != smollm3_no_rope_layers(config["num_hidden_layers"]):
         raise ValueError("a smollm3 GGUF file cannot say no_rope_layers other than llama.cpp's every 4th layer")
     writer = gguf.GGUFWriter(str(out), name)
@@ -86,6 +90,8 @@ def _add_model_metadata(w: gguf.GGUFWriter, c: dict, name: str) -> None:
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))  # Phi-4-mini: 3/4
     w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(float(c["rms_norm_eps"]))
+    if c.get("sliding_window") and c["architectures"][0] == "MistralForCausalLM":
+        w.add_sliding_window(int(c["sliding_window"]))
     w.add_vocab_size(c["vocab_size"])
     if "GraniteForCausalLM" in c["architectures"]:
         w.add_embedding_scale(float(c["embedding_multiplier"]))

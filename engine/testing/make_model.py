@@ -192,6 +192,29 @@ PRESETS: dict[str, Preset] = {
         seed=4,
         extra_config=(("sliding_window", None),),
     ),
+    # Sliding windows (engine/models/windows.py) shorter than the test prompts, so the window matters:
+    # Mistral's on every layer (the engine frees blocks that left it), Qwen2's on the layers from
+    # max_window_layers on (a model mixing full and sliding layers keeps every block).
+    "tiny-mistral-swa": Preset(
+        "MistralForCausalLM",
+        **_TINY,
+        num_hidden_layers=3,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=31,
+        extra_config=(("sliding_window", 12),),
+    ),
+    "tiny-qwen2-swa": Preset(
+        "Qwen2ForCausalLM",
+        **_TINY,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=32,
+        extra_config=(("use_sliding_window", True), ("sliding_window", 16), ("max_window_layers", 1)),
+    ),
     # The other Llama-like families (engine/models/): each the tiny shape with what makes it differ.
     # OLMo 2: norms after attention and MLP, Q/K norms over the whole projection.
     "tiny-olmo2": Preset(
@@ -240,7 +263,7 @@ PRESETS: dict[str, Preset] = {
     ),
     # Gemma 2: scaled embeddings, (1 + weight) norms before and after attention and MLP, GeGLU, both
     # soft-caps, query_pre_attn_scalar = head_dim (what llama.cpp's gemma2 assumes) != hidden / heads,
-    # sliding and global layers alternating (window smaller than most test prompts), tied embeddings.
+    # sliding and global layers alternating (a 24-token window: most test prompts are longer), tied embeddings.
     "tiny-gemma2": Preset(
         "Gemma2ForCausalLM",
         **_TINY,
@@ -249,10 +272,10 @@ PRESETS: dict[str, Preset] = {
         head_dim=64,
         tie_word_embeddings=True,
         seed=25,
-        extra_config=(("query_pre_attn_scalar", 64), ("sliding_window", 512), ("attn_logit_softcapping", 50.0),
+        extra_config=(("query_pre_attn_scalar", 64), ("sliding_window", 24), ("attn_logit_softcapping", 50.0),
                       ("final_logit_softcapping", 30.0)),  # fmt: skip
     ),
-    # Gemma 3: Gemma 2 with Q/K norms, no attention soft-cap; three local layers (RoPE base 10,000, the
+    # Gemma 3: Gemma 2 with Q/K norms, no attention soft-cap; three local layers (RoPE base 10,000, a 20-token
     # window) then a global one (base 1e6, linear rope scaling as Gemma 3 4B and up have).
     "tiny-gemma3": Preset(
         "Gemma3ForCausalLM",
@@ -263,7 +286,7 @@ PRESETS: dict[str, Preset] = {
         tie_word_embeddings=True,
         seed=26,
         rope_theta=1000000.0,
-        extra_config=(("query_pre_attn_scalar", 32), ("sliding_window", 512), ("rope_local_base_freq", 10000.0),
+        extra_config=(("query_pre_attn_scalar", 32), ("sliding_window", 20), ("rope_local_base_freq", 10000.0),
                       ("rope_scaling", {"rope_type": "linear", "factor": 8.0}),
                       ("layer_types", ("sliding_attention",) * 3 + ("full_attention",))),  # fmt: skip
     ),

@@ -40,8 +40,11 @@ def random_step(specs, heads, kv_heads, head_dim, block_size, dtype, seed, skip=
     return layout, step
 
 
-def reference(q, k_cache, v_cache, layout: BatchLayout, scale: float) -> torch.Tensor:
-    """float64 attention of each query row over its sequence's visible cached positions."""
+def reference(q, k_cache, v_cache, layout: BatchLayout, scale: float, window: int | None = None,
+              softcap: float | None = None) -> torch.Tensor:
+    """float64 attention of each query row over its sequence's visible cached positions: the dense
+    masked form (transformers' sliding-window mask: the row at position p sees p - window < k <= p;
+    softcap * tanh(scores / softcap) before the mask)."""
     kvh = k_cache.shape[0]
     group = q.shape[1] // kvh
     out, row = [], 0
@@ -52,7 +55,12 @@ def reference(q, k_cache, v_cache, layout: BatchLayout, scale: float) -> torch.T
         vv = v_cache[:, slots].double().repeat_interleave(group, 0)
         qq = q[row : row + ql].double().transpose(0, 1)  # [H, ql, D]
         scores = qq @ kk.transpose(1, 2) * scale
-        visible = torch.arange(ctx)[None, :] <= (ctx - ql + torch.arange(ql))[:, None]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        qpos = (ctx - ql + torch.arange(ql))[:, None]
+        visible = torch.arange(ctx)[None, :] <= qpos
+        if window is not None:
+            visible &= torch.arange(ctx)[None, :] > qpos - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out.append((scores.softmax(-1) @ vv).transpose(0, 1))
         row += ql

@@ -76,6 +76,8 @@ for dtype in (torch.float32, torch.bfloat16):
     tables = torch.randperm(nb, generator=g)[:12].view(3, 4).contiguous()
     lens = torch.tensor([5, 33, 64])
     out[f"attention {dtype}"] = ops.paged_decode_attention(qv, kc, vc, tables, lens, bs, 64, 0.125)
+    out[f"attention window softcap {dtype}"] = ops.paged_decode_attention(qv, kc, vc, tables, lens, bs, 64, 0.125,
+                                                                          21, 4.0)
     x, res, wn = torch.randn(5, 200, generator=g).to(dtype), torch.randn(5, 200, generator=g).to(dtype), torch.randn(200, generator=g).to(dtype)
     out[f"layers norm {dtype}"] = ops.rms_norm(x, wn, 1e-6)
     r2 = res.clone()

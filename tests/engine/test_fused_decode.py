@@ -12,7 +12,7 @@ from engine.api import SamplingParams
 from engine.models import cpu_linear
 from engine.models.fused_decode import FusedDecode
 
-from .helpers import FAMILY_PRESETS, TINY_PRESETS, make_case, make_engine, require_cpu_kernels
+from .helpers import FAMILY_PRESETS, TINY_PRESETS, WINDOW_PRESETS, make_case, make_engine, require_cpu_kernels
 
 require_cpu_kernels()
 
@@ -49,7 +49,7 @@ def _run(path, fused: bool, dtype: str, overrides: dict, case):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("preset", TINY_PRESETS)
+@pytest.mark.parametrize("preset", TINY_PRESETS + WINDOW_PRESETS)
 def test_fused_decode_matches_the_python_layers(build_model, preset, variant):
     if variant == "int8" and cpu_linear.kernels_unavailable("int8") is not None:
         # the C++ loop runs INT8 linears only on the small-batch kernels (AVX-512 VNNI); without them the

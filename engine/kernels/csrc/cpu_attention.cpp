@@ -72,13 +72,13 @@ void check_tables(const int64_t* tables, const int64_t* lens, const Shapes& sh, 
 // out[s, h * group + g] = softmax(scale q k^T) v per (sequence, KV head) item (kernels/attention.h).
 void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& tables_t, const at::Tensor& lens_t, at::Tensor& out, const Shapes& sh,
-                    float scale, int64_t max_context) {
+                    float scale, int64_t max_context, int64_t window, float softcap) {
   const int64_t* tables = tables_t.data_ptr<int64_t>();
   const int64_t* lens = lens_t.data_ptr<int64_t>();
   check_tables(tables, lens, sh, max_context);
   const tokenmill::attention::Call c{q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                                      tables, lens, out.data_ptr(), sh, scale, max_context,
-                                     q.scalar_type() == at::kBFloat16};
+                                     q.scalar_type() == at::kBFloat16, window, softcap};
   const Isa p = path();
   at::parallel_for(0, sh.num_seqs * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
     if (p == Isa::Avx512) {
@@ -146,15 +146,18 @@ void paged_store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
-                                  int64_t max_context, double scale) {
-  // q: [num_seqs, heads, D]. Returns [num_seqs, heads, D] in the cache's dtype.
+                                  int64_t max_context, double scale, int64_t window, double softcap) {
+  // q: [num_seqs, heads, D]. Returns [num_seqs, heads, D] in the cache's dtype. window: a sliding
+  // window (0: none), softcap: attention-logit soft-capping (0: none); see kernels/attention.h.
   const Shapes sh = check(q, k_cache, block_tables, context_lens, block_size);
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
                   v_cache.is_contiguous(),
               "paged decode: k_cache and v_cache must match");
   TORCH_CHECK(max_context >= 0, "paged decode: max_context must be >= 0");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged decode: window and softcap must be >= 0 (0: none)");
   auto out = at::empty({sh.num_seqs, sh.heads, sh.dim}, v_cache.options());
-  attention_impl(q, k_cache, v_cache, block_tables, context_lens, out, sh, static_cast<float>(scale), max_context);
+  attention_impl(q, k_cache, v_cache, block_tables, context_lens, out, sh, static_cast<float>(scale), max_context,
+                 window, static_cast<float>(softcap));
   return out;
 }
 
@@ -166,7 +169,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("paged_store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "int block_size) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, int block_size, int max_context, float scale) -> Tensor");
+        "Tensor context_lens, int block_size, int max_context, float scale, int window=0, float softcap=0.0) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
   m.impl("paged_store_kv", c10::DispatchKey::CPU, TORCH_FN(paged_store_kv));
   m.def("attention_path() -> str", &attention_path);

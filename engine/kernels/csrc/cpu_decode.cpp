@@ -230,13 +230,14 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
                                       c10::IntArrayRef kinds, c10::IntArrayRef shapes, int64_t heads, int64_t kv_heads,
                                       int64_t head_dim, double eps, bool fused_norm, bool qk_norm,
                                       const c10::optional<c10::intrusive_ptr<LoraSet>>& lora_set,
-                                      const c10::optional<at::Tensor>& lora_slots) {
+                                      const c10::optional<at::Tensor>& lora_slots, c10::IntArrayRef windows) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == layers * SLOTS &&
                   static_cast<int64_t>(kinds.size()) == layers * LINEARS &&
-                  static_cast<int64_t>(shapes.size()) == layers * LINEARS * 2,
-              "decode_layers: one set of caches, weights, kinds and shapes per layer");
+                  static_cast<int64_t>(shapes.size()) == layers * LINEARS * 2 &&
+                  static_cast<int64_t>(windows.size()) == layers,
+              "decode_layers: one set of caches, weights, kinds, shapes and windows per layer");
   TORCH_CHECK(!lora_set.has_value() || (lora_slots.has_value() && (*lora_set)->layers() == layers),
               "decode_layers: LoRA operands for every layer, and the rows' slots");
   const Lora lora{lora_set.has_value() ? lora_set->get() : nullptr, lora_slots};
@@ -267,7 +268,8 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
     call1(store_op(), {k, v, k_cache, v_cache, slot_mapping, block_size});
     const at::Tensor attn =
-        call1(attention_op(), {q, k_cache, v_cache, tables, lens, block_size, max_context, scale});  // [B, H, D]
+        call1(attention_op(), {q, k_cache, v_cache, tables, lens, block_size, max_context, scale, windows[l],
+                               0.0});  // [B, H, D]; windows[l]: the layer's sliding window (0: none), no softcap
     const at::Tensor attn2d = attn.reshape({b, -1});
     h = linear(attn2d, weights, l, O_W, kind[1], nk[2], nk[3]);
     lora.add(h, attn2d, l, 1);
@@ -298,7 +300,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, int block_size, int max_context, float scale, Tensor?[] weights, "
         "int[] kinds, int[] shapes, int heads, int kv_heads, int head_dim, float eps, bool fused_norm, "
-        "bool qk_norm, __torch__.torch.classes.tokenmill.LoraSet? lora, Tensor? lora_slots) -> Tensor[]");
+        "bool qk_norm, __torch__.torch.classes.tokenmill.LoraSet? lora, Tensor? lora_slots, int[] windows) -> Tensor[]");
   m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
   // oneDNN-packed weights among the arguments make the dispatcher pick MkldnnCPU: the same function.
   m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, TORCH_FN(decode_layers));

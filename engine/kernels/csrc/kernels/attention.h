@@ -14,7 +14,9 @@ struct Shapes {
 
 // One call's operands: q [num_seqs, heads, D] (rows strided by q_s0, q_s1), the caches [kv_heads,
 // slots, D] (K used dimension-major per block, V token-major), the tables [num_seqs, width], the
-// context lengths, out [num_seqs, heads, D]; float32, or bf16 where `bf16`.
+// context lengths, out [num_seqs, heads, D]; float32, or bf16 where `bf16`. window > 0: the query
+// (at position ctx - 1) sees only positions ctx - window .. ctx - 1, and blocks before them are never
+// read; softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
 struct Call {
   const void* q;
   int64_t q_s0, q_s1;
@@ -27,6 +29,8 @@ struct Call {
   float scale;
   int64_t max_context;
   bool bf16;
+  int64_t window;
+  float softcap;
 };
 
 // Items [begin, end) of a call: item = sequence * kv_heads + KV head.

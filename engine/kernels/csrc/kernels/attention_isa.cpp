@@ -1,6 +1,7 @@
 // kernels/attention_body.inc compiled for each path, each in its own target region (the same source,
 // the same flags for every file: the region gives the instructions). Torch-free.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
