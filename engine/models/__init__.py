@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM
@@ -19,6 +20,8 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -28,6 +28,9 @@ class ForwardContext:
     sin: torch.Tensor | None = None
     # The step's rows by LoRA adapter (engine/lora/batch.py); None: every row runs on the base model.
     lora: LoraBatch | None = None
+    # Sliding-window layers' own rotary tables (Gemma 3's rope_local_base_freq), as cos/sin; None: the
+    # same as every layer's.
+    rope_local: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class RMSNorm(nn.Module):
@@ -125,6 +128,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class GatedMLP(nn.Module):
     """SwiGLU with gate and up projections fused into one matmul."""
+
+    activation = "silu"  # the gate's: replace_linears gives only silu MLPs the fused silu(gate) * up
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()

@@ -132,10 +132,8 @@ class LlamaModel(nn.Module):
         self.fused_decode: FusedDecode | None = None  # the C++ layer loop for decode steps (use_cpu_kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        if self.embedding_multiplier != 1.0:
-            x = x * self.embedding_multiplier
-        ctx.cos, ctx.sin = self.rotary.lookup(positions)
+        x, residual = self.embed(input_ids), None  # [T, hidden]
+        self.set_rotary(positions, ctx)
         fused = self.fused_decode.run(x, ctx) if self.fused_decode is not None else None
         if fused is not None:
             x, residual = fused
@@ -144,9 +142,20 @@ class LlamaModel(nn.Module):
                 x, residual = layer(positions, x, residual, ctx)
         return self.norm.add_norm(x, residual)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [T, hidden], scaled as the model asks (Granite's multiplier; Gemma's
+        sqrt(hidden) in gemma.py)."""
+        x = self.embed_tokens(input_ids)
+        return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
+
+    def set_rotary(self, positions: torch.Tensor, ctx: ForwardContext) -> None:
+        """The step's rotary tables into ctx (Gemma 3 adds its local layers' own)."""
+        ctx.cos, ctx.sin = self.rotary.lookup(positions)
+
 
 class LlamaForCausalLM(nn.Module):
     layer_cls = LlamaDecoderLayer
+    model_cls = LlamaModel  # the decoder stack (Gemma: its embedding scale, norms and rotary tables)
     # checkpoint sub-name -> (our fused param, shard index); shards are laid out in this order.
     packed = {
         "q_proj": ("qkv_proj", 0),
@@ -158,16 +167,20 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
-        act = getattr(cfg, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {act!r} is not supported (the MLP is SwiGLU: silu)")
+        self.check_config(cfg)
         self.config = cfg
-        self.model = LlamaModel(cfg, self.layer_cls, max_positions)
+        self.model = self.model_cls(cfg, self.layer_cls, max_positions)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         # Tied: None, the logits reuse the embedding matrix (until pack_weights gives it a packed copy).
         self.lm_head: nn.Module | None = None
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def check_config(self, cfg) -> None:
+        """ValueError naming a config key this class cannot serve (before any weight is read)."""
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {act!r} is not supported (the MLP is SwiGLU: silu)")
 
     def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states after the final norm: [T, hidden]."""
@@ -227,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
         with silu_mul(x) returned there computes silu(gate) * up itself, and the MLP calls it),
         "lm_head" for the logits head (a tied model's is built from the embedding matrix; the lookup
         keeps its own), "linear" for the rest."""
-        for mlp in [m for m in self.modules() if isinstance(m, GatedMLP)]:
+        for mlp in [m for m in self.modules() if isinstance(m, GatedMLP) and m.activation == "silu"]:
             lin = mlp.gate_up_proj
             mlp.gate_up_proj = make(lin.weight, lin.bias, "gate_up")
             mlp.fused_act = hasattr(mlp.gate_up_proj, "silu_mul")

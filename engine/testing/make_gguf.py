@@ -23,13 +23,15 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
 
-from engine.weights.gguf.config import smollm3_no_rope_layers
+from engine.weights.gguf.config import ARCHITECTURES, smollm3_no_rope_layers
+from engine.weights.gguf.gemma import DEFAULT_PATTERN, LAYERS_27B, pattern_of
 from engine.weights.gguf.tensors import gguf_name, permute
 
 # transformers class -> llama.cpp architecture (its converter writes Mistral as llama)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
-             "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3"}  # fmt: skip
+             "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Gemma2ForCausalLM": "gemma2",
+             "Gemma3ForCausalLM": "gemma3"}  # fmt: skip
 PERMUTED = ("llama", "mistral", "granite", "smollm3")  # architectures whose Q/K rows llama.cpp's converter permutes
 TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K)}
 _QK_K = 256  # values per K-quant super-block
@@ -51,10 +53,15 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
         raise ValueError("a smollm3 GGUF file cannot say no_rope_layers other than llama.cpp's every 4th layer")
     writer = gguf.GGUFWriter(str(out), name)
     _add_model_metadata(writer, config, folder.name)
+    if name in DEFAULT_PATTERN:
+        _add_gemma_metadata(writer, config, name)
+    norm_offset = ARCHITECTURES[name].norm_offset if name in ARCHITECTURES else 0.0  # Gemma's 1 + weight
     _add_tokenizer(writer, folder, config["vocab_size"])
     permuted = name in PERMUTED
     for hf, value in load_file(str(folder / "model.safetensors")).items():
         value = value.astype(np.float32)
+        if norm_offset and hf.endswith("norm.weight"):
+            value = value + np.float32(norm_offset)
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             heads = config["num_attention_heads"] if ".q_proj." in hf else config["num_key_value_heads"]
             value = permute(value, heads)
@@ -70,6 +77,7 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
 def _add_model_metadata(w: gguf.GGUFWriter, c: dict, name: str) -> None:
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     rope = c.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: per layer type; the global layers' here
     w.add_name(name)
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
@@ -90,6 +98,36 @@ def _add_model_metadata(w: gguf.GGUFWriter, c: dict, name: str) -> None:
         w.add_residual_scale(float(c["residual_multiplier"]))
         w.add_attention_scale(float(c["attention_multiplier"]))
         w.add_logit_scale(float(c["logits_scaling"]))
+
+
+def _add_gemma_metadata(w: gguf.GGUFWriter, c: dict, arch: str) -> None:
+    """What llama.cpp's gemma2/gemma3 converter writes, and the optional keys its loader reads where the
+    config differs from what it assumes (engine/weights/gguf/gemma.py)."""
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    big = c["num_hidden_layers"] == LAYERS_27B[arch]
+    scalar = c["hidden_size"] // c["num_attention_heads"] if big else head_dim
+    if c["query_pre_attn_scalar"] != scalar:
+        raise ValueError(f"a {arch} GGUF file cannot say query_pre_attn_scalar {c['query_pre_attn_scalar']} "
+                         f"(llama.cpp derives {scalar})")  # fmt: skip
+    if c.get("sliding_window"):
+        w.add_sliding_window(int(c["sliding_window"]))
+        pattern = pattern_of(c["layer_types"], arch)
+        if pattern is not None:
+            w.add_sliding_window_pattern(pattern)
+    if c.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(float(c["final_logit_softcapping"]))
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(float(c.get("attn_logit_softcapping") or 0.0))
+        return
+    rope = c["rope_parameters"]
+    if float(rope["sliding_attention"]["rope_theta"]) != 10000.0:
+        w.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+    full = rope["full_attention"]
+    if full.get("rope_type", "default") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(full["factor"]))
+    elif full.get("rope_type", "default") != "default":
+        raise ValueError(f"rope_type {full['rope_type']!r} of the global layers cannot be written")
 
 
 def _add_tokenizer(w: gguf.GGUFWriter, folder: Path, vocab_size: int) -> None:

@@ -261,6 +261,35 @@ PRESETS: dict[str, Preset] = {
         seed=24,
         extra_config=(("partial_rotary_factor", 0.75),),
     ),
+    # Gemma 2: scaled embeddings, (1 + weight) norms before and after attention and MLP, GeGLU, both
+    # soft-caps, query_pre_attn_scalar = head_dim (what llama.cpp's gemma2 assumes) != hidden / heads,
+    # sliding and global layers alternating (a 24-token window: most test prompts are longer), tied embeddings.
+    "tiny-gemma2": Preset(
+        "Gemma2ForCausalLM",
+        **_TINY,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=True,
+        seed=25,
+        extra_config=(("query_pre_attn_scalar", 64), ("sliding_window", 24), ("attn_logit_softcapping", 50.0),
+                      ("final_logit_softcapping", 30.0)),  # fmt: skip
+    ),
+    # Gemma 3: Gemma 2 with Q/K norms, no attention soft-cap; three local layers (RoPE base 10,000, a 20-token
+    # window) then a global one (base 1e6, linear rope scaling as Gemma 3 4B and up have).
+    "tiny-gemma3": Preset(
+        "Gemma3ForCausalLM",
+        **_TINY,
+        num_hidden_layers=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+        seed=26,
+        rope_theta=1000000.0,
+        extra_config=(("query_pre_attn_scalar", 32), ("sliding_window", 20), ("rope_local_base_freq", 10000.0),
+                      ("rope_scaling", {"rope_type": "linear", "factor": 8.0}),
+                      ("layer_types", ("sliding_attention",) * 3 + ("full_attention",))),  # fmt: skip
+    ),
     # Every matrix row a multiple of 256 values, so K-quant GGUF files (engine/testing/make_gguf.py)
     # quantize all of them; tied, so the file has no output.weight.
     "tiny-llama-k": Preset(
@@ -469,9 +498,15 @@ def _init_model(spec: Preset, config: transformers.PretrainedConfig) -> torch.nn
 def _randomize_norms_and_biases(model: torch.nn.Module, std: float) -> None:
     # Fresh RMSNorm weights are exactly 1 and biases 0, so an engine that skips a norm (Qwen3's q/k norm)
     # or a bias (Qwen2's q/k/v bias) would still match. Random values make such bugs visible.
+    # Gemma's norms scale by 1 + weight: around 1 (weight in [-0.5, 0.5]), but 5 to 6 on the attention
+    # and MLP outputs: with those near 1 the sqrt(hidden)-scaled embedding dominates the residual stream
+    # and the tied logits repeat the last token forever.
+    gemma = type(model).__name__.startswith("Gemma")
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
-            param.uniform_(0.5, 1.5)
+            low = (4.0 if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"))
+                   else -0.5) if gemma else 0.5  # fmt: skip
+            param.uniform_(low, low + 1.0)
         elif name.endswith(".bias"):
             param.normal_(0.0, 4 * std)
 

@@ -57,17 +57,20 @@ def test_weights_are_transformers_dequantized_weights(served):
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-granite", "tiny-olmo2", "tiny-phi3",
-                                    "tiny-smollm3", "tiny-mistral-swa"])
+                                    "tiny-smollm3", "tiny-mistral-swa", "tiny-gemma2", "tiny-gemma3"])
 def test_other_architectures_match_transformers(build_model, gguf_dir, preset, qtype):
     """qwen2 (q/k/v biases, rows not permuted), qwen3 (q/k norms, head_dim 64 != hidden / heads),
     mistral (written as llama, as llama.cpp does), granite (Q/K permuted as llama, its four
     multipliers from granite.* metadata), olmo2 (post_attention_norm / post_ffw_norm) and phi3 (fused
     attn_qkv and ffn_up, rope.dimension_count 3/4 of the head), smollm3 (Q/K permuted, llama.cpp's fixed
     every-4th-layer NoPE), the windowed mistral (written as `mistral` with mistral.attention.sliding_window:
-    llama's metadata has no window)."""
+    llama's metadata has no window), gemma2 (both soft-caps), gemma3 (norms stored as 1 + weight, the
+    local/global layer pattern, the local RoPE base and the global layers' linear rope scaling from
+    gemma3.* metadata)."""
     path = gguf_path(build_model, gguf_dir, preset, qtype)
-    # transformers' GGUF loader cannot load these
-    from_folder = preset in ("tiny-qwen3", "tiny-granite", "tiny-olmo2", "tiny-phi3", "tiny-smollm3", "tiny-mistral-swa")
+    # transformers' GGUF loader cannot load these (gemma: it reads neither the layer pattern nor the scales)
+    from_folder = preset in ("tiny-qwen3", "tiny-granite", "tiny-olmo2", "tiny-phi3", "tiny-smollm3", "tiny-mistral-swa",
+                             "tiny-gemma2", "tiny-gemma3")
     hf = _qwen3_reference(build_model(preset), qtype) if from_folder else hf_from_gguf(path)
     case = small_case(seed=5)
     ref = hf_greedy(hf, case.prompts, case.max_tokens)
@@ -79,16 +82,20 @@ def test_other_architectures_match_transformers(build_model, gguf_dir, preset, q
 
 def _qwen3_reference(folder, qtype: str):
     """transformers' GGUF loader drops qwen3's head_dim (it cannot load tiny-qwen3's file) and has no
-    granite, olmo2, smollm3 or partial-rotary phi3, so the reference is transformers on the source folder with every matrix put through what the test file
-    stores: make_gguf's encoding, then the gguf package's dequantization."""
+    granite, olmo2, smollm3 or partial-rotary phi3 (nor Gemma's metadata), so the reference is transformers
+    on the source folder with every matrix put through what the test file stores: make_gguf's encoding,
+    then the gguf package's dequantization (Gemma's norms: + 1, then - 1, in float32)."""
     import gguf
     from transformers import AutoModelForCausalLM
 
     from engine.testing.make_gguf import TYPES, encode
 
     hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    gemma = type(hf).__name__.startswith("Gemma")
     with torch.no_grad():
-        for p in hf.parameters():
+        for name, p in hf.named_parameters():
+            if gemma and name.endswith("norm.weight"):  # the file holds 1 + weight (float32); the loader subtracts 1
+                p.copy_((p + 1.0) - 1.0)
             if p.ndim == 2:
                 data, raw = encode(p.numpy().copy(), TYPES[qtype])
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(data, raw) if raw else data.astype("float32")))

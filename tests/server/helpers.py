@@ -161,16 +161,17 @@ class RunningServer:
 
 @contextlib.contextmanager
 def run_server(settings: ServerSettings, engine: Any, wait_ready: bool = True,
-               loader: Any = None) -> Iterator[RunningServer]:  # fmt: skip
+               loader: Any = None, startup_s: float = 30.0) -> Iterator[RunningServer]:  # fmt: skip
     """Start `create_app(settings, engine, loader)` on a free loopback port; stop it (and its workers) on
-    exit. `engine` None: the settings' models are loaded."""
+    exit. `engine` None: the settings' models are loaded. `startup_s`: the wait for uvicorn's start-up
+    (a 262k-token vocabulary takes longer on a busy machine)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((HOST, 0))
     srv = RunningServer(create_app(settings, engine=engine, loader=loader), sock, settings)
     srv.thread.start()
     try:
-        wait_until(lambda: srv.server.started or not srv.thread.is_alive(), 30, what="uvicorn startup")
+        wait_until(lambda: srv.server.started or not srv.thread.is_alive(), startup_s, what="uvicorn startup")
         if not srv.server.started:
             pytest.fail("server did not start")
         if wait_ready:

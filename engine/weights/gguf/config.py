@@ -11,6 +11,7 @@ from typing import Any
 from gguf import GGMLQuantizationType as Q
 
 from engine.weights.gguf.errors import GGUFError
+from engine.weights.gguf.gemma import gemma_fields
 from engine.weights.gguf.reader import GGUFFile
 
 
@@ -21,6 +22,7 @@ class Architecture:
     hf_class: str  # the config's `architectures` entry (engine/models picks the class by it)
     model_type: str  # transformers' model_type, for AutoConfig.for_model
     permuted_qk: bool  # llama.cpp's converter permuted the Q/K rows (engine/weights/gguf/tensors.py)
+    norm_offset: float = 0.0  # what llama.cpp's converter added to every norm weight (Gemma: 1, its 1 + weight)
 
 
 ARCHITECTURES = {
@@ -32,6 +34,8 @@ ARCHITECTURES = {
     "olmo2": Architecture("Olmo2ForCausalLM", "olmo2", permuted_qk=False),
     "phi3": Architecture("Phi3ForCausalLM", "phi3", permuted_qk=False),
     "smollm3": Architecture("SmolLM3ForCausalLM", "smollm3", permuted_qk=True),  # llama.cpp: Llama's converter
+    "gemma2": Architecture("Gemma2ForCausalLM", "gemma2", permuted_qk=False, norm_offset=1.0),
+    "gemma3": Architecture("Gemma3ForCausalLM", "gemma3_text", permuted_qk=False, norm_offset=1.0),
 }
 SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp fixes it (no metadata key): layers 4, 8, ... have no RoPE
 _PARTIAL_ROTARY = ("phi3",)  # architectures whose rope.dimension_count may be below the head size
@@ -105,6 +109,8 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
     if scaling:
         fields["rope_scaling"] = scaling
         fields["rope_parameters"] = {**scaling, "rope_theta": fields["rope_theta"]}
+    if gf.architecture in ("gemma2", "gemma3"):
+        fields.update(gemma_fields(gf, fields))  # layer pattern, local RoPE base, soft-caps, attention scale
     return fields
 
 

@@ -55,7 +55,11 @@ def _write_config(source: ModelSource, out: Path, dtype: torch.dtype) -> None:
     config.save_pretrained(str(out))
     # older transformers read rope_theta and torch_dtype at the top level; 5.x writes rope_parameters
     data = json.loads((out / "config.json").read_text())
-    data["rope_theta"] = (data.get("rope_parameters") or {}).get("rope_theta", data.get("rope_theta"))
+    rope = data.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: per layer type (its local base: rope_local_base_freq)
+    data["rope_theta"] = rope.get("rope_theta", data.get("rope_theta"))
+    if "sliding_attention" in (data.get("rope_parameters") or {}):
+        data["rope_local_base_freq"] = data["rope_parameters"]["sliding_attention"]["rope_theta"]
     data["torch_dtype"] = data["dtype"] = str(dtype).removeprefix("torch.")
     # GGUF stores eps as float32 (1e-6 reads back as 9.99999997e-07); 7 digits give the same float32
     data["rms_norm_eps"] = float(f"{data['rms_norm_eps']:.7g}")

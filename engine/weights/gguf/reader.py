@@ -11,7 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ MAGIC = b"GGUF"
 _HEADER_BYTES = 24  # magic, version (u32), tensor count (u64), metadata count (u64)
 _UNKNOWN_TYPE = re.compile(r"(\d+)\)? is not a valid GGMLQuantizationType")  # numpy 2 reprs np.uint32(99)
 _BAD_VERSION = re.compile(r"version (\d+)")
+_MAX_READ_ARRAY = 4096  # longest model array field read (per-layer values: one per layer)
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: no field-by-field comparison of memory maps
@@ -38,6 +39,9 @@ class GGUFFile:
     array_lengths: dict[str, int]  # every array field by key -> its length (e.g. tokenizer.ggml.tokens)
     tensors: tuple[ReaderTensor, ...]  # in file order; .data views the memory map
     data: np.memmap  # the whole file, mapped copy-on-write (never written)
+    # the values of the model's own array fields (per-layer settings such as Gemma's
+    # attention.sliding_window_pattern); the tokenizer's arrays are left unread
+    arrays: dict[str, list[Any]] = field(default_factory=dict)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -61,7 +65,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     path = Path(path)
     size = _check_header(path)
     reader = _read(path, size)
-    metadata, arrays = _fields(reader)
+    metadata, arrays, values = _fields(reader)
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise GGUFError(path, "no general.architecture in the metadata (not a model file?)")
@@ -72,7 +76,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     tensors = tuple(reader.tensors)
     for t in tensors:
         _check_tensor(path, size, t)
-    return GGUFFile(path, size, arch, metadata, arrays, tensors, reader.data)
+    return GGUFFile(path, size, arch, metadata, arrays, tensors, reader.data, values)
 
 
 def _check_header(path: Path) -> int:
@@ -126,15 +130,18 @@ def _unreadable(size: int, exc: Exception) -> str:
     return f"truncated or corrupt: its metadata cannot be read ({size} bytes; {type(exc).__name__}: {exc})"
 
 
-def _fields(reader: GGUFReader) -> tuple[dict[str, Any], dict[str, int]]:
+def _fields(reader: GGUFReader) -> tuple[dict[str, Any], dict[str, int], dict[str, list[Any]]]:
     metadata: dict[str, Any] = {}
     arrays: dict[str, int] = {}
-    for key, field in reader.fields.items():
-        if field.types and field.types[0] == GGUFValueType.ARRAY:
-            arrays[key] = len(field.data)  # the values stay unread: transformers reads the vocabulary itself
+    values: dict[str, list[Any]] = {}
+    for key, f in reader.fields.items():
+        if f.types and f.types[0] == GGUFValueType.ARRAY:
+            arrays[key] = len(f.data)  # the tokenizer's values stay unread: transformers reads the vocabulary itself
+            if not key.startswith("tokenizer.") and len(f.data) <= _MAX_READ_ARRAY:
+                values[key] = list(f.contents())
         else:
-            metadata[key] = field.contents()
-    return metadata, arrays
+            metadata[key] = f.contents()
+    return metadata, arrays, values
 
 
 def _check_tensor(path: Path, size: int, t: ReaderTensor) -> None:

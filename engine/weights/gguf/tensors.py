@@ -39,6 +39,12 @@ _ARCH_BLOCK = {
     "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     # Phi-3: q/k/v and gate/up fused in the file as in the checkpoint (ffn_up holds [gate; up])
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # Gemma 2/3: norms before and after attention and MLP (ffn_norm is the one before the MLP)
+    **dict.fromkeys(("gemma2", "gemma3"), {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }),
 }
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 

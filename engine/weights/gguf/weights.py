@@ -38,9 +38,12 @@ class GGUFWeights:
             self.gf.release(t)  # the consumer is done with it (WeightSource: valid until the next item)
 
     def tensor(self, name: str) -> torch.Tensor:
-        """One tensor by its llama.cpp name, in HF layout."""
+        """One tensor by its llama.cpp name, in HF layout (Gemma's norms: the 1 llama.cpp added, taken
+        off in float32, as transformers' GGUF loader does)."""
         t, heads = self.stored(name)
         value = to_torch(t)
+        if self.arch.norm_offset and self.names[name].endswith("norm.weight"):
+            return value.float() - self.arch.norm_offset
         return unpermute(value, heads) if heads else value
 
     def stored(self, name: str) -> tuple[ReaderTensor, int | None]:
