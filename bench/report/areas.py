@@ -48,6 +48,8 @@ AREAS: dict[str, Area] = {
     "peers": Area("Served throughput beside vLLM and llama.cpp", _served(
         col("done c1, c16, c32", "points.1.done", "points.16.done", "points.32.done", sep=", "))),
     "int8": Area("INT8 weights beside llama.cpp's Q8_0", _served()),
+    "gemma3": Area("Gemma 3 270M (Q4_K_M GGUF) beside llama.cpp", _served(
+        col("done c1, c16, c32", "points.1.done", "points.16.done", "points.32.done", sep=", "))),
     "int8-quality": Area("INT8 quality gate", (
         col("INT8 scheme", "scheme"), col("top-1 agreement with bf16", "top1"), col("perplexity", "perplexity"),
         col("weight MB", "weight_mb"), col("gate", "gate"))),

@@ -14,6 +14,7 @@ from engine.api import EngineStats
 from server.config.lanes import Lane
 from server.ops.memory import DeviceMemory
 from server.ops.metrics import CacheStats, ModelInfo, ServerMetrics, Snapshot, VersionSnapshot
+from server.ops.tenant_metrics import TenantMetrics
 
 from .conftest import DASHBOARD, DEPLOY, PROM, REPO, RULE_FILES, load_yaml, rules, run
 
@@ -105,6 +106,7 @@ def exposed_series() -> set[str]:
     metrics = ServerMetrics("0", lambda: [version], cache_stats=lambda: [CacheStats("m", "v1", 1, 100)])
     metrics.version("m", "v1").observe_finished(Lane.INTERACTIVE, "ok", "stop", (5, 3),
                                                 {"queue_s": 0.1, "ttft_s": 0.2, "e2e_s": 0.3})
+    TenantMetrics(metrics.registry, ["default"]).observe_choice("default", 5, 3, 0.1, True)  # as the runtime has it
     text = metrics.render().decode()
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
 
