@@ -31,12 +31,13 @@ def _transformers_greedy(path: str, prompts: list[str]) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_family_served_greedy_matches_transformers(preset):
+def assert_served_greedy_matches_transformers(preset: str, prompts: list[str]) -> None:
+    """Serve `preset`, send `prompts` to /generate at once (batched in the engine): the greedy tokens
+    equal transformers' generate in float32."""
     from engine.testing.make_model import ensure_model
 
     path = str(ensure_model(preset))
-    want = _transformers_greedy(path, PROMPTS)
+    want = _transformers_greedy(path, prompts)
     with run_server(make_settings(), build_real_engine(path)) as srv:
         def generate(text: str) -> list[int]:
             body = {"prompt": text, "max_tokens": N, "ignore_eos": True, "temperature": 0.0, "stream": False}
@@ -44,6 +45,11 @@ def test_family_served_greedy_matches_transformers(preset):
             assert r.status_code == 200, r.text
             return r.json()["token_ids"]
 
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            got = list(pool.map(generate, PROMPTS))
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(generate, prompts))
     assert got == want
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_family_served_greedy_matches_transformers(preset):
+    assert_served_greedy_matches_transformers(preset, PROMPTS)
