@@ -44,13 +44,13 @@ class FairShare:
         self.prompt_weight = float(prompt_weight)
         self.output_weight = float(output_weight)
         self.max_seats = max_seats  # the scheduler's max_num_seqs; None: tenants never take each other's seats
-        self._weights: dict[str, float] = {}
-        self.set_weights(weights or {})
         self._counter: dict[str, float] = {}  # tenant -> weighted service / weight, since the last idle moment
         self._active: Counter[str] = Counter()  # tenant -> its requests queued or running
         self._active_weight = 0.0  # the active tenants' weights summed (seat shares divide by it)
         self._seats: Counter[str] = Counter()  # tenant -> its requests running
         self.changes = 0  # bumped whenever a seat share or a seat count moves (callers cache orders by it)
+        self._weights: dict[str, float] = {}
+        self.set_weights(weights or {})
 
     def set_weights(self, weights: Mapping[str, float]) -> None:
         """Replace the weights (a config reload). Counters already earned stay: only future service is
@@ -59,8 +59,8 @@ class FairShare:
         if bad:
             raise ValueError(f"tenant weights must be numbers > 0, got {bad!r}")
         self._weights = {t: float(w) for t, w in weights.items()}
-        self._active_weight = sum(self.weight(t) for t in getattr(self, "_active", ()))
-        self.changes = getattr(self, "changes", 0) + 1
+        self._active_weight = sum(self.weight(t) for t in self._active)
+        self.changes += 1
 
     def weight(self, tenant: str) -> float:
         return self._weights.get(tenant, 1.0)
