@@ -120,6 +120,8 @@ async def _stream(client: httpx.AsyncClient, req: LoadRequest, cfg: LoadConfig, 
                     rec.queue_s = upd.queue_s
                 if upd.preemptions is not None:
                     rec.preemptions = upd.preemptions
+                if upd.queue_steps is not None:
+                    rec.queue_steps = upd.queue_steps
                 if upd.error is not None:
                     # A server deadline (the request waited too long in its lane) is a timeout too.
                     timed_out = upd.error.startswith(SERVER_TIMEOUT_ERRORS)

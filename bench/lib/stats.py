@@ -34,6 +34,7 @@ class RequestRecord:
     error: str = ""  # why it failed, for the report
     queue_s: float | None = None  # the server's queue wait, when it says (/generate)
     preemptions: int = 0  # times the server preempted it, when it says (/generate)
+    queue_steps: int | None = None  # the server's queue wait in engine steps (idle: 1), when it says (/generate)
 
     @property
     def num_output_tokens(self) -> int:

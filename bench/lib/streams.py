@@ -86,6 +86,7 @@ class StreamUpdate:
     error: str | None = None  # the stream reported a failure
     queue_s: float | None = None  # the server's queue wait (arrival to first schedule), /generate only
     preemptions: int | None = None  # times the server's engine preempted the request, /generate only
+    queue_steps: int | None = None  # the server's queue wait in engine steps (idle: 1), /generate only
 
 
 def parse_generate_event(event: SseEvent) -> StreamUpdate:
@@ -99,7 +100,7 @@ def parse_generate_event(event: SseEvent) -> StreamUpdate:
         return StreamUpdate(finished=True, finish_reason=body.get("finish_reason"),
                             output_tokens=usage.get("completion_tokens"), prompt_tokens=usage.get("prompt_tokens"),
                             cached_tokens=usage.get("cached_tokens"), queue_s=timing.get("queue_s"),
-                            preemptions=timing.get("preemptions"))
+                            preemptions=timing.get("preemptions"), queue_steps=timing.get("queue_steps"))
     if event.event == "error":
         err = json.loads(event.data).get("error") or {}
         return StreamUpdate(finished=True, error=f"{err.get('type', 'error')}: {err.get('message', '')}")

@@ -79,10 +79,11 @@ def phase(args: argparse.Namespace, weights: dict[str, float], streams: dict[str
     extra = ["--config", str(config), "--standard-max-queued-requests", "1024", "--interactive-max-queued-requests",
              "1024", "--interactive-max-queued-tokens", "4194304", *args.server_arg]  # fmt: skip
     with server_process(args.model_path, port, args.max_num_seqs, args.dtype, extra, tmp / f"server-{port}.log") as url:
-        idle = None
+        idle = idle_steps = None
         if idle_probe is not None:
             probe = asyncio.run(closed_loop(url, {idle_probe: 1}, args.prompt_len, args.max_tokens, args.idle_s))
             idle = distribution([r.queue_s for r in probe[idle_probe] if r.queue_s is not None])
+            idle_steps = distribution([r.queue_steps for r in probe[idle_probe] if r.queue_steps is not None])
         before = scrape(url)
         got = asyncio.run(closed_loop(url, streams, args.prompt_len, args.max_tokens, args.duration))
         after = scrape(url)
@@ -91,10 +92,12 @@ def phase(args: argparse.Namespace, weights: dict[str, float], streams: dict[str
     total = sum(tokens(r) for r in got.values())
     print(f"phase {weights} {streams}: " + ", ".join(f"{t} {tokens(r)} tokens" for t, r in got.items()), flush=True)
     return {
-        "weights": weights, "streams": streams, "idle_queue_s": idle, "mean_step_s": step_s / steps if steps else None,
+        "weights": weights, "streams": streams, "idle_queue_s": idle, "idle_queue_steps": idle_steps,
+        "mean_step_s": step_s / steps if steps else None,
         "output_tok_s": total / args.duration,
         "tenants": {t: {"requests": len(r), "tokens": tokens(r), "share": tokens(r) / total if total else None,
                         "queue_s": distribution([x.queue_s for x in r if x.queue_s is not None]),
+                        "queue_steps": distribution([x.queue_steps for x in r if x.queue_steps is not None]),
                         "errors": sum(x.status != "ok" for x in r)} for t, r in got.items()},
     }  # fmt: skip
 
@@ -163,12 +166,18 @@ def format_report(r: dict) -> str:
     def q(d: dict | None, p: str = "p50") -> str:
         return "-" if not d else f"{d[p] * 1000:.0f} ms"
 
+    def n(d: dict | None, p: str = "p50") -> str:
+        return "-" if not d else f"{d[p]:.1f}"
+
     sb = r["small_beside_big"]
     lines = [f"tenants on {r['model']} (max_num_seqs {r['max_num_seqs']}, {r['duration_s']:.0f} s a phase, "
              f"{r['max_tokens']} tokens a request)",
              f"small beside big: small queue p50 {q(sb['tenants']['small']['queue_s'])} p99 "
              f"{q(sb['tenants']['small']['queue_s'], 'p99')} (idle p50 {q(sb['idle_queue_s'])}, mean step "
-             f"{(sb['mean_step_s'] or 0) * 1000:.0f} ms); big queue p50 {q(sb['tenants']['big']['queue_s'])}"]  # fmt: skip
+             f"{(sb['mean_step_s'] or 0) * 1000:.0f} ms); big queue p50 {q(sb['tenants']['big']['queue_s'])}",
+             f"  in engine steps (idle: 1): small p50 {n(sb['tenants']['small']['queue_steps'])} p99 "
+             f"{n(sb['tenants']['small']['queue_steps'], 'p99')} (idle p50 {n(sb['idle_queue_steps'])}); big p50 "
+             f"{n(sb['tenants']['big']['queue_steps'])}"]  # fmt: skip
     for name in ("share_1_1", "share_2_1"):
         t = r[name]["tenants"]
         lines.append(f"{name}: big {t['big']['share']:.1%} of {t['big']['tokens'] + t['small']['tokens']} tokens")

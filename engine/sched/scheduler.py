@@ -33,9 +33,10 @@ class SchedulerConfig:
     max_num_seqs: int  # most requests running at once
     max_num_batched_tokens: int  # token budget of one step
     aging_s: float = 0.0  # seconds of waiting per priority level gained (engine/sched/ordering.py); 0: off
-    # A prompt chunk of a request in a step that also runs a more important request: at most this
-    # many tokens (None: the whole budget), so that step, and the more important request's next token,
-    # is not held up by a long low-priority prefill (the step's time grows with its tokens).
+    # A prompt chunk of a request in a step that also runs a more important request, or (fair share) of
+    # a tenant holding its seat share in a step that runs a tenant under its own: at most this many
+    # tokens (None: the whole budget), so that step, and the other request's next token, is not held
+    # up by a long prefill (the step's time grows with its tokens).
     outranked_chunk_tokens: int | None = 256
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
     # Most distinct LoRA adapters among running requests (their device copies, engine/lora/registry.py);
@@ -169,6 +170,9 @@ class _StepPlanner:
         self._head: Request | None = None  # the waiting queue's head as of _head_version
         self._head_version: tuple[int, int] | None = None
         self.best: int | None = None  # the most important effective priority scheduled so far this step
+        # a request of a tenant under its seat share (while another tenant is active) is in this step: the
+        # prompt chunks of tenants holding their share are capped like outranked ones (`_chunk`)
+        self.under_share_in_step = False
         # Whether decodes may carry drafts in this step: not in a large batch (disable_by_batch_size)
         spec = sched.config.speculative
         cap = spec.disable_by_batch_size if spec is not None else None
@@ -323,12 +327,18 @@ class _StepPlanner:
 
     # -- bookkeeping --------------------------------------------------------------------------------
     def _chunk(self, req: Request, left: int) -> int:
-        """How many of req's `left` tokens run this step: what the budget allows, and for a prompt
-        chunk of a request that a request already in this step outranks, `outranked_chunk_tokens`."""
+        """How many of req's `left` tokens run this step: what the budget allows, and
+        `outranked_chunk_tokens` for a prompt chunk of a request that a request already in this step
+        outranks, or of a tenant holding its seat share in a step that runs a tenant under its own (so
+        the step that seats a small tenant's request is not a whole budget of a big tenant's prefill)."""
         n = min(left, self.budget)
         cap = self.s.config.outranked_chunk_tokens
-        if n > 1 and cap is not None and self.best is not None and self.best < self.policy.effective_priority(req, self.now):
-            n = min(n, cap)
+        if n <= 1 or cap is None:
+            return n
+        if self.best is not None and self.best < self.policy.effective_priority(req, self.now):
+            return min(n, cap)
+        if self.under_share_in_step and self.s.fair.at_share(req.tenant):
+            return min(n, cap)
         return n
 
     def _schedule(self, req: Request, n: int, drafts: list[int] | None = None) -> None:
@@ -342,6 +352,8 @@ class _StepPlanner:
         req.budget_deferred = False
         eff = self.policy.effective_priority(req, self.now)
         self.best = eff if self.best is None else min(self.best, eff)
+        if not self.under_share_in_step and self.s.fair.multi_tenant and self.s.fair.max_seats is not None:
+            self.under_share_in_step = self.s.fair.seats(req.tenant) < self.s.fair.seat_share(req.tenant)
 
     def _preempt(self, victim: Request, cause: PreemptionCause) -> None:
         """Preempt victim; the tokens it was given in this step go back into the budget."""

@@ -111,6 +111,8 @@ class Ticket:
     # -- written by the worker; read by the route once Finished arrived -----------------------------------
     arrival: float = 0.0  # clock time it was admitted; the engine orders it and times its deadlines by it
     started_at: float | None = None  # the engine first scheduled it
+    added_at_step: int = 0  # the worker's step count when it reached the engine
+    queue_steps: int | None = None  # engine steps from reaching the engine to its first step's end (idle: 1)
     first_token_at: float | None = None
     last_token_at: float | None = None
     finished_at: float | None = None
@@ -141,9 +143,9 @@ class Ticket:
         """Its deadlines, in seconds after arrival, for the engine's scheduler."""
         return Deadlines(self.queue_timeout_s, self.first_token_timeout_s, self.timeout_s)
 
-    def timing(self) -> dict[str, float | None]:
+    def timing(self) -> dict[str, float | int | None]:
         def since(t: float | None) -> float | None:
             return None if t is None else round(t - self.arrival, 6)
 
         return {"queue_s": since(self.started_at), "ttft_s": since(self.first_token_at),
-                "e2e_s": since(self.finished_at), "preemptions": self.preemptions}
+                "e2e_s": since(self.finished_at), "queue_steps": self.queue_steps, "preemptions": self.preemptions}

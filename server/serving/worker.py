@@ -125,6 +125,9 @@ class Worker:
         self.stats: EngineStats = engine.stats()
         self.heartbeat: float = clock()  # end of the last loop iteration, or when it woke from idle
         self.last_step_at: float | None = None
+        # engine steps run so far: a request's queue wait in steps (Ticket.queue_steps) does not depend on
+        # how long each step took, so it compares across machines and loads
+        self._steps = 0
         self.died: BaseException | None = None
 
     # -- event-loop side ------------------------------------------------------------------------------
@@ -328,6 +331,7 @@ class Worker:
             log.exception("engine.add_request failed for %s", ticket.request_id)
             self._finish(ticket, "error", ServerError("engine_error", f"{type(exc).__name__}: {exc}", 500))
             return
+        ticket.added_at_step = self._steps
         self._in_engine[ticket.request_id] = ticket
 
     def _step(self) -> None:
@@ -342,6 +346,7 @@ class Worker:
             outputs = []
         now = self._clock()
         self.last_step_at = now
+        self._steps += 1
         for out in outputs:
             self._route(out, now)
 
@@ -371,6 +376,7 @@ class Worker:
 
     def _mark_started(self, ticket: Ticket, now: float) -> None:
         ticket.started_at = now
+        ticket.queue_steps = self._steps - ticket.added_at_step
         with self._lock:
             self._admission.started(ticket.request_id, now)
         self._post(ticket, Started())

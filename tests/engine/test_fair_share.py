@@ -226,6 +226,30 @@ def test_a_small_tenant_takes_a_seat_from_a_big_one_within_a_step():
     s.blocks.check_integrity(s.requests.values())
 
 
+def test_the_step_that_seats_a_small_tenant_caps_a_big_tenants_prefill_chunk():
+    """A holds every seat, one of them a long prompt being prefilled a budget at a time. The step that
+    seats B's request (B under its seat share) gives A's prefill at most outranked_chunk_tokens, so B's
+    first token is not behind a whole budget of A's prompt; alone again, A's prefill takes the budget."""
+    s = make_scheduler(num_blocks=4096, max_num_seqs=4, max_tokens=2048, prefix=False)
+    cap = s.config.outranked_chunk_tokens
+    assert cap == 256
+    for i in range(3):
+        s.add(_tenant_request(f"a{i}", "A", arrival=i, max_tokens=100))
+    s.add(_tenant_request("a-long", "A", n_prompt=12000, arrival=3, max_tokens=4))
+    first = fake_step(s)
+    assert first["a-long"] == 2048 - 3 * 4
+    assert fake_step(s)["a-long"] == 2048 - 3  # A alone: its prefill takes what the decodes leave
+    s.add(_tenant_request("b", "B", arrival=10, max_tokens=4))
+    step = fake_step(s)
+    assert step["b"] == 4  # seated at once (a seat of A's, by preemption)
+    assert step["a-long"] == cap, step
+    for _ in range(3):  # B decoding beside it: still capped
+        step = fake_step(s, finish=True)
+        assert step["a-long"] == cap, step
+    assert "b" not in s.requests
+    assert fake_step(s)["a-long"] > cap  # B gone: the whole budget again
+
+
 def test_seats_do_not_ping_pong_between_tenants():
     s = _scheduler(max_num_seqs=8)
     refill = _backlog(s, {"A": 48, "B": 48}, max_tokens=64)

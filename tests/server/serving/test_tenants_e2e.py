@@ -33,18 +33,22 @@ def _server(weights=(), **settings):
 def test_a_small_tenant_does_not_wait_behind_a_big_tenants_queue():
     _, server = _server(tenants=TENANTS)
     with server as srv, Background(max_workers=64) as bg:
-        idle = statistics.median(_post(srv.url, KEY_B, 4, f"idle {i}").json()["timing"]["queue_s"] for i in range(3))
+        idle_timing = [_post(srv.url, KEY_B, 4, f"idle {i}").json()["timing"] for i in range(3)]
+        idle = statistics.median(t["queue_s"] for t in idle_timing)
+        assert [t["queue_steps"] for t in idle_timing] == [1, 1, 1]  # started in the first step after it came
         big = [bg.submit(_post, srv.url, KEY_A, 60, f"big {i}") for i in range(48)]
         wait_until(lambda: srv.health()["running"] == SEATS, what="big tenant holds every seat")
         small = [_post(srv.url, KEY_B, 4, f"small {i}") for i in range(4)]
         waits = [r.json()["timing"]["queue_s"] for r in small]
         assert all(r.status_code == 200 for r in small)
         # it takes a seat of the big tenant's (it is under its seat share) in the next step, instead of
-        # waiting for the 40 requests queued before it: a few steps at most
-        assert max(waits) <= idle + 5 * STEP_S + 0.1, (idle, waits)
+        # waiting for the 40 requests queued before it: like idle, the first step after it came
+        assert [r.json()["timing"]["queue_steps"] for r in small] == [1, 1, 1, 1]
+        assert max(waits) <= idle + 2 * STEP_S + 0.1, (idle, waits)
         done = [f.result(timeout=120) for f in big]
         assert all(r.status_code == 200 and len(r.json()["token_ids"]) == 60 for r in done)  # nothing lost
         assert statistics.median(r.json()["timing"]["queue_s"] for r in done) > 10 * max(waits)
+        assert statistics.median(r.json()["timing"]["queue_steps"] for r in done) > 20
         srv.wait_idle()
 
 
