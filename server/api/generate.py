@@ -53,7 +53,7 @@ async def generate(request: Request) -> Response:
         req = GenerationRequest(request_id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
                                 body.cache, cache_scope(rt, request, body.user),
                                 record=RecordKey(request_owner(rt, request, body.user), request_id),
-                                tenant=request_tenant(rt, request))  # fmt: skip
+                                tenant=request_tenant(rt, request, body.user))  # fmt: skip
         handles = await start_choices(rt, request, lease, [[req]])
     return await respond(rt, request, handles, NativeShape(body.logprobs is not None), body.stream)
 

@@ -279,7 +279,7 @@ async def messages(request: Request, call: MessagesCall) -> Response:
         req = GenerationRequest(shape.id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
                                 body.cache, cache_scope(rt, request, user), max_tokens_field="max_tokens",
                                 record=RecordKey(request_owner(rt, request, user), shape.id),
-                                tenant=request_tenant(rt, request))  # fmt: skip
+                                tenant=request_tenant(rt, request, user))  # fmt: skip
         handles = await start_choices(rt, request, lease, [[req]])
     return await respond(rt, request, handles, shape, body.stream)
 

@@ -193,7 +193,7 @@ async def _start(rt: Runtime, request: Request, body: OpenAIFields, prompts: lis
     n = body.choices_per_prompt
     _check_choices(len(prompts), n)
     scope, owner = cache_scope(rt, request, body.user), request_owner(rt, request, body.user)
-    tenant = request_tenant(rt, request)
+    tenant = request_tenant(rt, request, body.user)
 
     def choice(p: int, j: int) -> GenerationRequest:
         index = p * n + j

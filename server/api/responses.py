@@ -245,7 +245,7 @@ async def responses(request: Request, call: ResponsesCall) -> Response:
         req = GenerationRequest(shape.id, ids, params, body.lane(), body.timeout_s, body.first_token_timeout_s,
                                 body.cache, cache_scope(rt, request, body.user), max_tokens_field="max_output_tokens",
                                 record=RecordKey(request_owner(rt, request, body.user), shape.id),
-                                tenant=request_tenant(rt, request))  # fmt: skip
+                                tenant=request_tenant(rt, request, body.user))  # fmt: skip
         handles = await start_choices(rt, request, lease, [[req]])
     return await respond(rt, request, handles, shape, body.stream)
 

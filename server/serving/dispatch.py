@@ -53,9 +53,10 @@ def request_owner(rt: Runtime, request: Request, user: str | None) -> str:
     return _principal(request, rt.settings.keyed(), user)
 
 
-def request_tenant(rt: Runtime, request: Request) -> str:
-    """The tenant the request's key reaches (server/serving/tenants.py); the default tenant otherwise."""
-    return rt.tenants.resolve(request_key(request.headers))
+def request_tenant(rt: Runtime, request: Request, user: str | None = None) -> str:
+    """The tenant the request's key (and its `user`) reaches (server/serving/tenants.py); the default
+    tenant otherwise."""
+    return rt.tenants.resolve(request_key(request.headers), user)
 
 
 def _principal(request: Request, by_key: bool, user: str | None) -> str:

@@ -92,22 +92,27 @@ class Tenants:
         now = clock()
         self._tenants = {c.name: _Tenant(c, now) for c in configs}
         self._tenants.setdefault(DEFAULT_TENANT, _Tenant(TenantConfig.model_validate({"name": DEFAULT_TENANT}), now))
-        self._keys = [(key.encode(), c.name) for c in configs for key in c.keys]
+        # (key, user or None, tenant): a (key, user) pair is more specific than its key alone
+        self._keys = [(key.encode(), user, c.name) for c in configs for key in c.keys for user in (c.users or (None,))]
         self._lock = threading.Lock()
 
     @property
     def names(self) -> list[str]:
         return list(self._tenants)
 
-    def resolve(self, key: str) -> str:
-        """The tenant `key` reaches (the default tenant for none or another key). Compares with every
-        tenant key in constant time, so the answer's timing says nothing about which keys exist."""
+    def resolve(self, key: str, user: str | None = None) -> str:
+        """The tenant `key` reaches with the request's `user`: the tenant configured with that key and
+        user, else the one with the key and no users, else the default tenant. Compares with every tenant
+        key in constant time, so the answer's timing says nothing about which keys exist."""
         given = key.encode()
-        found = DEFAULT_TENANT
-        for candidate, name in self._keys:
+        by_key, by_user = DEFAULT_TENANT, None
+        for candidate, candidate_user, name in self._keys:
             if hmac.compare_digest(given, candidate) and key:
-                found = name
-        return found
+                if candidate_user is None:
+                    by_key = name
+                elif candidate_user == user:
+                    by_user = name
+        return by_user or by_key
 
     def admit(self, tenant: str, prompt_tokens: int, members: int) -> TenantUnit | Refusal:
         """Admit one request of `members` choices and `prompt_tokens` prompt tokens in all (charged now),

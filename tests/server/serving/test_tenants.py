@@ -34,6 +34,21 @@ def test_keys_resolve_to_their_tenant_and_anything_else_to_the_default():
     assert set(t.names) == {"acme", "beta", DEFAULT_TENANT}
 
 
+def test_a_key_and_a_user_reach_the_tenant_configured_with_both():
+    app_key = "k-app"
+    t = Tenants([tenant("app", app_key), TenantConfig.model_validate({"name": "alice", "keys": [app_key], "users": ["alice"]}),
+                 TenantConfig.model_validate({"name": "bob", "keys": [app_key, "k-bob"], "users": ["bob", "robert"]})])
+    assert t.resolve(app_key, "alice") == "alice"
+    assert t.resolve(app_key, "robert") == "bob" and t.resolve("k-bob", "bob") == "bob"
+    assert t.resolve(app_key, "carol") == "app"  # another user of the key: the key's own tenant
+    assert t.resolve(app_key) == "app"
+    assert t.resolve("k-bob", "carol") == DEFAULT_TENANT  # k-bob reaches bob only with bob's users
+    assert t.resolve("k-other", "alice") == DEFAULT_TENANT  # a user alone reaches nothing
+    settings = make_settings(tenants=[{"name": "app", "keys": [app_key]},
+                                      {"name": "alice", "keys": [app_key], "users": ["alice"]}])  # fmt: skip
+    assert [x.name for x in settings.tenants] == ["app", "alice"]  # a key with and without users: allowed
+
+
 def test_requests_per_minute_refuses_with_a_retry_after_from_the_refill_rate():
     clock = Clock()
     t = Tenants([tenant("a", "ka", requests_per_minute=2)], clock)
@@ -113,6 +128,10 @@ SECRET = "sk-very-secret-tenant-key"
         ([{"name": "a", "keys": [SECRET + " x"]}], "whitespace"),
         ([{"name": "a", "keys": [SECRET], "weight": 0}], "greater than 0"),
         ([{"name": "a", "keys": [SECRET], "tokens_per_minute": 0}], "greater than or equal to 1"),
+        ([{"name": "a", "keys": [SECRET], "users": ["u"]}, {"name": "b", "keys": [SECRET], "users": ["u", "v"]}],
+         "share a key and user 'u'"),
+        ([{"name": "a", "keys": [SECRET], "users": [""]}], "tenant users must be 1-256 characters"),
+        ([{"name": "default", "users": ["u"]}], "has no keys"),
     ],
 )
 def test_bad_tenant_settings_name_the_problem_and_never_the_key(tenants, message):

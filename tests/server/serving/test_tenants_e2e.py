@@ -135,3 +135,24 @@ def test_tenant_keys_beside_an_api_key():
         assert metric(text, "tokenmill_tenant_requests_total", tenant="big") == 1
         assert metric(text, "tokenmill_tenant_requests_total", tenant="small") == 1
         assert metric(text, "tokenmill_tenant_requests_total", tenant="default") == 1
+
+
+def test_a_user_within_a_key_is_its_own_tenant():
+    """One application key, end users named by `user` (OpenAI) or metadata.user_id (Anthropic): the
+    configured users are tenants of their own, every other user is the key's tenant."""
+    tenants = [{"name": "app", "keys": [KEY_A]}, {"name": "alice", "keys": [KEY_A], "users": ["alice"]}]
+    _, server = _server(tenants=tenants)
+    headers = {"authorization": f"Bearer {KEY_A}"}
+    with server as srv:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert httpx.post(f"{srv.url}/v1/chat/completions", json={**chat, "user": "alice"}, headers=headers,
+                          timeout=60).status_code == 200  # fmt: skip
+        assert httpx.post(f"{srv.url}/v1/chat/completions", json={**chat, "user": "carol"}, headers=headers,
+                          timeout=60).status_code == 200  # fmt: skip
+        model = httpx.get(f"{srv.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        messages = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                    "metadata": {"user_id": "alice"}}  # fmt: skip
+        assert httpx.post(f"{srv.url}/v1/messages", json=messages, headers=headers, timeout=60).status_code == 200
+        text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        assert metric(text, "tokenmill_tenant_requests_total", tenant="alice") == 2
+        assert metric(text, "tokenmill_tenant_requests_total", tenant="app") == 1
