@@ -154,7 +154,7 @@ def test_tensor_names_map_both_ways():
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-llama-k",
-                                    "tiny-granite", "tiny-olmo2", "tiny-phi3", "tiny-smollm3"])
+                                    "tiny-granite", "tiny-olmo2", "tiny-phi3", "tiny-smollm3", "tiny-phi3-longrope"])
 def test_config_from_metadata_matches_the_source_config(build_model, gguf_dir, preset):
     from transformers import AutoConfig
 
@@ -172,8 +172,14 @@ def test_config_from_metadata_matches_the_source_config(build_model, gguf_dir, p
             assert getattr(ours, key) == pytest.approx(getattr(source, key), rel=1e-6), key
     if preset == "tiny-smollm3":  # no key in the file: llama.cpp's fixed every-4th-layer NoPE
         assert ours.no_rope_layers == source.no_rope_layers == [1, 1, 1, 0]
-    if preset == "tiny-phi3":  # rope.dimension_count 24 of 32
+    if preset in ("tiny-phi3", "tiny-phi3-longrope"):  # rope.dimension_count 24 of 32
         assert ours.rope_parameters["partial_rotary_factor"] == source.rope_parameters["partial_rotary_factor"] == 0.75
+    if preset == "tiny-phi3-longrope":  # rope_factors_long/short.weight, rope.scaling.original_context_length
+        assert ours.rope_parameters["rope_type"] == source.rope_parameters["rope_type"] == "longrope"
+        for key in ("long_factor", "short_factor", "original_max_position_embeddings"):
+            assert ours.rope_parameters[key] == pytest.approx(source.rope_parameters[key], rel=1e-7), key
+        assert "attention_factor" not in ours.rope_parameters  # llama.cpp's value is transformers' default
+        assert ours.original_max_position_embeddings == 32
 
 
 def test_tokenizer_and_chat_template_from_metadata(build_model, gguf_dir):
