@@ -220,3 +220,38 @@ def test_model_paths_resolve(build_model, gguf_dir, tmp_path):
         open_model_source(tmp_path / "weights.bin")
     with pytest.raises(ValueError, match="does not exist"):
         open_model_source(tmp_path / "nowhere")
+
+
+def test_long_arrays_are_stepped_over_and_the_tokenizer_is_unchanged(build_model, gguf_dir, tmp_path):
+    """A vocabulary past the reader's array limit (49,152 tokens and types) is stepped over in one pass,
+    not read item by item: the metadata, the array lengths and the tensors equal what gguf's own reader
+    gives, and the tokenizer built from the file encodes as the source folder's does. A file cut inside
+    the token list is a clear error."""
+    from transformers import AutoTokenizer
+
+    from engine.weights.gguf import reader as ours
+
+    path = gguf_path(build_model, gguf_dir, "tiny-llama-wide", "F32")
+    gf = open_gguf(path)
+    plain = gguf.GGUFReader(path)  # gguf's reader, every array read item by item
+    assert gf.array_lengths["tokenizer.ggml.tokens"] == gf.array_lengths["tokenizer.ggml.token_type"] == 49152
+    assert len(plain.fields["tokenizer.ggml.tokens"].data) == 49152
+    for key, f in plain.fields.items():
+        if f.types and f.types[0] != gguf.GGUFValueType.ARRAY and not key.startswith("GGUF."):
+            assert gf.metadata[key] == f.contents(), key
+        elif f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
+            assert gf.array_lengths[key] == len(f.data), key
+    assert [(t.name, t.data_offset, t.n_bytes) for t in gf.tensors] == [
+        (t.name, t.data_offset, t.n_bytes) for t in plain.tensors]
+    long = [f for f in ours._Reader(path).fields.values() if f.types and f.types[0] == gguf.GGUFValueType.ARRAY]
+    assert {f.name for f in long if not f.data} == {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"}
+    source = AutoTokenizer.from_pretrained(str(build_model("tiny-llama-wide")))
+    mine = load_tokenizer(gf)
+    for text in ("def main():\n    return {'a': 1}", "  two  spaces\tand tabs", "日本語 😀 ½ €", "<|im_start|>user\nhi"):
+        assert mine.encode(text, add_special_tokens=False) == source.encode(text, add_special_tokens=False), text
+    cut = tmp_path / "cut.gguf"
+    data = path.read_bytes()
+    at = data.index(b"[PAD40000]")  # inside the token list
+    cut.write_bytes(data[:at])
+    with pytest.raises(ours.GGUFError, match="truncated or corrupt: its metadata cannot be read"):
+        open_gguf(cut)
