@@ -31,8 +31,8 @@ class ForwardContext:
     # Sliding-window layers' own rotary tables (Gemma 3's rope_local_base_freq), as cos/sin; None: the
     # same as every layer's.
     rope_local: tuple[torch.Tensor, torch.Tensor] | None = None
-    # LongRoPE: [T] int64, 1 where a token takes the long factors below the switch (a prompt token of a
-    # prompt longer than it; engine/models/rope.py LongRopeEmbedding); None: no such token this step.
+    # LongRoPE: [T] int64, 1 where a token below the switch takes the long factors (its sequence is longer
+    # than the switch; engine/models/rope.py LongRopeEmbedding); None: no such token this step.
     rope_long: torch.Tensor | None = None
 
 

@@ -188,8 +188,9 @@ class LlamaForCausalLM(nn.Module):
     @property
     def rope_switch(self) -> int | None:
         """LongRoPE's switch position (original_max_position_embeddings): the model runner marks the
-        prompt tokens below it of prompts longer than it (ForwardContext.rope_long), and the prefix
-        cache keeps those prompts' blocks apart; None for every other rope type."""
+        tokens below it of sequences longer than it (ForwardContext.rope_long), the engine core computes
+        a sequence again when it grows past it, and the prefix cache keeps the two sides apart; None for
+        every other rope type."""
         return self.model.rotary.switch
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

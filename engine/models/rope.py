@@ -91,20 +91,21 @@ def longrope_long_inv_freq(hf_config, switch: int) -> torch.Tensor:
 
 
 class LongRopeEmbedding(RotaryEmbedding):
-    """LongRoPE's cos/sin tables, chosen per token as transformers chooses them for one sequence.
+    """LongRoPE's cos/sin tables, chosen per sequence as transformers chooses them for one sequence.
 
     transformers picks the factors per forward pass: the long ones when its largest position + 1 exceeds
-    `switch` (original_max_position_embeddings), the short ones otherwise, and never recomputes cached
-    keys. Greedy generate runs the prompt in one pass and then one token a pass, so a token at position
-    p of a sequence whose prompt has P tokens is turned with the long factors iff p >= switch or P >
-    switch. That rule depends on the sequence alone, so it holds whatever the batch, chunking or
-    preemption (a recompute turns each token as the first computation did); a batch in transformers
-    would instead take the factors of its longest row for every row, and vLLM takes the long ones for
-    the whole step when any position in it passes switch.
+    `switch` (original_max_position_embeddings), the short ones otherwise; Phi-3's generate drops its KV
+    cache the first time the sequence passes the switch, so the whole sequence is turned again with the
+    long ones. For one sequence: at most `switch` tokens, every token on the short factors; more, every
+    token on the long ones. The engine keeps that rule per sequence whatever the batch, chunking or
+    preemption (the engine core computes a sequence again from its first token when it grows past the
+    switch, engine/core/step_loop.py); a batch in transformers would take its longest row's factors for
+    every row, and vLLM takes the long ones for the whole step when any position in it passes switch.
 
-    Rows [0, max_positions): position p with the rule's answer for P <= switch (short below switch, long
-    from it); rows [max_positions, max_positions + switch): the long factors below switch, for the prompt
-    tokens of prompts longer than switch (`long_rows`, set by the model runner)."""
+    Rows [0, max_positions): position p on the short factors below switch, on the long ones from it (a
+    decode at p belongs to a sequence of p + 1 tokens: position alone decides); rows [max_positions,
+    max_positions + switch): the long factors below switch, for the tokens below it of a sequence already
+    longer than switch (a long prompt, or a recompute: `long_rows`, set by the model runner)."""
 
     def __init__(self, hf_config, head_dim: int, max_positions: int) -> None:
         super().__init__(lambda: rope_inv_freq(hf_config, head_dim), max_positions)

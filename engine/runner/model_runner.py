@@ -34,7 +34,7 @@ class ModelRunner:
         # Every prompt chunk packed as one decode per position, so each query row attends through the
         # decode kernel whatever its chunk (batch-invariant mode, engine/models/batch_invariant.py).
         self.one_row_attention = one_row_attention
-        # LongRoPE's switch position (None: another rope type): prompt tokens below it of prompts longer
+        # LongRoPE's switch position (None: another rope type): the tokens below it of a sequence longer
         # than it take the long factors (engine/models/rope.py LongRopeEmbedding)
         self.rope_switch: int | None = getattr(model, "rope_switch", None)
 
@@ -85,7 +85,7 @@ class ModelRunner:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
                  lora: LoraBatch | None = None, rope_long: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The model over one packed step (host tensors in): a decode graph's replay when one fits
-        (graphs are captured without adapters or LongRoPE's long-prompt rows: such a step runs eagerly)."""
+        (graphs are captured without adapters or LongRoPE's long-factor rows: such a step runs eagerly)."""
         eager = lora is not None or rope_long is not None
         bucket = self.graphs.bucket_for(layout) if self.graphs is not None and not eager else None
         if bucket is not None:

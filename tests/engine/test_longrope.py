@@ -111,3 +111,38 @@ def test_prefix_cache_keeps_the_two_sides_of_the_switch_apart(longrope, first_lo
     assert hits[:2] == [0, 0]  # the other side's block is not reused
     assert hits[2] >= 32  # long2 finds long's two blocks
     assert_idle(engine)
+
+
+def test_full_rotary_longrope_runs_the_cpp_decode_loop(longrope, tmp_path):
+    """Phi-3-mini-128k's kind (LongRoPE over whole heads): the C++ decode loop takes its decode steps
+    (their cos/sin rows come from the same tables: position alone decides a decode's factors), and the
+    output stays equal to transformers."""
+    import json
+    import shutil
+
+    path, case, _ = longrope
+    folder = tmp_path / "full-rotary"
+    shutil.copytree(path, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    rope["partial_rotary_factor"] = cfg["partial_rotary_factor"] = 1.0
+    rope["short_factor"] = [1.0 + 0.05 * i for i in range(16)]
+    rope["long_factor"] = [1.0 + 1.5 * i for i in range(16)]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    ref = hf_reference(folder, case)
+    engine = make_engine(folder)
+    fused = engine.runner.model.model.fused_decode
+    assert fused is not None
+    taken = []
+    run = fused.run
+
+    def counted(x, ctx):
+        out = run(x, ctx)
+        taken.append(out is not None)
+        return out
+
+    fused.run = counted
+    got = [r.token_ids for r in engine.generate(case.prompts, [greedy(m) for m in case.max_tokens])]
+    assert mismatches(got, ref.token_ids) == []
+    assert sum(taken) > 10 and engine.stats().rope_recomputes > 0
+    assert_idle(engine)
