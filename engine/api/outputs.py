@@ -102,6 +102,9 @@ class EngineStats:
     preemptions: int = 0  # cumulative, every cause
     # cumulative, by (the victim's own priority, cause)
     preemptions_by: dict[tuple[int, PreemptionCause], int] = field(default_factory=dict)
+    # cumulative: LongRoPE requests computed again from their first token when they grew past the
+    # switch (engine/models/rope.py; not preemptions: they keep their seat)
+    rope_recomputes: int = 0
     prompt_tokens: int = 0  # cumulative prompt tokens computed (prefill work)
     generation_tokens: int = 0  # cumulative sampled tokens
     last_step_tokens: int = 0  # tokens in the last step's batch

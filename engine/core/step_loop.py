@@ -325,9 +325,11 @@ class StepLoop:
         for s in sched.scheduled:
             req = s.request
             add_prompt_logprobs(req, result.prompt_logprobs.get(req.request_id))
+            length = req.num_tokens
             if req.request_id in result.spec_tokens:
                 outputs.append(self._verified_output(s, result.spec_tokens[req.request_id],
                                                      result.spec_logprobs.get(req.request_id), id(req) in started))
+                self._past_rope_switch(req, length)
                 continue
             token = result.sampled.get(req.request_id)
             dead_end = _grammar_dead_end(req) if token is None and req.request_id in failed else None
@@ -352,7 +354,20 @@ class StepLoop:
             if out.finished:
                 self.scheduler.finish(req, out.finish_reason or FinishReason.STOP)
             outputs.append(out)
+            self._past_rope_switch(req, length)
         return outputs
+
+    def _past_rope_switch(self, req: Request, length: int) -> None:
+        """LongRoPE: a running request that just grew past the switch (from `length` tokens) computed its
+        K/V with the short factors; transformers' Phi-3 then drops its cache and turns the whole sequence
+        with the long ones. Its blocks are freed (those in the prefix cache stay findable: their K/V
+        are right for requests below the switch) and it stays running: the next steps compute it again
+        from its first token, under the long factors (engine/models/rope.py, engine/kv/block_manager.py)."""
+        switch = self.block_manager.rope_switch
+        if switch is None or not length <= switch < req.num_tokens or req.status != RequestStatus.RUNNING:
+            return
+        self.block_manager.free(req)
+        self._stats.rope_recomputes += 1
 
     def _verified_output(self, s: ScheduledRequest, tokens: list[int], logprobs: list[TokenLogprob] | None,
                          started: bool) -> RequestOutput:  # fmt: skip

@@ -2,8 +2,10 @@
 
 A block holds `block_size` consecutive tokens of one or more requests (shared through the prefix
 cache). A *full* block whose K/V are computed is registered under a chained hash
-hash(parent_hash, its token ids) (the first block's parent salts it by LoRA adapter: `root_hash`);
-a later request on the same adapter whose prompt starts with the same tokens reuses it.
+hash(parent_hash, its token ids) (the first block's parent salts it by LoRA adapter: `root_hash`, and
+for a LongRoPE model by whether the request is longer than the switch: such a request's tokens are
+all turned with the long factors, engine/models/rope.py); a later request on the same adapter (and,
+LongRoPE, the same side of the switch) whose prompt starts with the same tokens reuses it.
 Free blocks that still hold a registered prefix stay findable until they are evicted; eviction
 takes the least recently freed block first.
 
@@ -54,14 +56,29 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
-def root_hash(request: Request) -> int | None:
+def root_hash(request: Request, rope_switch: int | None = None) -> int | None:
     """The parent of a request's first block: None on the base model, a salt per LoRA adapter, so a
-    block computed under one adapter (its K/V differ) never serves another or the base model."""
-    return None if request.lora_id == 0 else lora_root(request.lora_id)
+    block computed under one adapter (its K/V differ) never serves another or the base model. With a
+    LongRoPE switch, a request longer than it salts that again (its K/V below the switch differ; a
+    request that grows past the switch is computed again from its first token, under this root)."""
+    root = None if request.lora_id == 0 else lora_root(request.lora_id)
+    if rope_switch is not None and request.num_tokens > rope_switch:
+        return long_rope_root(root)
+    return root
 
 
 def lora_root(lora_id: int) -> int:
     return hash(("lora", lora_id))
+
+
+def long_rope_root(root: int | None) -> int:
+    return hash(("longrope", root))
+
+
+def is_root(parent: int | None, lora_id: int) -> bool:
+    """Whether `parent` is a first block's parent (a salt no block has), not a block's hash."""
+    root = None if lora_id == 0 else lora_root(lora_id)
+    return parent == root or parent == long_rope_root(root)
 
 
 class BlockManager:
@@ -73,10 +90,12 @@ class BlockManager:
         record_events: bool = False,
         event_hash_salt: int = 0,
         sliding_window: int | None = None,
+        rope_switch: int | None = None,
     ) -> None:
         """`record_events`: keep KV events for take_events(); `event_hash_salt`: mixed into the hashes
         they carry (engine/kv/events.py external_hash); `sliding_window`: the window of a model whose
-        every layer has it (blocks that left it are freed, release_out_of_window), None otherwise."""
+        every layer has it (blocks that left it are freed, release_out_of_window), None otherwise;
+        `rope_switch`: a LongRoPE model's switch position (root_hash), None otherwise."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.block_size = block_size
@@ -92,6 +111,7 @@ class BlockManager:
         self._events: list[KVCacheEvent] | None = [] if record_events else None
         self._salt = event_hash_salt
         self.sliding_window = sliding_window
+        self.rope_switch = rope_switch
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -116,7 +136,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent = root_hash(request)
+        parent = root_hash(request, self.rope_switch)
         max_blocks = (request.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
             tokens = tuple(request.tokens(i * self.block_size, (i + 1) * self.block_size))
@@ -150,7 +170,7 @@ class BlockManager:
             return
         n_done = request.num_hashed_blocks
         n_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        parent = request.last_block_hash if n_done else root_hash(request)
+        parent = request.last_block_hash if n_done else root_hash(request, self.rope_switch)
         run: list[Block] = []  # consecutive blocks registered here: one BlockStored event
         for i in range(n_done, n_full):
             tokens = tuple(request.tokens(i * self.block_size, (i + 1) * self.block_size))
@@ -307,9 +327,9 @@ class BlockManager:
 
     def _event_parent(self, block: Block) -> int | None:
         """The parent a KV event names: none for a sequence's first block (the base model's parent is
-        None, an adapter's is its salt, which no event ever stored)."""
+        None, an adapter's or a long LongRoPE prompt's is its salt, which no event ever stored)."""
         parent = block.parent_hash
-        if parent is None or (block.lora_id and parent == lora_root(block.lora_id)):
+        if parent is None or is_root(parent, block.lora_id):
             return None
         return self._external(parent)
 

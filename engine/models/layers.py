@@ -31,6 +31,9 @@ class ForwardContext:
     # Sliding-window layers' own rotary tables (Gemma 3's rope_local_base_freq), as cos/sin; None: the
     # same as every layer's.
     rope_local: tuple[torch.Tensor, torch.Tensor] | None = None
+    # LongRoPE: [T] int64, 1 where a token below the switch takes the long factors (its sequence is longer
+    # than the switch; engine/models/rope.py LongRopeEmbedding); None: no such token this step.
+    rope_long: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -65,6 +68,9 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position."""
 
+    # LongRoPE's switch position (engine/models/rope.py LongRopeEmbedding); None: one set of factors
+    switch: int | None = None
+
     def __init__(self, inv_freq_fn, max_positions: int) -> None:
         super().__init__()
         # Called at build time: the module may be constructed on the meta device.
@@ -72,19 +78,23 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.cos = self.sin = torch.empty(0)
 
+    def frequencies(self) -> torch.Tensor:
+        """Angles [rows, rotary_dim / 2], float32, on the CPU; sets self.scaling."""
+        inv_freq, self.scaling = self.inv_freq_fn()
+        pos = torch.arange(self.max_positions, dtype=torch.float32)
+        return pos[:, None] * inv_freq.float()[None, :]  # [max_pos, head_dim / 2]
+
     def build(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Compute the tables on device; called after the model is materialised."""
+        """Compute the tables; called after the model is materialised."""
         with torch.device("cpu"):
-            inv_freq, self.scaling = self.inv_freq_fn()
-        inv_freq = inv_freq.float().to(device)
-        pos = torch.arange(self.max_positions, device=device, dtype=torch.float32)
-        freqs = pos[:, None] * inv_freq[None, :]  # [max_pos, head_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
+            freqs = self.frequencies()
+        emb = torch.cat((freqs, freqs), dim=-1).to(device)  # [rows, head_dim]
         self.cos = (emb.cos() * self.scaling).to(dtype)
         self.sin = (emb.sin() * self.scaling).to(dtype)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for the packed positions: [T, 1, head_dim] each (shared by all layers)."""
+    def lookup(self, positions: torch.Tensor, long_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for the packed positions: [T, 1, head_dim] each (shared by all layers). `long_rows`
+        (LongRoPE only; [T] 0/1) is ignored here."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 

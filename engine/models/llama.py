@@ -15,13 +15,12 @@ from engine.models.layers import (
     ForwardContext,
     GatedMLP,
     RMSNorm,
-    RotaryEmbedding,
     apply_rotary,
     rotate_,
     rotate_partial,
 )
 from engine.models.packed_linear import PackedLinear, pack_linears
-from engine.models.rope import check_rope_supported, rope_inv_freq, rotary_dim_of
+from engine.models.rope import check_rope_supported, rotary_dim_of, rotary_embedding
 from engine.models.windows import layer_windows
 
 log = logging.getLogger("tokenmill.engine")
@@ -123,7 +122,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg, layer_cls: type[LlamaDecoderLayer], max_positions: int) -> None:
         super().__init__()
         check_rope_supported(cfg, max_positions)
-        self.rotary = RotaryEmbedding(lambda: rope_inv_freq(cfg, head_dim_of(cfg)), max_positions)
+        self.rotary = rotary_embedding(cfg, head_dim_of(cfg), max_positions)  # LongRoPE: its pair of tables
         # Granite scales the embeddings; 1.0 elsewhere (no multiply then)
         self.embedding_multiplier = float(getattr(cfg, "embedding_multiplier", 1.0) or 1.0)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -150,7 +149,7 @@ class LlamaModel(nn.Module):
 
     def set_rotary(self, positions: torch.Tensor, ctx: ForwardContext) -> None:
         """The step's rotary tables into ctx (Gemma 3 adds its local layers' own)."""
-        ctx.cos, ctx.sin = self.rotary.lookup(positions)
+        ctx.cos, ctx.sin = self.rotary.lookup(positions, ctx.rope_long)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -185,6 +184,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
         """Hidden states after the final norm: [T, hidden]."""
         return self.model(input_ids, positions, ctx)
+
+    @property
+    def rope_switch(self) -> int | None:
+        """LongRoPE's switch position (original_max_position_embeddings): the model runner marks the
+        tokens below it of sequences longer than it (ForwardContext.rope_long), the engine core computes
+        a sequence again when it grows past it, and the prefix cache keeps the two sides apart; None for
+        every other rope type."""
+        return self.model.rotary.switch
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> logits [N, vocab] in the model dtype (the sampler upcasts when it needs to)."""

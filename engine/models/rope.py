@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.models.layers import RotaryEmbedding
+
 LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types entries
 
 
@@ -35,10 +37,10 @@ def rotary_dim_of(hf_config, head_dim: int) -> int:
     return dim
 
 
-def short_rope_limit(hf_config, layer_type: str | None = None) -> int | None:
-    """The longest context a LongRoPE config (Phi-3's rope_scaling type longrope) is served at: its
-    original_max_position_embeddings, where transformers uses the short factors for the whole
-    sequence (the long ones, switched on past it, are not implemented). None for other rope types."""
+def longrope_switch(hf_config, layer_type: str | None = None) -> int | None:
+    """Where a LongRoPE config (Phi-3's rope_scaling type longrope) switches from its short factors to
+    its long ones: original_max_position_embeddings (transformers: a forward pass whose longest
+    position + 1 exceeds it uses the long factors). None for other rope types."""
     params = rope_parameters(hf_config, layer_type)
     if params["rope_type"] != "longrope":
         return None
@@ -50,16 +52,14 @@ def short_rope_limit(hf_config, layer_type: str | None = None) -> int | None:
 
 def check_rope_supported(hf_config, max_positions: int, layer_type: str | None = None) -> None:
     """ValueError naming the config key when the rope type (of `layer_type`'s layers, rope_parameters())
-    is one we cannot serve at `max_positions` (checked when the model is built, before any weight is read)."""
+    is one we cannot serve (checked when the model is built, before any weight is read)."""
     rope_type = rope_parameters(hf_config, layer_type)["rope_type"]
     if rope_type == "dynamic":
         raise ValueError("rope_scaling (rope_parameters) rope_type 'dynamic' is not supported: its "
                          "frequencies change with sequence length")  # fmt: skip
-    limit = short_rope_limit(hf_config, layer_type)
-    if limit is not None and max_positions > limit:
-        raise ValueError(f"rope_scaling (rope_parameters) rope_type 'longrope' is not supported past "
-                         f"original_max_position_embeddings ({limit} tokens; max_model_len asks for "
-                         f"{max_positions}): its long factors are not implemented")  # fmt: skip
+    if rope_type == "longrope" and layer_type is not None:
+        raise ValueError("rope_scaling (rope_parameters) rope_type 'longrope' is supported for a model's "
+                         "single rope config only, not per layer type")  # fmt: skip
 
 
 def rope_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -80,3 +80,59 @@ def rope_inv_freq(hf_config, head_dim: int, layer_type: str | None = None) -> tu
     if set(getattr(hf_config, "rope_parameters", None) or {"-"}) <= set(LAYER_TYPES):  # per layer type
         return ROPE_INIT_FUNCTIONS[rope_type](hf_config, None, layer_type=layer_type or "full_attention")
     return ROPE_INIT_FUNCTIONS[rope_type](hf_config, None)
+
+
+def longrope_long_inv_freq(hf_config, switch: int) -> torch.Tensor:
+    """The long factors' inv_freq [rotary_dim / 2], as transformers' longrope update computes them
+    (its init function at seq_len = switch + 1); the attention factor is the short call's (the same)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=switch + 1)[0]
+
+
+class LongRopeEmbedding(RotaryEmbedding):
+    """LongRoPE's cos/sin tables, chosen per sequence as transformers chooses them for one sequence.
+
+    transformers picks the factors per forward pass: the long ones when its largest position + 1 exceeds
+    `switch` (original_max_position_embeddings), the short ones otherwise; Phi-3's generate drops its KV
+    cache the first time the sequence passes the switch, so the whole sequence is turned again with the
+    long ones. For one sequence: at most `switch` tokens, every token on the short factors; more, every
+    token on the long ones. The engine keeps that rule per sequence whatever the batch, chunking or
+    preemption (the engine core computes a sequence again from its first token when it grows past the
+    switch, engine/core/step_loop.py); a batch in transformers would take its longest row's factors for
+    every row, and vLLM takes the long ones for the whole step when any position in it passes switch.
+
+    Rows [0, max_positions): position p on the short factors below switch, on the long ones from it (a
+    decode at p belongs to a sequence of p + 1 tokens: position alone decides); rows [max_positions,
+    max_positions + switch): the long factors below switch, for the tokens below it of a sequence already
+    longer than switch (a long prompt, or a recompute: `long_rows`, set by the model runner)."""
+
+    def __init__(self, hf_config, head_dim: int, max_positions: int) -> None:
+        super().__init__(lambda: rope_inv_freq(hf_config, head_dim), max_positions)
+        switch = longrope_switch(hf_config)
+        assert switch is not None
+        self.switch: int | None = switch
+        self.long_fn = lambda: longrope_long_inv_freq(hf_config, switch)
+
+    def frequencies(self) -> torch.Tensor:
+        """Angles [max_positions + switch, rotary_dim / 2] in float32, position times inv_freq as
+        transformers multiplies them."""
+        assert self.switch is not None
+        short, self.scaling = self.inv_freq_fn()
+        long = self.long_fn().float()
+        pos = torch.arange(self.max_positions, dtype=torch.float32)
+        inv = torch.where(pos[:, None] >= self.switch, long[None, :], short.float()[None, :])
+        low = torch.arange(self.switch, dtype=torch.float32)
+        return torch.cat((pos[:, None] * inv, low[:, None] * long[None, :]))
+
+    def lookup(self, positions: torch.Tensor, long_rows: torch.Tensor | None = None):
+        if long_rows is not None:  # a long prompt's tokens below switch: the second table
+            positions = positions + long_rows * self.max_positions
+        return super().lookup(positions)
+
+
+def rotary_embedding(hf_config, head_dim: int, max_positions: int) -> RotaryEmbedding:
+    """The model's rotary tables: LongRoPE's pair for a longrope config, one table otherwise."""
+    if longrope_switch(hf_config) is not None:
+        return LongRopeEmbedding(hf_config, head_dim, max_positions)
+    return RotaryEmbedding(lambda: rope_inv_freq(hf_config, head_dim), max_positions)

@@ -34,6 +34,9 @@ class ModelRunner:
         # Every prompt chunk packed as one decode per position, so each query row attends through the
         # decode kernel whatever its chunk (batch-invariant mode, engine/models/batch_invariant.py).
         self.one_row_attention = one_row_attention
+        # LongRoPE's switch position (None: another rope type): the tokens below it of a sequence longer
+        # than it take the long factors (engine/models/rope.py LongRopeEmbedding)
+        self.rope_switch: int | None = getattr(model, "rope_switch", None)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -41,7 +44,8 @@ class ModelRunner:
         # prefill chunks.
         items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1 and not s.draft_token_ids)
         input_ids, positions, layout = self._pack(items)
-        hidden = self._forward(input_ids, positions, layout, self._lora_batch(items))  # [T, hidden]
+        rope_long = self._rope_long(items)
+        hidden = self._forward(input_ids, positions, layout, self._lora_batch(items), rope_long)  # [T, hidden]
         prompt_lps = compute_prompt_logprobs(self.model, hidden, items)  # {} unless a request asked
         ends: list[int] = []  # rows of `hidden` whose logits are needed
         plain: list[int] = []  # of those, the rows sampled as usual (index into ends)
@@ -67,6 +71,7 @@ class ModelRunner:
         verified, spec_lps = verify_rows(self.sampler, logits, spec)
         failed += [rid for rid, toks in verified.items() if toks is None]
         spec_tokens = {rid: toks for rid, toks in verified.items() if toks is not None}
+        self._rope_cap(spec_tokens, spec_lps, spec)
         return ModelRunnerOutput(sampled, logprobs, failed, prompt_lps, spec_tokens, spec_lps)
 
     def _lora_batch(self, items: list[ScheduledRequest]) -> LoraBatch | None:
@@ -78,15 +83,46 @@ class ModelRunner:
         return build_batch(runs, self.device, invariant=self.one_row_attention)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
-                 lora: LoraBatch | None = None) -> torch.Tensor:  # fmt: skip
+                 lora: LoraBatch | None = None, rope_long: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The model over one packed step (host tensors in): a decode graph's replay when one fits
-        (graphs are captured without adapters: a step with adapter rows runs eagerly)."""
-        bucket = self.graphs.bucket_for(layout) if self.graphs is not None and lora is None else None
+        (graphs are captured without adapters or LongRoPE's long-factor rows: such a step runs eagerly)."""
+        eager = lora is not None or rope_long is not None
+        bucket = self.graphs.bucket_for(layout) if self.graphs is not None and not eager else None
         if bucket is not None:
             return self.graphs.run(bucket, input_ids, positions, layout)
         meta = self.backend.build_metadata(layout, self.device)
-        ctx = ForwardContext(self.backend, meta, self.kv_caches, lora=lora)
+        ctx = ForwardContext(self.backend, meta, self.kv_caches, lora=lora,
+                             rope_long=self._send(rope_long) if rope_long is not None else None)  # fmt: skip
         return self.model(self._send(input_ids), self._send(positions), ctx)
+
+    def _rope_long(self, items: list[ScheduledRequest]) -> torch.Tensor | None:
+        """LongRoPE: [T] 0/1 in packing order, 1 for a token below the switch of a request already longer
+        than it (a long prompt, or a recompute after it passed the switch: transformers turns such a
+        sequence in one pass with the long factors); None when the step has no such token (every other
+        token's factors follow from its position, engine/models/rope.py LongRopeEmbedding)."""
+        switch = self.rope_switch
+        if switch is None or not any(s.request.num_tokens > switch and s.start < switch for s in items):
+            return None
+        rows: list[int] = []
+        for s in items:
+            below = max(0, min(s.start + s.num_tokens, switch) - s.start) if s.request.num_tokens > switch else 0
+            rows.extend([1] * below + [0] * (s.num_tokens - below))
+        return torch.tensor(rows, dtype=torch.long)
+
+    def _rope_cap(self, spec_tokens: dict[str, list[int]], spec_lps: dict, spec: list) -> None:
+        """LongRoPE: a verified row of a request not yet past the switch keeps only the tokens sampled at
+        positions below it. The first token past it is the last it keeps; the engine core then computes
+        the whole sequence again with the long factors (transformers' Phi-3 drops its cache there), so
+        what the drafts past the switch would give on the short factors is never emitted."""
+        switch = self.rope_switch
+        if switch is None:
+            return
+        for s, _ in spec:
+            rid, keep = s.request.request_id, switch - s.start  # row j is sampled at position start + j
+            if s.request.num_tokens <= switch and rid in spec_tokens and len(spec_tokens[rid]) > keep:
+                spec_tokens[rid] = spec_tokens[rid][:keep]
+                if spec_lps.get(rid) is not None:
+                    spec_lps[rid] = spec_lps[rid][:keep]
 
     def _send(self, host: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":  # pinned, so the copy does not block the host

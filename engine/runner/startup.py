@@ -81,31 +81,15 @@ def resolve_block_size(block_size: int | None, device: torch.device) -> int:
 
 def resolve_max_model_len(config: EngineConfig, hf_config) -> int:
     # A sliding window (Mistral, Qwen2 with its window on) does not cap the context: every attention
-    # backend masks to each layer's window (engine/models/windows.py), so the model serves its full
-    # max_position_embeddings.
+    # backend masks to each layer's window (engine/models/windows.py), and LongRoPE (Phi-3) serves its
+    # long factors past original_max_position_embeddings (engine/models/rope.py), so the model serves
+    # its full max_position_embeddings.
     model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
-    model_max = _short_rope_cap(hf_config, model_max, config.max_model_len)
     if config.max_model_len is None:
         return model_max
     if config.max_model_len > model_max:
         raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's limit ({model_max})")
     return config.max_model_len
-
-
-def _short_rope_cap(hf_config, model_max: int, asked: int | None) -> int:
-    """LongRoPE (Phi-3's rope_scaling type longrope) is served with its short factors only: the
-    context is capped to original_max_position_embeddings, where they are exact; asking for more is
-    a ValueError naming the key."""
-    from engine.models.rope import check_rope_supported, short_rope_limit
-
-    limit = short_rope_limit(hf_config)
-    if limit is None or model_max <= limit:
-        return model_max
-    if asked is not None:
-        check_rope_supported(hf_config, asked)
-    log.warning("rope_scaling type 'longrope': max_model_len capped to original_max_position_embeddings (%d), "
-                "where its short factors are exact (the long ones are not implemented)", limit)  # fmt: skip
-    return limit
 
 
 def kv_spec(hf_config, block_size: int, dtype: torch.dtype) -> KVCacheSpec:

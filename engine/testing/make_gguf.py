@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,6 +58,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
         _add_gemma_metadata(writer, config, name)
     norm_offset = ARCHITECTURES[name].norm_offset if name in ARCHITECTURES else 0.0  # Gemma's 1 + weight
     _add_tokenizer(writer, folder, config["vocab_size"])
+    for tensor, factors in _longrope_tensors(writer, config).items():
+        writer.add_tensor(tensor, factors)
     permuted = name in PERMUTED
     for hf, value in load_file(str(folder / "model.safetensors")).items():
         value = value.astype(np.float32)
@@ -98,6 +101,21 @@ def _add_model_metadata(w: gguf.GGUFWriter, c: dict, name: str) -> None:
         w.add_residual_scale(float(c["residual_multiplier"]))
         w.add_attention_scale(float(c["attention_multiplier"]))
         w.add_logit_scale(float(c["logits_scaling"]))
+
+
+def _longrope_tensors(w: gguf.GGUFWriter, c: dict) -> dict[str, np.ndarray]:
+    """A LongRoPE config as llama.cpp's Phi-3 converter writes it: the original context and the attention
+    factor (its formula, from context_length / original) as metadata, the factors as two float32
+    tensors. {} for other rope types."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) != "longrope":
+        return {}
+    original = int(rope.get("original_max_position_embeddings") or c["original_max_position_embeddings"])
+    scale = c["max_position_embeddings"] / original
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0)
+    return {"rope_factors_long.weight": np.asarray(rope["long_factor"], dtype=np.float32),
+            "rope_factors_short.weight": np.asarray(rope["short_factor"], dtype=np.float32)}
 
 
 def _add_gemma_metadata(w: gguf.GGUFWriter, c: dict, arch: str) -> None:

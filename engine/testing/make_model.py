@@ -261,6 +261,24 @@ PRESETS: dict[str, Preset] = {
         seed=24,
         extra_config=(("partial_rotary_factor", 0.75),),
     ),
+    # Phi-3 with LongRoPE (Phi-3-mini-128k, Phi-4-mini): short factors below a 32-token original context,
+    # long ones past it (most test prompts cross it; transformers switches per forward pass), the
+    # attention factor from 512 / 32. Factors far from 1 and from each other, so a wrong choice shows.
+    "tiny-phi3-longrope": Preset(
+        "Phi3ForCausalLM",
+        **_TINY,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=27,
+        max_position_embeddings=512,
+        extra_config=(("partial_rotary_factor", 0.75), ("original_max_position_embeddings", 32),
+                      ("rope_scaling", {"rope_type": "longrope", "partial_rotary_factor": 0.75,
+                                        "short_factor": [1.0 + 0.05 * i for i in range(12)],
+                                        "long_factor": [1.0 + 1.5 * i for i in range(12)],
+                                        "original_max_position_embeddings": 32})),  # fmt: skip
+    ),
     # Gemma 2: scaled embeddings, (1 + weight) norms before and after attention and MLP, GeGLU, both
     # soft-caps, query_pre_attn_scalar = head_dim (what llama.cpp's gemma2 assumes) != hidden / heads,
     # sliding and global layers alternating (a 24-token window: most test prompts are longer), tied embeddings.

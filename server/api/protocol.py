@@ -196,7 +196,9 @@ class CompletionRequest(OpenAIFields):
     logprobs: Int | None = None
     echo: Bool | None = False
     suffix: str | None = None
-    add_special_tokens: Bool = False  # vLLM's: tokenize text prompts with the tokenizer's special tokens (BOS)
+    # vLLM's (CompletionRequest, default true): text prompts tokenized with the tokenizer's special tokens
+    # (the BOS Gemma and Llama expect); false: the text alone. Chat requests keep false (the template's own)
+    add_special_tokens: Bool = True
 
 
 class ChatRequest(OpenAIFields, ToolFields):

@@ -18,6 +18,8 @@ FAMILY_PRESETS = ["tiny-olmo2", "tiny-granite", "tiny-smollm3", "tiny-phi3", "ti
 # Sliding windows shorter than the test prompts: Mistral's on every layer (out-of-window blocks freed),
 # Qwen2's on some layers (engine/models/windows.py)
 WINDOW_PRESETS = ["tiny-mistral-swa", "tiny-qwen2-swa"]
+# LongRoPE switching at 32 tokens (most test prompts pass it; shorter ones cross it while generating)
+LONGROPE_PRESETS = ["tiny-phi3-longrope"]
 
 
 @dataclass

@@ -104,3 +104,24 @@ def test_server_process_exit_code_is_2(good, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert f"{path}: {problem}" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("keep", [("rope_factors_long.weight",), ("rope_factors_long.weight", "rope_factors_short.weight")])
+def test_longrope_factor_tensors_are_checked(build_model, tmp_path, monkeypatch, keep):
+    """A phi3 file with one LongRoPE factor tensor is a GGUFError naming the other; a factor tensor
+    whose length is not the rotary dims / 2 one naming the tensor."""
+    import numpy as np
+
+    from engine.testing import make_gguf
+
+    written = make_gguf._longrope_tensors
+
+    def altered(w, c):
+        tensors = {k: v for k, v in written(w, c).items() if k in keep}
+        return tensors if len(keep) == 1 else {k: np.concatenate([v, v]) for k, v in tensors.items()}
+
+    monkeypatch.setattr(make_gguf, "_longrope_tensors", altered)
+    path = write_gguf(build_model("tiny-phi3-longrope"), tmp_path / "bad.gguf", "F32")
+    want = "rope_factors_short.weight is missing" if len(keep) == 1 else "expected 12 float32 values"
+    with pytest.raises(GGUFError, match=want):
+        make_engine(path)

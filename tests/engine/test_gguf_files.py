@@ -154,7 +154,7 @@ def test_tensor_names_map_both_ways():
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-llama-k",
-                                    "tiny-granite", "tiny-olmo2", "tiny-phi3", "tiny-smollm3"])
+                                    "tiny-granite", "tiny-olmo2", "tiny-phi3", "tiny-smollm3", "tiny-phi3-longrope"])
 def test_config_from_metadata_matches_the_source_config(build_model, gguf_dir, preset):
     from transformers import AutoConfig
 
@@ -172,8 +172,14 @@ def test_config_from_metadata_matches_the_source_config(build_model, gguf_dir, p
             assert getattr(ours, key) == pytest.approx(getattr(source, key), rel=1e-6), key
     if preset == "tiny-smollm3":  # no key in the file: llama.cpp's fixed every-4th-layer NoPE
         assert ours.no_rope_layers == source.no_rope_layers == [1, 1, 1, 0]
-    if preset == "tiny-phi3":  # rope.dimension_count 24 of 32
+    if preset in ("tiny-phi3", "tiny-phi3-longrope"):  # rope.dimension_count 24 of 32
         assert ours.rope_parameters["partial_rotary_factor"] == source.rope_parameters["partial_rotary_factor"] == 0.75
+    if preset == "tiny-phi3-longrope":  # rope_factors_long/short.weight, rope.scaling.original_context_length
+        assert ours.rope_parameters["rope_type"] == source.rope_parameters["rope_type"] == "longrope"
+        for key in ("long_factor", "short_factor", "original_max_position_embeddings"):
+            assert ours.rope_parameters[key] == pytest.approx(source.rope_parameters[key], rel=1e-7), key
+        assert "attention_factor" not in ours.rope_parameters  # llama.cpp's value is transformers' default
+        assert ours.original_max_position_embeddings == 32
 
 
 def test_tokenizer_and_chat_template_from_metadata(build_model, gguf_dir):
@@ -214,3 +220,38 @@ def test_model_paths_resolve(build_model, gguf_dir, tmp_path):
         open_model_source(tmp_path / "weights.bin")
     with pytest.raises(ValueError, match="does not exist"):
         open_model_source(tmp_path / "nowhere")
+
+
+def test_long_arrays_are_stepped_over_and_the_tokenizer_is_unchanged(build_model, gguf_dir, tmp_path):
+    """A vocabulary past the reader's array limit (49,152 tokens and types) is stepped over in one pass,
+    not read item by item: the metadata, the array lengths and the tensors equal what gguf's own reader
+    gives, and the tokenizer built from the file encodes as the source folder's does. A file cut inside
+    the token list is a clear error."""
+    from transformers import AutoTokenizer
+
+    from engine.weights.gguf import reader as ours
+
+    path = gguf_path(build_model, gguf_dir, "tiny-llama-wide", "F32")
+    gf = open_gguf(path)
+    plain = gguf.GGUFReader(path)  # gguf's reader, every array read item by item
+    assert gf.array_lengths["tokenizer.ggml.tokens"] == gf.array_lengths["tokenizer.ggml.token_type"] == 49152
+    assert len(plain.fields["tokenizer.ggml.tokens"].data) == 49152
+    for key, f in plain.fields.items():
+        if f.types and f.types[0] != gguf.GGUFValueType.ARRAY and not key.startswith("GGUF."):
+            assert gf.metadata[key] == f.contents(), key
+        elif f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
+            assert gf.array_lengths[key] == len(f.data), key
+    assert [(t.name, t.data_offset, t.n_bytes) for t in gf.tensors] == [
+        (t.name, t.data_offset, t.n_bytes) for t in plain.tensors]
+    long = [f for f in ours._Reader(path).fields.values() if f.types and f.types[0] == gguf.GGUFValueType.ARRAY]
+    assert {f.name for f in long if not f.data} == {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type"}
+    source = AutoTokenizer.from_pretrained(str(build_model("tiny-llama-wide")))
+    mine = load_tokenizer(gf)
+    for text in ("def main():\n    return {'a': 1}", "  two  spaces\tand tabs", "日本語 😀 ½ €", "<|im_start|>user\nhi"):
+        assert mine.encode(text, add_special_tokens=False) == source.encode(text, add_special_tokens=False), text
+    cut = tmp_path / "cut.gguf"
+    data = path.read_bytes()
+    at = data.index(b"[PAD40000]")  # inside the token list
+    cut.write_bytes(data[:at])
+    with pytest.raises(ours.GGUFError, match="truncated or corrupt: its metadata cannot be read"):
+        open_gguf(cut)

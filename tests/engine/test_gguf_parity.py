@@ -57,7 +57,8 @@ def test_weights_are_transformers_dequantized_weights(served):
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-granite", "tiny-olmo2", "tiny-phi3",
-                                    "tiny-smollm3", "tiny-mistral-swa", "tiny-gemma2", "tiny-gemma3"])
+                                    "tiny-smollm3", "tiny-mistral-swa", "tiny-gemma2", "tiny-gemma3",
+                                    "tiny-phi3-longrope"])
 def test_other_architectures_match_transformers(build_model, gguf_dir, preset, qtype):
     """qwen2 (q/k/v biases, rows not permuted), qwen3 (q/k norms, head_dim 64 != hidden / heads),
     mistral (written as llama, as llama.cpp does), granite (Q/K permuted as llama, its four
@@ -66,11 +67,13 @@ def test_other_architectures_match_transformers(build_model, gguf_dir, preset, q
     every-4th-layer NoPE), the windowed mistral (written as `mistral` with mistral.attention.sliding_window:
     llama's metadata has no window), gemma2 (both soft-caps), gemma3 (norms stored as 1 + weight, the
     local/global layer pattern, the local RoPE base and the global layers' linear rope scaling from
-    gemma3.* metadata)."""
+    gemma3.* metadata), phi3 with LongRoPE (rope_factors_long/short.weight and
+    phi3.rope.scaling.original_context_length, as llama.cpp's converter writes them; prompts on both sides of
+    the switch)."""
     path = gguf_path(build_model, gguf_dir, preset, qtype)
     # transformers' GGUF loader cannot load these (gemma: it reads neither the layer pattern nor the scales)
     from_folder = preset in ("tiny-qwen3", "tiny-granite", "tiny-olmo2", "tiny-phi3", "tiny-smollm3", "tiny-mistral-swa",
-                             "tiny-gemma2", "tiny-gemma3")
+                             "tiny-gemma2", "tiny-gemma3", "tiny-phi3-longrope")
     hf = _qwen3_reference(build_model(preset), qtype) if from_folder else hf_from_gguf(path)
     case = small_case(seed=5)
     ref = hf_greedy(hf, case.prompts, case.max_tokens)

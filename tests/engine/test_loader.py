@@ -115,21 +115,14 @@ def _longrope_folder(phi3: Path, folder: Path) -> Path:
 
 
 def test_longrope_short_factors_match_transformers(build_model, tmp_path):
-    """Phi-3's LongRoPE served with its short factors and attention factor: the context capped to
-    original_max_position_embeddings, where transformers uses the same ones, token-exact."""
+    """Phi-3's LongRoPE below its switch (a 2,048-token original context): its short factors and
+    attention factor, token-exact; the model serves its whole 4,096 (the long factors past the switch:
+    tests/engine/test_longrope.py)."""
     from .helpers import case_fix, hf_reference
 
     folder = _longrope_folder(build_model("tiny-phi3"), tmp_path / "longrope")
     engine = make_engine(folder)
-    assert engine.max_model_len == 2048
+    assert engine.max_model_len == 4096 and engine.runner.model.rope_switch == 2048
     case = case_fix([[7 + (i * 13) % 1500 for i in range(n)] for n in (5, 90, 200)], [12, 12, 12])
     got = engine.generate(case.prompts, [greedy(m) for m in case.max_tokens])
     assert [r.token_ids for r in got] == hf_reference(folder, case).token_ids
-
-
-def test_longrope_past_its_short_context_is_refused_naming_the_key(build_model, tmp_path):
-    """The long factors are not implemented: a max_model_len past original_max_position_embeddings is
-    a start-up error naming the config key, never a model that drifts past the short context."""
-    folder = _longrope_folder(build_model("tiny-phi3"), tmp_path / "longrope")
-    with pytest.raises(ValueError, match="rope_scaling.*'longrope' is not supported past original_max_position"):
-        make_engine(folder, max_model_len=4096)

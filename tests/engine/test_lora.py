@@ -354,11 +354,13 @@ def test_bf16_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family, gemv)
     assert all(by_name[n] != by_name[None] for n in adapters)  # the adapters still change the output
 
 
-@pytest.mark.parametrize("preset", ["tiny-olmo2", "tiny-granite", "tiny-smollm3"])
+@pytest.mark.parametrize("preset", ["tiny-olmo2", "tiny-granite", "tiny-smollm3", "tiny-gemma2", "tiny-gemma3"])
 def test_other_families_adapters_match_peft(build_model, tmp_path, preset):
     """PEFT adapters on OLMo 2 (the delta before the whole-projection Q/K norms), Granite (before the
-    residual multiplier) and SmolLM3 (NoPE layers): a mixed batch of the base model and every adapter,
-    on the Python layers (the C++ decode loop declines these models), equal to PEFT's greedy tokens."""
+    residual multiplier), SmolLM3 (NoPE layers), Gemma 2 (GeGLU: the gate/up delta before gelu_tanh;
+    soft-caps, sliding windows) and Gemma 3 (the delta before its per-head Q/K norms, local and global
+    RoPE): a mixed batch of the base model and every adapter, on the Python layers (the C++ decode loop
+    declines these models), equal to PEFT's greedy tokens."""
     from transformers import AutoConfig
 
     path = build_model(preset)

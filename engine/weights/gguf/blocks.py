@@ -52,7 +52,7 @@ def plan_blocks(weights: GGUFWeights, packed: dict[str, tuple[str, int]], shards
     output.weight is then not loaded)."""
     plan = BlockPlan()
     candidates: dict[str, dict[int, tuple[str, GGMLWeight]]] = {}  # parameter -> shard -> (HF name, blocks)
-    for t in weights.gf.tensors:
+    for t in weights.tensors:
         hf = weights.names[t.name]
         if t.tensor_type not in QUANTIZED_TYPES or (tied and hf == "lm_head.weight"):
             continue

@@ -5,9 +5,11 @@ config fields our model classes (engine/models) and transformers read.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from engine.weights.gguf.errors import GGUFError
@@ -43,6 +45,8 @@ _PARTIAL_ROTARY = ("phi3",)  # architectures whose rope.dimension_count may be b
 _GRANITE_SCALES = {"embedding_multiplier": "embedding_scale", "residual_multiplier": "residual_scale",
                    "attention_multiplier": "attention.scale", "logits_scaling": "logit_scale"}  # fmt: skip
 _DTYPE_OF_TYPE = {Q.BF16: "bfloat16", Q.F16: "float16"}
+# LongRoPE's factors (llama.cpp's Phi-3 converter writes them as tensors): read into the config, not weights
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def architecture_of(gf: GGUFFile) -> Architecture:
@@ -105,8 +109,10 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
         fields["use_sliding_window"] = False
     if rotary != head_dim:
         fields["partial_rotary_factor"] = rotary / head_dim
-    scaling = _rope_scaling(gf)
+    scaling = _rope_scaling(gf, rotary, fields["max_position_embeddings"])
     if scaling:
+        if scaling["rope_type"] == "longrope":
+            fields["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
         fields["rope_scaling"] = scaling
         fields["rope_parameters"] = {**scaling, "rope_theta": fields["rope_theta"]}
     if gf.architecture in ("gemma2", "gemma3"):
@@ -167,15 +173,41 @@ def _float_dtype(gf: GGUFFile) -> str:
     return _DTYPE_OF_TYPE.get(types.pop(), "float32") if len(types) == 1 else "float32"
 
 
-def _rope_scaling(gf: GGUFFile) -> dict[str, Any] | None:
+def _rope_scaling(gf: GGUFFile, rotary: int, context: int) -> dict[str, Any] | None:
     if "rope_freqs.weight" in gf.tensor_names():
         raise GGUFError(gf.path, "tensor rope_freqs.weight (Llama 3 rope frequency factors) is not supported")
-    if "rope_factors_long.weight" in gf.tensor_names():
-        raise GGUFError(gf.path, "tensors rope_factors_long/short.weight (Phi-3 LongRoPE) are not supported in "
-                                 "GGUF files")  # fmt: skip
+    if any(name in gf.tensor_names() for name in LONGROPE_TENSORS):
+        return _longrope(gf, rotary, context)
     kind = gf.get(f"{gf.architecture}.rope.scaling.type", "none")
     if kind in ("none", None):
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(_required(gf, "rope.scaling.factor"))}
     raise GGUFError(gf.path, f"rope scaling {kind!r} is not supported (supported: none, linear)")
+
+
+def _longrope(gf: GGUFFile, rotary: int, context: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE as llama.cpp's converter writes it: rope_factors_long/short.weight (float32,
+    rotary / 2 values each), {arch}.rope.scaling.original_context_length, and
+    {arch}.rope.scaling.attn_factor, its formula of context_length / original: left to transformers'
+    default (the same formula in float64) unless the file's value is another one."""
+    if gf.architecture not in _PARTIAL_ROTARY:
+        raise GGUFError(gf.path, f"LongRoPE factor tensors in a {gf.architecture} file: only phi3 has them")
+    by_name = {t.name: t for t in gf.tensors}
+    factors = {}
+    for name in LONGROPE_TENSORS:
+        if name not in by_name:
+            raise GGUFError(gf.path, f"tensor {name} is missing (LongRoPE has both factor tensors)")
+        values = np.asarray(by_name[name].data, dtype=np.float32).reshape(-1)
+        if by_name[name].tensor_type != Q.F32 or values.size != rotary // 2:
+            raise GGUFError(gf.path, f"tensor {name}: expected {rotary // 2} float32 values (rotary dims / 2)")
+        factors[name] = [float(v) for v in values]
+    original = int(_required(gf, "rope.scaling.original_context_length"))
+    rope: dict[str, Any] = {"rope_type": "longrope", "long_factor": factors[LONGROPE_TENSORS[0]],
+                            "short_factor": factors[LONGROPE_TENSORS[1]], "original_max_position_embeddings": original}
+    scale = context / original
+    default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    attn = _optional(gf, "rope.scaling.attn_factor", None)
+    if attn is not None and np.float32(attn) != np.float32(default):
+        rope["attention_factor"] = float(attn)
+    return rope

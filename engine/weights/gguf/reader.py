@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,10 @@ _HEADER_BYTES = 24  # magic, version (u32), tensor count (u64), metadata count (
 _UNKNOWN_TYPE = re.compile(r"(\d+)\)? is not a valid GGMLQuantizationType")  # numpy 2 reprs np.uint32(99)
 _BAD_VERSION = re.compile(r"version (\d+)")
 _MAX_READ_ARRAY = 4096  # longest model array field read (per-layer values: one per layer)
+# bytes of each fixed-size metadata value type (gguf's GGUFValueType; strings and arrays are not fixed)
+_ITEM_BYTES = {GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1, GGUFValueType.UINT16: 2,
+               GGUFValueType.INT16: 2, GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
+               GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8}  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: no field-by-field comparison of memory maps
@@ -98,7 +103,22 @@ class _DataPastEnd(Exception):
 
 class _Reader(GGUFReader):
     """GGUFReader that tells a failure in the tensor data (the metadata before it parsed) from one in
-    the metadata. (If a gguf release renames the hook, failures simply get the generic message.)"""
+    the metadata (if a gguf release renames the hook, failures simply get the generic message), and
+    skips over long arrays instead of reading them."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        """gguf builds one numpy view per array item: 786,432 of them for a Gemma 3 file's 262,144-token
+        vocabulary (tokens, scores, types), 40 s of opening it on a busy machine. An array longer than
+        _MAX_READ_ARRAY (the tokenizer's: the engine needs only their lengths; transformers reads the
+        vocabulary itself) is stepped over in one pass instead; its field keeps the item type and the
+        length (parts [.., item type, length], no items). Big-endian files keep gguf's own path."""
+        if raw_type == GGUFValueType.ARRAY and self.byte_order != "S":
+            item_type, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            count, item = int(length[0]), GGUFValueType(int(item_type[0]))
+            if count > _MAX_READ_ARRAY and (item in _ITEM_BYTES or item == GGUFValueType.STRING):
+                end = _skip_items(self.data, orig_offs + 12, item, count)
+                return end - orig_offs, [item_type, length], [], [GGUFValueType.ARRAY, item]
+        return super()._get_field_parts(orig_offs, raw_type)
 
     def _build_tensors(self, start_offs, fields) -> None:
         try:
@@ -107,6 +127,23 @@ class _Reader(GGUFReader):
             if _UNKNOWN_TYPE.search(str(exc)):
                 raise
             raise _DataPastEnd(str(exc)) from exc
+
+
+def _skip_items(data: np.ndarray, start: int, item: GGUFValueType, count: int) -> int:
+    """The offset just past `count` items of type `item` from `start` (strings: a little-endian u64
+    length, then the bytes). IndexError when the file ends first."""
+    if item != GGUFValueType.STRING:
+        end = start + count * _ITEM_BYTES[item]
+    else:
+        view, end = memoryview(data), start
+        try:
+            for _ in range(count):
+                end += 8 + struct.unpack_from("<Q", view, end)[0]
+        except struct.error as exc:
+            raise IndexError(f"string array runs past the end of the file: {exc}") from None
+    if end > data.shape[0]:
+        raise IndexError(f"array runs past the end of the file (to byte {end})")
+    return end
 
 
 def _read(path: Path, size: int) -> GGUFReader:
@@ -136,8 +173,9 @@ def _fields(reader: GGUFReader) -> tuple[dict[str, Any], dict[str, int], dict[st
     values: dict[str, list[Any]] = {}
     for key, f in reader.fields.items():
         if f.types and f.types[0] == GGUFValueType.ARRAY:
-            arrays[key] = len(f.data)  # the tokenizer's values stay unread: transformers reads the vocabulary itself
-            if not key.startswith("tokenizer.") and len(f.data) <= _MAX_READ_ARRAY:
+            # parts: key length, key, value type, item type, length, items (none for a long array)
+            arrays[key] = int(f.parts[4][0])  # the tokenizer's values stay unread: transformers reads them itself
+            if not key.startswith("tokenizer.") and arrays[key] <= _MAX_READ_ARRAY:
                 values[key] = list(f.contents())
         else:
             metadata[key] = f.contents()

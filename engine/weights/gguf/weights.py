@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 from gguf import ReaderTensor
 
-from engine.weights.gguf.config import Architecture
+from engine.weights.gguf.config import LONGROPE_TENSORS, Architecture
 from engine.weights.gguf.dequant import to_torch
 from engine.weights.gguf.errors import GGUFError
 from engine.weights.gguf.reader import GGUFFile
@@ -23,15 +23,17 @@ class GGUFWeights:
         self.arch = arch  # says whether Q/K rows were permuted
         self.num_heads = num_heads  # query heads (q_proj's permutation groups)
         self.num_kv_heads = num_kv_heads  # key/value heads (k_proj's)
-        self.names = {t.name: _mapped(gf, t.name) for t in gf.tensors}  # checked at once: fail before loading
-        self._by_name = {t.name: t for t in gf.tensors}
+        # the model's tensors (LongRoPE's factors went into the config: engine/weights/gguf/config.py)
+        self.tensors = [t for t in gf.tensors if t.name not in LONGROPE_TENSORS]
+        self.names = {t.name: _mapped(gf, t.name) for t in self.tensors}  # checked at once: fail before loading
+        self._by_name = {t.name: t for t in self.tensors}
         self.held: set[str] = set()  # HF names the engine keeps quantized (gguf/blocks.py): not yielded
 
     def __len__(self) -> int:
-        return len(self.gf.tensors)
+        return len(self.tensors)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for t in self.gf.tensors:
+        for t in self.tensors:
             if self.names[t.name] in self.held:
                 continue
             yield self.names[t.name], self.tensor(t.name)
