@@ -1,7 +1,7 @@
 """Command line of the benchmarks: `python -m bench <subcommand> ...`, also `tokenmill bench ...`.
 
 Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
-and sets `func(args) -> int`. In this process (bench/inproc/): `offline`, `floor`, `quality`, `gemv`,
+and sets `func(args) -> int`. In this process (bench/inproc/): `offline`, `floor`, `quality`, `gemv`, `ggml-gemv`,
 `fused`, `lora` (what LoRA adapters cost), `spec`, `linear-ab`, `determinism` (batch-invariant mode
 on/off), `startup`. Against a served `python -m server` (bench/served/): `load` (HTTP load test),
 `sweep`, `priority`, `long-prompt`, `spec-http`, `structured` (what structured outputs cost in
@@ -19,7 +19,19 @@ import sys
 from collections.abc import Sequence
 
 from bench.fleet import fleet_sim, router
-from bench.inproc import determinism, floor, fused, gemv, linear_ab, lora, offline, quality, spec, startup
+from bench.inproc import (
+    determinism,
+    floor,
+    fused,
+    gemv,
+    ggml_gemv,
+    linear_ab,
+    lora,
+    offline,
+    quality,
+    spec,
+    startup,
+)
 from bench.report import command as report
 from bench.served import contention, load, long_prompt, priority, spec_http, structured, swap, sweep, tenants
 
@@ -31,6 +43,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     floor.add_parser(subparsers)
     quality.add_parser(subparsers)
     gemv.add_parser(subparsers)
+    ggml_gemv.add_parser(subparsers)
     fused.add_parser(subparsers)
     load.add_parser(subparsers)
     sweep.add_parser(subparsers)

@@ -8,7 +8,7 @@ compile (or load) leaves the others in use, and says why.
 | linear | small-batch bf16 / INT8 / float32 products, silu(gate) * up, read_sum | cpu_gemv*.cpp, kernels/gemv_* |
 | lora | the LoRA delta of a step's rows | cpu_lora.cpp, kernels/lora_* |
 | sampling | greedy and unfiltered sampling of whole rows | cpu_sampling.cpp, kernels/sampling_* |
-| ggml | GGUF Q4_0 / Q4_1 / Q8_0 weights multiplied from their blocks | cpu_ggml.cpp, kernels/ggml_* |
+| ggml | GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights multiplied from their blocks | cpu_ggml.cpp, kernels/ggml_* |
 | decode | the decoder stack of a decode step in one call (runs the others' kernels) | cpu_decode.cpp |
 
 Each group is built once per machine with the system C++ compiler into one library, with the same
@@ -64,7 +64,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
                "cpu_gemv_f32.cpp", "kernels/gemv_f32_avx2.cpp"),
     "lora": ("cpu_lora.cpp", "kernels/lora_amx.cpp", "kernels/lora_avx512.cpp", "kernels/lora_avx2.cpp"),
     "sampling": ("cpu_sampling.cpp", "kernels/sampling_isa.cpp"),
-    "ggml": ("cpu_ggml.cpp", "kernels/ggml_portable.cpp", "kernels/ggml_avx2.cpp"),
+    "ggml": ("cpu_ggml.cpp", "kernels/ggml_portable.cpp", "kernels/ggml_avx2.cpp", "kernels/ggml_q8_avx2.cpp"),
     "decode": ("cpu_decode.cpp",),
 }
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")

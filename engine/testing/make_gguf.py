@@ -34,7 +34,10 @@ GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2F
              "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Gemma2ForCausalLM": "gemma2",
              "Gemma3ForCausalLM": "gemma3"}  # fmt: skip
 PERMUTED = ("llama", "mistral", "granite", "smollm3")  # architectures whose Q/K rows llama.cpp's converter permutes
-TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K)}
+TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
+# A Q4_K_M-like mix (the Gemma 3 270M file's types): matrix role -> type; the embedding Q8_0.
+MIX = {"q_proj": Q.Q5_0, "k_proj": Q.Q5_0, "v_proj": Q.Q8_0, "o_proj": Q.Q4_K, "gate_proj": Q.Q5_0,
+       "up_proj": Q.Q5_0, "down_proj": Q.Q6_K, "embed_tokens": Q.Q8_0, "lm_head": Q.Q6_K}
 _QK_K = 256  # values per K-quant super-block
 
 
@@ -42,8 +45,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
     """Write `folder`'s model as a GGUF file at `out` with matrices in `qtype`. Returns `out`.
     `arch` overrides the llama.cpp architecture name (tests of unsupported ones)."""
     folder, out = Path(folder), Path(out)
-    if qtype not in TYPES:
-        raise ValueError(f"qtype must be one of {sorted(TYPES)}, got {qtype!r}")
+    if qtype not in TYPES and qtype != "MIX":
+        raise ValueError(f"qtype must be one of {sorted([*TYPES, 'MIX'])}, got {qtype!r}")
     config = json.loads((folder / "config.json").read_text())
     name = arch or GGUF_ARCH[config["architectures"][0]]
     if name == "llama" and config["architectures"][0] == "MistralForCausalLM" and config.get("sliding_window"):
@@ -68,13 +71,19 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             heads = config["num_attention_heads"] if ".q_proj." in hf else config["num_key_value_heads"]
             value = permute(value, heads)
-        data, raw = encode(value, TYPES[qtype] if value.ndim > 1 else Q.F32)
+        data, raw = encode(value, _type_of(hf, qtype) if value.ndim > 1 else Q.F32)
         writer.add_tensor(gguf_name(hf, name), data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _type_of(hf: str, qtype: str) -> Q:
+    if qtype != "MIX":
+        return TYPES[qtype]
+    return next((t for role, t in MIX.items() if f"{role}." in hf), Q.Q8_0)
 
 
 def _add_model_metadata(w: gguf.GGUFWriter, c: dict, name: str) -> None:
@@ -184,7 +193,75 @@ def encode(value: np.ndarray, qtype: Q) -> tuple[np.ndarray, Q | None]:
         return value.astype(np.float16), None
     if q == Q.Q4_K:
         return quantize_q4_k(value), Q.Q4_K
+    if q == Q.Q5_K:
+        return quantize_q5_k(value), Q.Q5_K
+    if q == Q.Q6_K:
+        return quantize_q6_k(value), Q.Q6_K
     return gguf.quants.quantize(value, q), q
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """[rows, cols] float32 -> Q5_K blocks [rows, cols / 256 * 176]: Q4_K's scheme with 5-bit values
+    (the fifth bits of sub-block j in bit j of 32 bytes after the scales)."""
+    rows, cols = x.shape
+    d, dmin, packed, q = _k_scales(x, 31.0)
+    qh = np.zeros((q.shape[0], 32), dtype=np.uint8)
+    for j in range(8):
+        qh |= ((q[:, j] >> 4) & 1).astype(np.uint8) << j
+    low = q & 0xF
+    qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed, qh, qs], axis=1)
+    return blocks.reshape(rows, cols // _QK_K * 176)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """[rows, cols] float32 -> Q6_K blocks [rows, cols / 256 * 210]: per 16 values an int8 scale of the
+    super-block's fp16 d, values q - 32 with q in 0..63 (low nibbles, then 2-bit highs, as ggml packs)."""
+    rows, cols = x.shape
+    sub = x.reshape(-1, 16, 16)  # [super-blocks, 16-value groups, values]
+    want = np.abs(sub).max(-1) / 31.0  # [n, 16]
+    d = (want.max(-1, keepdims=True) / 127.0).astype(np.float16)
+    safe_d = np.where(d == 0, 1.0, d.astype(np.float32))
+    sc = np.clip(np.rint(want / safe_d), -128, 127).astype(np.int8)  # [n, 16]
+    eff = d.astype(np.float32) * sc
+    safe = np.where(eff == 0, 1.0, eff)[..., None]
+    q = (np.clip(np.rint(sub / safe), -32, 31) + 32).astype(np.uint8).reshape(-1, 256)
+    v = q.reshape(-1, 2, 4, 32)  # [n, half, quarter, i]: value 128 h + 32 quarter + i
+    ql = np.concatenate([(v[:, h, 0] & 0xF) | ((v[:, h, 2] & 0xF) << 4) for h in (0, 1)] +
+                        [(v[:, h, 1] & 0xF) | ((v[:, h, 3] & 0xF) << 4) for h in (0, 1)], axis=1)
+    ql = ql.reshape(-1, 4, 32)[:, [0, 2, 1, 3]].reshape(-1, 128)  # per half: bytes 0-31, then 32-63
+    qh = np.concatenate([(v[:, h, 0] >> 4) | ((v[:, h, 1] >> 4) << 2) | ((v[:, h, 2] >> 4) << 4) | ((v[:, h, 3] >> 4) << 6)
+                         for h in (0, 1)], axis=1)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8)], axis=1)
+    return blocks.reshape(rows, cols // _QK_K * 210)
+
+
+def _k_scales(x: np.ndarray, levels: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's fp16 d and dmin, 12 packed scale bytes and values [n, 8, 32] (0..levels) of x's
+    super-blocks: plain min/max per 32-value sub-block."""
+    sub = x.reshape(-1, 8, 32)
+    lo = np.minimum(sub.min(-1), 0.0)
+    scale, mins = (sub.max(-1) - lo) / levels, -lo
+    d = (scale.max(-1, keepdims=True) / 63.0).astype(np.float16)
+    dmin = (mins.max(-1, keepdims=True) / 63.0).astype(np.float16)
+    sc, m = _six_bits(scale, d), _six_bits(mins, dmin)
+    eff_scale = d.astype(np.float32) * sc
+    eff_min = (dmin.astype(np.float32) * m)[..., None]
+    safe = np.where(eff_scale == 0, 1.0, eff_scale)[..., None]
+    q = np.clip(np.rint((sub + eff_min) / safe), 0, levels).astype(np.uint8)
+    packed = np.concatenate([
+        sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+        m[:, :4] | ((m[:, 4:] >> 4) << 6),
+        (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4),
+    ], axis=1).astype(np.uint8)  # fmt: skip
+    return d, dmin, packed, q
+
+
+def random_blocks(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
+    """Blocks [n, k / block values * block bytes] of a random [n, k] float32 matrix in `qtype` (the
+    kernel tests' and benchmarks' weights)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    return np.ascontiguousarray(encode(w, qtype)[0])
 
 
 def quantize_q4_k(x: np.ndarray) -> np.ndarray:

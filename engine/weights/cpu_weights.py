@@ -15,9 +15,9 @@
   rows (a fixed limit, not timed: 12 where MKL has AVX-512, else 32; "on": every row count), MKL's
   F.linear above; "off" or no kernel: F.linear only.
 - GGUF blocks (`quantization="gguf"`): the matrices engine/weights/gguf/blocks.py kept as the file stores
-  them (Q4_0, Q4_1, Q8_0) become GGMLLinear (engine/models/gguf_linear.py): the block kernel for the row
-  counts where it beats dequantizing the weight for PyTorch (measured per shape, as above), the latter
-  above; the embedding is looked up in its blocks (a tied model's in the head's). The file's other
+  them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) become GGMLLinear (engine/models/gguf_linear.py):
+  the block kernel, with EngineConfig.gguf_activations (int8 by default, or float), for the row counts
+  where it beats dequantizing the weight for PyTorch (measured per shape, as above), the latter above; the embedding is looked up in its blocks (a tied model's in the head's). The file's other
   matrices (dequantized into dtype at load) take the bf16 path above, or F.linear.
 - CUDA: nothing changes here.
 """
@@ -46,7 +46,7 @@ from engine.models.cpu_linear import (
     measure_max_rows,
     silu_mul,
 )
-from engine.models.gguf_linear import GGMLEmbedding, GGMLLinear, GGMLWeight
+from engine.models.gguf_linear import GGMLEmbedding, GGMLLinear, GGMLStack, GGMLWeight
 from engine.models.invariant_linear import (
     CALL_ROWS,
     RowLinear,
@@ -87,7 +87,7 @@ class WeightsReport:
 
 def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                     preloaded: Mapping[str, Int8Weight] | None = None,
-                    ggml: Mapping[str, GGMLWeight] | None = None, ggml_text: str = "gguf") -> WeightsReport:
+                    ggml: Mapping[str, GGMLWeight | GGMLStack] | None = None, ggml_text: str = "gguf") -> WeightsReport:
     """Replace the model's linears (in place) as the module docstring says; returns what it did.
 
     preloaded: INT8 weights that arrived quantized (a GGUF Q8_0 tensor through
@@ -295,7 +295,7 @@ def _int8(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype,
     return WeightsReport(False, "int8", gemv, _weight_bytes(model))
 
 
-def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blocks: dict[str, GGMLWeight],
+def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blocks: dict[str, GGMLWeight | GGMLStack],
           text: str) -> WeightsReport:
     reason = "cpu_gemv is 'off'" if config.cpu_gemv == "off" else cpu_kernels.load("ggml")
     if reason is not None and config.cpu_gemv != "off":
@@ -319,7 +319,7 @@ def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blo
         if (given.n, given.k) != tuple(weight.shape):
             raise ValueError(f"GGUF blocks {names[id(weight)]!r} are {given.n}x{given.k}, the model's "
                              f"{tuple(weight.shape)}")
-        qlin = GGMLLinear(given, bias, ALWAYS, reason is None, role == "gate_up")
+        qlin = GGMLLinear(given, bias, ALWAYS, reason is None, role == "gate_up", config.gguf_activations)
         if reason is None:
             qlin.max_rows = _planned_rows(plans, qlin, role, config, dtype)
         return qlin
@@ -333,6 +333,8 @@ def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blo
     elif not tied and not isinstance(embed, nn.Embedding):
         raise ValueError("the embedding is neither blocks nor a plain embedding")
     gemv = f"off ({reason})" if reason is not None else _plan_text(plans)
+    if reason is None:  # the kernels' activations (engine/models/gguf_linear.py)
+        text += f"; {config.gguf_activations} activations"
     return WeightsReport(False, text, gemv, _weight_bytes(model))
 
 

@@ -79,9 +79,10 @@ class ServerSettings(BaseSettings):
     grammar_backend: Literal["xgrammar", "none"] = Field("xgrammar", description="structured outputs and enforced "
                                                          "tool calls; none: such requests get a 400")
     quantization: Literal["int8", "gguf", "none"] | None = Field(
-        None, description="default and none: every weight dequantized to --dtype; gguf: a GGUF file's Q4_0/Q4_1/Q8_0 "
-        "weights stay quantized on the CPU (a third of the bytes; slower than bf16 at batch 1 for now, docs/ENGINE.md); "
-        "int8: INT8 weight-only linears (CPU; half the weight bytes)")
+        None, description="default and none: every weight dequantized to --dtype; gguf: a GGUF file's Q4_0/Q4_1/Q5_0/"
+        "Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights stay quantized on the CPU, multiplied with int8 activations (a third of the "
+        "bytes; not yet faster than bf16 at batch 1, docs/ENGINE.md); int8: INT8 weight-only linears (CPU; half the "
+        "weight bytes)")
     speculative_config: dict[str, Any] | None = Field(
         None, description="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; methods ngram, suffix, draft_model (with \"model\": PATH) "

@@ -1,7 +1,9 @@
-// GGUF quantized weights (Q4_0, Q4_1, Q8_0) multiplied from their blocks as the file stores them
-// (kernels/ggml.h), registered in torch.ops.tokenmill:
+// GGUF quantized weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) multiplied from their blocks
+// as the file stores them (kernels/ggml.h), registered in torch.ops.tokenmill:
 //   ggml_gemv(x, w, type, n, k, bias): y = x W^T + b, x [..., K] bf16 or float32 (taken as float32),
 //     y in x's dtype; each weight block read once per tile of rows and decoded in registers;
+//   ggml_gemv_q8(x, w, type, n, k, bias): the same product with x quantized to int8 per 32 values and
+//     integer dot products (llama.cpp's vec_dot; within kernels/ggml.h's bound of the float product);
 //   ggml_dequantize(w, type, n, k, dtype): W [N, K] in bfloat16 or float32 (the values
 //     gguf.quants.dequantize gives, rounded once to bf16): the large-batch path's weight and the
 //     embedding's rows;
@@ -28,15 +30,17 @@ bool ggml_supported(int64_t type) { return gg::block_bytes(static_cast<int>(type
 std::string ggml_path() { return avx2() ? "AVX2" : "portable"; }
 
 void check_weight(const at::Tensor& w, int64_t type, int64_t n, int64_t k) {
-  TORCH_CHECK(ggml_supported(type), "ggml: unsupported ggml type ", type, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
-  TORCH_CHECK(k > 0 && k % gg::QK == 0, "ggml: K must be a positive multiple of 32, got ", k);
+  TORCH_CHECK(ggml_supported(type), "ggml: unsupported ggml type ", type,
+              " (Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14)");
+  const int64_t bv = gg::block_values(static_cast<int>(type));
+  TORCH_CHECK(k > 0 && k % bv == 0, "ggml: K must be a positive multiple of ", bv, ", got ", k);
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() &&
-                  w.size(0) == n && w.size(1) == k / gg::QK * gg::block_bytes(static_cast<int>(type)),
-              "ggml: the weight must be contiguous uint8 [N, K / 32 * block bytes] blocks");
+                  w.size(0) == n && w.size(1) == k / bv * gg::block_bytes(static_cast<int>(type)),
+              "ggml: the weight must be contiguous uint8 [N, K / block values * block bytes] blocks");
 }
 
-at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t n, int64_t k,
-                     const c10::optional<at::Tensor>& bias) {
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t n, int64_t k,
+                const c10::optional<at::Tensor>& bias, bool q8) {
   check_weight(w, type, n, k);
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == k, "ggml_gemv: x must be a CPU tensor [..., K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "ggml_gemv: x must be bf16 or float32");
@@ -48,20 +52,29 @@ at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& w, int64_t type, int
   const at::Tensor xf = x.reshape({-1, k}).to(at::kFloat).contiguous();  // [M, K]
   const int64_t m = xf.size(0);
   at::Tensor y = at::empty({m, n}, xf.options());
+  const bool wide = avx2();
   if (m > 0) {
-    const gg::Job j{static_cast<int>(type), w.data_ptr<uint8_t>(), n, k, w.size(1), xf.data_ptr<float>(), m,
-                    bias.has_value() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr<float>()};
+    gg::Job j{static_cast<int>(type), w.data_ptr<uint8_t>(), n, k, w.size(1), xf.data_ptr<float>(), m,
+              bias.has_value() ? bias_f.data_ptr<float>() : nullptr, y.data_ptr<float>()};
+    at::Tensor qx, dx, xs;
+    if (q8) {  // x quantized once per call, before the rows are spread over threads
+      qx = at::empty({m, k}, xf.options().dtype(at::kChar));
+      dx = at::empty({m, k / gg::QK}, xf.options());
+      xs = at::empty({m, k / gg::QK}, xf.options());
+      (wide ? gg::avx2::quantize_rows : gg::portable::quantize_rows)(xf.data_ptr<float>(), k, 0, m,
+                                                                     qx.data_ptr<int8_t>(), dx.data_ptr<float>(),
+                                                                     xs.data_ptr<float>());
+      j.qx = qx.data_ptr<int8_t>();
+      j.dx = dx.data_ptr<float>();
+      j.xs = xs.data_ptr<float>();
+    }
     // At least ~64 KiB of weight per task (a task that reads less costs more to start than it saves),
     // in whole tiles of 4 output rows.
     const int64_t grain = std::max<int64_t>(4, (64 << 10) / std::max<int64_t>(1, w.size(1)) / 4 * 4);
-    const bool wide = avx2();
+    const auto rows = q8 ? (wide ? gg::avx2::run_rows_q8 : gg::portable::run_rows_q8)
+                         : (wide ? gg::avx2::run_rows : gg::portable::run_rows);
     at::parallel_for(0, (n + 3) / 4, std::max<int64_t>(1, grain / 4), [&](int64_t t0, int64_t t1) {
-      const int64_t n0 = t0 * 4, n1 = std::min(n, t1 * 4);
-      if (wide) {
-        gg::avx2::run_rows(j, n0, n1);
-      } else {
-        gg::portable::run_rows(j, n0, n1);
-      }
+      rows(j, t0 * 4, std::min(n, t1 * 4));
     });
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
@@ -69,18 +82,28 @@ at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& w, int64_t type, int
   return y.to(x.scalar_type()).view(shape);
 }
 
+at::Tensor ggml_gemv(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t n, int64_t k,
+                     const c10::optional<at::Tensor>& bias) {
+  return gemv(x, w, type, n, k, bias, false);
+}
+
+at::Tensor ggml_gemv_q8(const at::Tensor& x, const at::Tensor& w, int64_t type, int64_t n, int64_t k,
+                        const c10::optional<at::Tensor>& bias) {
+  return gemv(x, w, type, n, k, bias, true);
+}
+
 at::Tensor ggml_dequantize(const at::Tensor& w, int64_t type, int64_t n, int64_t k, at::ScalarType dtype) {
   check_weight(w, type, n, k);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "ggml_dequantize: dtype must be float32 or bfloat16");
   at::Tensor out = at::empty({n, k}, w.options().dtype(dtype));
   const int t = static_cast<int>(type);
-  const int64_t bb = gg::block_bytes(t), blocks = k / gg::QK, row_bytes = w.size(1);
+  const int64_t units = k / gg::QK, row_bytes = w.size(1);
   const uint8_t* src = w.data_ptr<uint8_t>();
   at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
     float vals[gg::QK];
     for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < blocks; ++b) {
-        gg::decode_block(t, src + r * row_bytes + b * bb, vals);
+      for (int64_t b = 0; b < units; ++b) {
+        gg::decode_values(t, src + r * row_bytes, b, vals);
         if (dtype == at::kFloat) {
           std::copy(vals, vals + gg::QK, out.data_ptr<float>() + r * k + b * gg::QK);
         } else {
@@ -98,9 +121,11 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("ggml_supported(int type) -> bool");
   m.def("ggml_path() -> str");
   m.def("ggml_gemv(Tensor x, Tensor w, int type, int n, int k, Tensor? bias) -> Tensor");
+  m.def("ggml_gemv_q8(Tensor x, Tensor w, int type, int n, int k, Tensor? bias) -> Tensor");
   m.def("ggml_dequantize(Tensor w, int type, int n, int k, ScalarType dtype) -> Tensor");
   m.impl("ggml_supported", c10::DispatchKey::CatchAll, TORCH_FN(ggml_supported));
   m.impl("ggml_path", c10::DispatchKey::CatchAll, TORCH_FN(ggml_path));
   m.impl("ggml_gemv", c10::DispatchKey::CPU, TORCH_FN(ggml_gemv));
+  m.impl("ggml_gemv_q8", c10::DispatchKey::CPU, TORCH_FN(ggml_gemv_q8));
   m.impl("ggml_dequantize", c10::DispatchKey::CPU, TORCH_FN(ggml_dequantize));
 }

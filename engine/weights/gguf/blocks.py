@@ -1,12 +1,13 @@
 """Which tensors of a GGUF file the engine keeps quantized (`quantization="gguf"`): the matrices of a
-type the block kernels take (engine/models/gguf_linear.py: Q4_0, Q4_1, Q8_0), as the file stores them,
-Q/K rows unpermuted (a block never spans two rows). The loader skips them (no float copy is made),
-and engine/weights/cpu_weights.py builds their linears and embedding from the blocks.
+type the block kernels take (engine/models/gguf_linear.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+Q6_K), as the file stores them, Q/K rows unpermuted (a block never spans two rows). The loader skips
+them (no float copy is made), and engine/weights/cpu_weights.py builds their linears and embedding
+from the blocks.
 
-A fused parameter (q/k/v -> qkv_proj, gate/up -> gate_up_proj) is kept only when every shard is kept
-and all share one type: its blocks are the shards' stacked in shard order. The others, and every
-quantized tensor of another type (Q6_K, Q4_K, ...), are dequantized into the serving dtype as before;
-the engine-ready line names them.
+A fused parameter (q/k/v -> qkv_proj, gate/up -> gate_up_proj) is kept when every shard is kept: its
+blocks are the shards' stacked in shard order (a GGMLStack where their types differ, as a Q4_K_M file's
+q/k/v: Q5_0, Q5_0, Q8_0). The others, and every quantized tensor of another type (Q2_K, Q3_K, IQ*, ...),
+are dequantized into the serving dtype as before; the engine-ready line names them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.models.gguf_linear import KERNEL_TYPES, GGMLWeight, concat_rows
+from engine.models.gguf_linear import KERNEL_TYPES, GGMLStack, GGMLWeight, concat_rows
 from engine.weights.gguf.dequant import QUANTIZED_TYPES
 from engine.weights.gguf.tensors import unpermute
 from engine.weights.gguf.weights import GGUFWeights
@@ -26,13 +27,13 @@ from engine.weights.gguf.weights import GGUFWeights
 class BlockPlan:
     """What stays quantized: weights by model parameter name, and what was dequantized instead."""
 
-    weights: dict[str, GGMLWeight] = field(default_factory=dict)  # parameter name -> its blocks
+    weights: dict[str, GGMLWeight | GGMLStack] = field(default_factory=dict)  # parameter name -> its blocks
     held: set[str] = field(default_factory=set)  # checkpoint (HF) tensor names the loader skips
     dequantized: dict[str, str] = field(default_factory=dict)  # checkpoint name -> type, quantized but not kept
 
     @property
     def types(self) -> list[str]:
-        return sorted({w.type_name for w in self.weights.values()})
+        return sorted({p.type_name for w in self.weights.values() for p in w.parts})
 
     def describe(self) -> str:
         """`gguf (Q4_1, Q8_0)`, and the dequantized tensors' types and count where there are some."""
@@ -64,7 +65,7 @@ def plan_blocks(weights: GGUFWeights, packed: dict[str, tuple[str, int]], shards
     for param, parts in candidates.items():
         fused = param.split(".")[-2] in set(shards)
         whole = not fused or len(parts) == shards[param.split(".")[-2]]
-        if not whole or len({w.type for _, w in parts.values()}) != 1:
+        if not whole:
             plan.dequantized.update({hf: w.type_name for hf, w in parts.values()})
             continue
         ordered = [parts[i] for i in sorted(parts)]
@@ -118,8 +119,8 @@ def blocks_for(source, quantization: str | None, device: torch.device) -> BlockP
     plan = plan_blocks(source.weights, cls.packed, shards, tied)
     if not plan.weights:
         if explicit:
-            raise ValueError("quantization 'gguf': the file holds no Q4_0 / Q4_1 / Q8_0 matrix (those types "
-                             "have kernels; the others are dequantized)")
+            raise ValueError("quantization 'gguf': the file holds no Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / "
+                             "Q6_K matrix (those types have kernels; the others are dequantized)")
         return None
     source.weights.held = set(plan.held)
     return plan

@@ -1,53 +1,35 @@
-// The GGUF block kernels on AVX2 + FMA + F16C (kernels/ggml.h): each block of a weight row is loaded
-// once per tile, decoded to 4 x 8 float32 in registers (the dequantized values bit for bit: integer
-// widening, an exact int -> float conversion, a product by the block's scale, Q4_1's sum with its
-// minimum) and multiplied into the tile's accumulators by FMAs, lane l of an accumulator taking the
-// columns 8i + l in column order: the portable path's sums exactly.
+// The GGUF block kernels with float32 activations on AVX2 + FMA + F16C (kernels/ggml.h): each unit of a
+// weight row is loaded once per tile, decoded to 4 x 8 float32 in registers (the dequantized values bit
+// for bit: the unit's integers (ggml_avx2.h), an exact int -> float conversion, a product by its scale,
+// the minimum's sum where the type has one) and multiplied into the tile's accumulators by FMAs, lane l
+// of an accumulator taking the columns 8i + l in column order: the portable path's sums exactly.
 //
 // A register tile is NR output rows x MR rows of x (NR * MR accumulators): the chains of FMAs into one
 // accumulator are latency-bound, so a one-row call still runs NR = 4 independent chains; rows of x
-// share each decoded block (4-row tiles decode a block once for 4 rows). Torch-free.
-#include <immintrin.h>
-
-#include "ggml.h"
-
-#define TM_AVX2 __attribute__((target("avx2,fma,f16c")))
+// share each decoded unit (4-row tiles decode a unit once for 4 rows). Torch-free.
+#include "ggml_avx2.h"
 
 namespace tokenmill::ggml::avx2 {
 
 namespace {
 
-TM_AVX2 inline float scale_at(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
-
-// Block b's 32 values into w[0..3] (columns 0-7, 8-15, 16-23, 24-31).
+// Unit `sub` of block b into w[0..3] (columns 0-7, 8-15, 16-23, 24-31).
 template <int T>
-TM_AVX2 inline void decode(const uint8_t* b, __m256* w) {
-  const __m256 d = _mm256_set1_ps(scale_at(b));
-  if constexpr (T == Q8_0) {
-    for (int v = 0; v < 4; ++v) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * v));
-      w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
-    }
-  } else {
-    const __m128i qv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (T == Q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(qv, mask), hi = _mm_and_si128(_mm_srli_epi16(qv, 4), mask);
-    __m256i i[4] = {_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)),
-                    _mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))};
-    if constexpr (T == Q4_0) {
-      for (int v = 0; v < 4; ++v) w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(i[v], _mm256_set1_epi32(8))));
-    } else {
-      const __m256 m = _mm256_set1_ps(scale_at(b + 2));
-      for (int v = 0; v < 4; ++v) w[v] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(i[v])), m);
-    }
+TM_AVX2 inline void values(const uint8_t* b, int sub, __m256* w) {
+  Scales sc;
+  const __m256i q = decode<T>(b, sub, sc);
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int v = 0; v < 4; ++v) {
+    const __m256 p = _mm256_mul_ps(_mm256_set1_ps(sc.s[v / 2]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[v])));
+    w[v] = has_min(T) ? _mm256_add_ps(p, _mm256_set1_ps(sc.c)) : p;
   }
 }
 
 // Output rows n..n+NR-1 for rows r..r+MR-1 of x.
 template <int T, int NR, int MR>
 TM_AVX2 __attribute__((noinline)) void tile(const Job& j, int64_t n, int64_t r) {
-  constexpr int64_t BB = T == Q8_0 ? 34 : T == Q4_1 ? 20 : 18;
-  const int64_t blocks = j.k / QK;
+  const int64_t units = j.k / QK;
   __m256 acc[NR][MR];
 #pragma GCC unroll 8
   for (int i = 0; i < NR; ++i)
@@ -55,14 +37,18 @@ TM_AVX2 __attribute__((noinline)) void tile(const Job& j, int64_t n, int64_t r) 
     for (int q = 0; q < MR; ++q) acc[i][q] = _mm256_setzero_ps();
   const uint8_t* w0 = j.w + n * j.row_bytes;
   const float* x0 = j.x + r * j.k;
-  for (int64_t b = 0; b < blocks; ++b) {
+  // blocks, then their units (unrolled: a K-quant's sub-block index is a constant in each copy)
+  for (int64_t b = 0; b < units / kUnits<T>; ++b)
+#pragma GCC unroll 8
+   for (int sub = 0; sub < kUnits<T>; ++sub) {
+    const int64_t u = b * kUnits<T> + sub;
 #pragma GCC unroll 8
     for (int i = 0; i < NR; ++i) {
       __m256 w[4];
-      decode<T>(w0 + i * j.row_bytes + b * BB, w);
+      values<T>(w0 + i * j.row_bytes + b * kBytes<T>, sub, w);
 #pragma GCC unroll 4
       for (int q = 0; q < MR; ++q) {
-        const float* x = x0 + q * j.k + b * QK;
+        const float* x = x0 + q * j.k + u * QK;
 #pragma GCC unroll 4
         for (int v = 0; v < 4; ++v) acc[i][q] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(x + 8 * v), acc[i][q]);
       }
@@ -104,6 +90,11 @@ void run_rows(const Job& j, int64_t n0, int64_t n1) {
   switch (j.type) {
     case Q4_0: run<Q4_0>(j, n0, n1); break;
     case Q4_1: run<Q4_1>(j, n0, n1); break;
+    case Q5_0: run<Q5_0>(j, n0, n1); break;
+    case Q5_1: run<Q5_1>(j, n0, n1); break;
+    case Q4_K: run<Q4_K>(j, n0, n1); break;
+    case Q5_K: run<Q5_K>(j, n0, n1); break;
+    case Q6_K: run<Q6_K>(j, n0, n1); break;
     default: run<Q8_0>(j, n0, n1); break;
   }
 }

@@ -9,21 +9,53 @@
 namespace tokenmill::ggml::portable {
 
 void run_rows(const Job& j, int64_t n0, int64_t n1) {
-  const int64_t blocks = j.k / QK;
+  const int64_t units = j.k / QK;
   float w[QK];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = j.w + n * j.row_bytes;
     for (int64_t r = 0; r < j.m; ++r) {
       const float* x = j.x + r * j.k;
       float acc[8] = {};
-      for (int64_t b = 0; b < blocks; ++b) {
-        decode_block(j.type, row + b * block_bytes(j.type), w);  // (decoded again per row of x: the reference)
+      for (int64_t u = 0; u < units; ++u) {
+        decode_values(j.type, row, u, w);  // (decoded again per row of x: the reference)
         for (int v = 0; v < 4; ++v)
-          for (int l = 0; l < 8; ++l) acc[l] = std::fma(w[v * 8 + l], x[b * QK + v * 8 + l], acc[l]);
+          for (int l = 0; l < 8; ++l) acc[l] = std::fma(w[v * 8 + l], x[u * QK + v * 8 + l], acc[l]);
       }
       j.y[r * j.n + n] = reduce8(acc) + (j.bias ? j.bias[n] : 0.f);
     }
   }
+}
+
+void run_rows_q8(const Job& j, int64_t n0, int64_t n1) {
+  const int64_t units = j.k / QK, upb = block_values(j.type) / QK, bb = block_bytes(j.type);
+  const bool min = has_min(j.type);
+  int8_t q[QK];
+  Scales sc;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = j.w + n * j.row_bytes;
+    for (int64_t r = 0; r < j.m; ++r) {
+      const int8_t* qx = j.qx + r * j.k;
+      float acc[8] = {}, accm = 0.f;
+      for (int64_t u = 0; u < units; ++u) {
+        decode_unit(j.type, row + (u / upb) * bb, static_cast<int>(u % upb), q, sc);
+        const float dx = j.dx[r * units + u];
+        for (int l = 0; l < 8; ++l) {
+          int isum = 0;
+          for (int p = 4 * l; p < 4 * l + 4; ++p) isum += q[p] * qx[u * QK + p];
+          acc[l] = std::fma(sc.s[l / 4] * dx, static_cast<float>(isum), acc[l]);
+        }
+        if (min) accm = accm + sc.c * j.xs[r * units + u];
+      }
+      j.y[r * j.n + n] = (reduce8(acc) + accm) + (j.bias ? j.bias[n] : 0.f);
+    }
+  }
+}
+
+void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int8_t* qx, float* dx, float* xs) {
+  const int64_t units = k / QK;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t u = 0; u < units; ++u)
+      quantize_unit(x + r * k + u * QK, qx + r * k + u * QK, dx[r * units + u], xs[r * units + u]);
 }
 
 }  // namespace tokenmill::ggml::portable
