@@ -20,6 +20,7 @@ from engine.models.layers import (
     rotate_,
     rotate_partial,
 )
+from engine.models.moe import ExpertSlot
 from engine.models.packed_linear import PackedLinear, pack_linears
 from engine.models.rope import check_rope_supported, rope_inv_freq, rotary_dim_of
 from engine.models.windows import layer_windows
@@ -251,12 +252,22 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self.lm_head = make(self.model.embed_tokens.weight, None, "lm_head")
 
-    def shard_sizes(self, fused: str) -> list[int]:
-        """Row sizes of the shards of a fused parameter, in shard order."""
+    def shard_sizes(self, fused: str, rows: int | None = None) -> list[int]:
+        """Row sizes of the shards of a fused parameter of `rows` rows (None: a dense layer's), in shard
+        order. gate_up halves: a MoE model's shared expert is not intermediate_size wide."""
         if fused == "qkv_proj":
             return self.model.layers[0].self_attn.split
-        inter = self.config.intermediate_size
+        inter = self.config.intermediate_size if rows is None else rows // 2
         return [inter, inter]
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as this class names its parameter (Mixtral renames its MLP)."""
+        return name
+
+    def expert_slot(self, name: str) -> ExpertSlot | None:
+        """Where a (renamed) checkpoint tensor of stacked experts goes; None: not an expert weight
+        (mixture-of-experts classes, engine/models/moe.py)."""
+        return None
 
     def after_load(self, dtype: torch.dtype, device: torch.device) -> None:
         """Build tables that are not weights (rotary cos/sin)."""

@@ -151,46 +151,68 @@ class SparseMoeBlock(nn.Module):
 
 @dataclass(frozen=True)
 class ExpertSlot:
-    """Where a checkpoint tensor of the experts goes: the stacked parameter, the expert (None: the whole
-    stack, a fused checkpoint tensor) and the shard of its rows (gate 0, up 1; down 0)."""
+    """Where a checkpoint tensor of the experts goes: the stacked parameter, the expert (None: every
+    expert, a stacked checkpoint tensor) and the shard of its rows (gate 0, up 1; down 0; None: every
+    shard, a fused gate_up tensor)."""
 
     param: str
     expert: int | None
-    shard: int
+    shard: int | None
+
+    @property
+    def tag(self) -> str:
+        """The loader's loaded-key tag: the parameter, or "#expert.shard" with "*" for every expert."""
+        if self.shard is None:
+            return self.param
+        return f"{self.param}#{'*' if self.expert is None else self.expert}.{self.shard}"
 
 
 # per-expert checkpoint names: Qwen/OLMoE gate_proj/up_proj/down_proj, Mixtral w1 (gate), w3 (up), w2 (down)
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-_FUSED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
+# every expert's matrix stacked [E, rows, cols]: transformers 5's fused gate_up_proj / down_proj, and the
+# stacked gate_proj / up_proj / down_proj of a GGUF file (ffn_gate_exps, ffn_up_exps, ffn_down_exps)
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 _SHARD = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
           "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", 0), "w2": ("down_proj", 0)}  # fmt: skip
 
 
 def expert_slot(name: str) -> ExpertSlot | None:
     """The slot of a checkpoint tensor name (after the model's renames), None when it is no expert weight:
-    `...experts.3.gate_proj.weight` (transformers 4 and the files transformers 5 writes) or the fused
-    `...experts.gate_up_proj` [E, 2I, H] / `...experts.down_proj` [E, H, I] (transformers 5 in memory)."""
+    `...experts.3.gate_proj.weight` (transformers 4 and the files transformers 5 writes), the fused
+    `...experts.gate_up_proj` [E, 2I, H] / `...experts.down_proj` [E, H, I] (transformers 5 in memory),
+    or a stacked `...experts.gate_proj.weight` [E, I, H] (GGUF)."""
     m = _PER_EXPERT.match(name)
     if m is not None:
         param, shard = _SHARD[m.group(3)]
         return ExpertSlot(f"{m.group(1)}.{param}", int(m.group(2)), shard)
-    m = _FUSED.match(name)
+    m = _STACKED.match(name)
     if m is not None:
-        return ExpertSlot(f"{m.group(1)}.{m.group(2)}", None, 0)
+        if m.group(2) == "gate_up_proj":
+            return ExpertSlot(f"{m.group(1)}.gate_up_proj", None, None)
+        param, shard = _SHARD[m.group(2)]
+        return ExpertSlot(f"{m.group(1)}.{param}", None, shard)
     return None
 
 
-def expert_tags(param: str, shape: torch.Size) -> list[str]:
-    """The loaded-key tags that cover a stacked expert parameter one expert and shard at a time."""
-    shards = 2 if param.endswith("gate_up_proj") else 1
-    return [f"{param}#{e}.{s}" for e in range(shape[0]) for s in range(shards)]
+def expert_missing(param: str, shape: torch.Size, loaded: set[str]) -> list[str]:
+    """The tags of a stacked expert parameter [E, rows, cols] not yet covered by `loaded` (whole, per
+    shard for every expert, or per expert and shard)."""
+    if param in loaded:
+        return []
+    missing = []
+    for s in range(2 if param.endswith("gate_up_proj") else 1):
+        if f"{param}#*.{s}" not in loaded:
+            missing += [tag for e in range(shape[0]) if (tag := f"{param}#{e}.{s}") not in loaded]
+    return missing
 
 
 def expert_destination(param: torch.Tensor, slot: ExpertSlot) -> torch.Tensor:
     """The view of a stacked parameter [E, R, C] that a checkpoint tensor of `slot` fills."""
-    if slot.expert is None:
+    if slot.shard is None:
         return param
     rows = param.shape[1] // (2 if slot.param.endswith("gate_up_proj") else 1)
+    if slot.expert is None:
+        return param.narrow(1, slot.shard * rows, rows)
     return param[slot.expert].narrow(0, slot.shard * rows, rows)
 
 

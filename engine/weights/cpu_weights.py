@@ -8,7 +8,8 @@
   (AMX, AVX-512 BF16, AVX2) is the CPU's (engine/kernels/csrc/isa.h); oneDNN does not pack bf16 on an
   AVX2-only CPU, so F.linear stands above the kernel's rows there.
 - INT8 (`quantization="int8"`, any dtype): every linear and the logits head quantized per output
-  channel, the embedding looked up in INT8 (a tied model's in the head's own weight); the kernel
+  channel, the embedding looked up in INT8 (a tied model's in the head's own weight; a mixture-of-experts
+  model's stacked experts and routers stay in dtype, engine/models/moe.py); the kernel
   for the row counts where it beats dequantizing the weight for PyTorch, the latter above. Without
   the kernels (same conditions, one log line) the weights stay INT8 and are dequantized per call.
 - float32 on a CPU with AVX2/FMA: the float32 small-batch kernel (GemvF32Linear) up to f32_max_rows()
@@ -56,6 +57,7 @@ from engine.models.invariant_linear import (
     rows_agree,
 )
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MoeCausalLM
 from engine.models.packed_linear import PackedLinear, packing_supported
 from engine.models.quantization import Int8Weight, group_for, quantize_int8
 
@@ -98,6 +100,9 @@ def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch
 
     ggml: GGUF blocks by parameter name (engine/weights/gguf/blocks.py; their parameters were never
     written), kept as they are; ggml_text: the report's quantization field then."""
+    if isinstance(model, MoeCausalLM) and config.deterministic:
+        raise ValueError(f"deterministic does not support mixture-of-experts models ({type(model).__name__}): the "
+                         "experts' products take a different number of rows with each batch")  # fmt: skip
     if ggml:
         if device.type != "cpu":
             raise ValueError(f"GGUF quantized weights run on the CPU only (device is {device}); use quantization='none'")
@@ -292,7 +297,11 @@ def _int8(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype,
     source = model.lm_head if tied else Int8Linear(int8_of(embed.weight), None, 0, kernel=False)
     model.model.embed_tokens = Int8Embedding(source, dtype)
     gemv = f"off ({reason})" if reason is not None else _plan_text(plans)
-    return WeightsReport(False, "int8", gemv, _weight_bytes(model))
+    text = "int8"
+    if isinstance(model, MoeCausalLM):  # attention, dense and shared-expert linears only
+        text = f"int8 (attention and dense linears; experts not quantized: {str(dtype).removeprefix('torch.')})"
+        log.info("quantization int8: a mixture-of-experts model's experts and routers stay in %s", dtype)
+    return WeightsReport(False, text, gemv, _weight_bytes(model))
 
 
 def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blocks: dict[str, GGMLWeight],

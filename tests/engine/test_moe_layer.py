@@ -10,6 +10,7 @@ from engine.models.moe import (
     SparseMoeBlock,
     dense_reference,
     expert_destination,
+    expert_missing,
     expert_slot,
     grouped_experts,
     route,
@@ -124,10 +125,18 @@ def test_checkpoint_names_find_their_slots():
     s = expert_slot("model.layers.0.mlp.experts.7.w2.weight")
     assert (s.param, s.expert, s.shard) == ("model.layers.0.mlp.experts.down_proj", 7, 0)
     s = expert_slot("model.layers.1.mlp.experts.gate_up_proj")
-    assert (s.param, s.expert) == ("model.layers.1.mlp.experts.gate_up_proj", None)
+    assert (s.param, s.expert, s.shard) == ("model.layers.1.mlp.experts.gate_up_proj", None, None)
+    s = expert_slot("model.layers.1.mlp.experts.up_proj.weight")  # GGUF's stacked ffn_up_exps
+    assert (s.param, s.expert, s.shard, s.tag) == ("model.layers.1.mlp.experts.gate_up_proj", None, 1,
+                                                   "model.layers.1.mlp.experts.gate_up_proj#*.1")
+    assert expert_missing("p.experts.gate_up_proj", torch.Size([2, 4, 4]), {"p.experts.gate_up_proj#*.1",
+                                                                          "p.experts.gate_up_proj#1.0"}) == [
+        "p.experts.gate_up_proj#0.0"]
     assert expert_slot("model.layers.0.mlp.shared_expert.gate_proj.weight") is None
     assert expert_slot("model.layers.0.mlp.gate.weight") is None
     param = torch.zeros(E, 2 * INTER, H)
     s = expert_slot("model.layers.0.mlp.experts.3.up_proj.weight")
     expert_destination(param, s).fill_(1.0)
     assert param[3, INTER:].eq(1).all() and param[3, :INTER].eq(0).all() and param.sum() == INTER * H
+    expert_destination(param, expert_slot("m.experts.gate_proj.weight")).fill_(2.0)
+    assert param[:, :INTER].eq(2).all() and param[3, INTER:].eq(1).all()

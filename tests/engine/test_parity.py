@@ -1,6 +1,7 @@
 """Greedy output of our engine equals transformers' token for token (float32), in every regime:
 plain batching, preemption, prefix caching, chunked prefill, and several block sizes; sliding-window
-models included (windows shorter than most prompts, so prefix hits and preemption recompute cross them)."""
+models included (windows shorter than most prompts, so prefix hits and preemption recompute cross them),
+and the mixture-of-experts models (engine/models/moe.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from engine.api import PreemptionCause
 
 from .helpers import (
     FAMILY_PRESETS,
+    MOE_PRESETS,
     TINY_PRESETS,
     WINDOW_PRESETS,
     assert_idle,
@@ -25,7 +27,7 @@ from .helpers import (
 SHARED_PREFIX = 64
 
 
-@pytest.fixture(scope="module", params=TINY_PRESETS + FAMILY_PRESETS + WINDOW_PRESETS)
+@pytest.fixture(scope="module", params=TINY_PRESETS + FAMILY_PRESETS + WINDOW_PRESETS + MOE_PRESETS)
 def preset(request, build_model):
     path = build_model(request.param)
     cfg = EngineConfig(model=str(path))

@@ -1,0 +1,119 @@
+"""Mixture-of-experts models (engine/models/moe.py) with the engine's other features: the checkpoint
+layouts the loader takes, INT8 (attention and dense linears; experts kept), the batch-invariant mode
+(refused), a checkpoint missing an expert (refused). Parity with transformers under batching, chunked
+prefill, preemption and prefix hits: tests/engine/test_parity.py (MOE_PRESETS)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.models.cpu_linear import Int8Linear
+from engine.models.moe import SparseMoeBlock
+
+from .helpers import greedy, make_case, make_engine
+
+N_EXPERTS = 8
+
+
+def _generate(engine, case) -> list[list[int]]:
+    return [r.token_ids for r in engine.generate(case.prompts, [greedy(m) for m in case.max_tokens])]
+
+
+def _small_case():
+    case = make_case(vocab=2000, n=6, seed=9)
+    case.max_tokens = [12] * len(case.prompts)
+    return case
+
+
+def _rewrite(src, dst, change) -> None:
+    """A copy of the model folder `src` at `dst` whose tensors went through change(dict) -> dict."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    save_file(change(tensors), str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-mixtral"])
+def test_fused_expert_checkpoints_load_as_the_per_expert_ones(build_model, tmp_path, preset):
+    """transformers 5 holds experts fused (gate_up_proj [E, 2I, H], down_proj [E, H, I]); the files it
+    writes (and older checkpoints) name each expert's matrices. Both load to the same tokens."""
+    path = build_model(preset)
+    prefix = "block_sparse_moe" if preset == "tiny-mixtral" else "mlp"
+    gate, up, down = ("w1", "w3", "w2") if preset == "tiny-mixtral" else ("gate_proj", "up_proj", "down_proj")
+
+    def fuse(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {k: v for k, v in tensors.items() if ".experts." not in k}
+        layers = sorted({int(k.split(".")[2]) for k in tensors if ".experts." in k})
+        for i in layers:
+            stem = f"model.layers.{i}.{prefix}.experts"
+            out[f"{stem}.gate_up_proj"] = torch.stack([
+                torch.cat([tensors[f"{stem}.{e}.{gate}.weight"], tensors[f"{stem}.{e}.{up}.weight"]])
+                for e in range(N_EXPERTS)])  # fmt: skip
+            out[f"{stem}.down_proj"] = torch.stack([tensors[f"{stem}.{e}.{down}.weight"] for e in range(N_EXPERTS)])
+        assert len(out) < len(tensors)  # the rewrite really fused something
+        return out
+
+    _rewrite(path, tmp_path / "fused", fuse)
+    case = _small_case()
+    assert _generate(make_engine(tmp_path / "fused"), case) == _generate(make_engine(path), case)
+
+
+def test_a_missing_expert_is_refused_naming_it(build_model, tmp_path):
+    path = build_model("tiny-qwen3-moe")
+    _rewrite(path, tmp_path / "missing",
+             lambda t: {k: v for k, v in t.items() if k != "model.layers.0.mlp.experts.5.up_proj.weight"})
+    with pytest.raises(ValueError, match=r"missing 1 tensors.*model\.layers\.0\.mlp\.experts\.gate_up_proj#5\.1"):
+        make_engine(tmp_path / "missing")
+
+
+def test_an_expert_beyond_the_configs_count_is_refused(build_model, tmp_path):
+    path = build_model("tiny-olmoe")
+    shutil.copytree(path, tmp_path / "fewer")
+    cfg = json.loads((tmp_path / "fewer" / "config.json").read_text())
+    (tmp_path / "fewer" / "config.json").write_text(json.dumps({**cfg, "num_experts": 4}))
+    with pytest.raises(ValueError, match="has shape|expert 4 of 4"):
+        make_engine(tmp_path / "fewer")
+
+
+def test_int8_quantizes_attention_and_dense_linears_and_keeps_the_experts(build_model, caplog):
+    """--quantization int8 on an MoE model: every nn.Linear (attention, Qwen3-MoE's dense layer, the
+    logits head) becomes INT8; the stacked experts and the router stay float32, and the start-up report
+    says so. The tokens stay close to float32's: the first token of each prompt equal where float32's
+    top token leads clearly."""
+    path = build_model("tiny-qwen3-moe")
+    with caplog.at_level("INFO", logger="tokenmill.engine"):
+        engine = make_engine(path, quantization="int8")
+    model = engine.runner.model
+    layer0, layer1 = model.model.layers[0], model.model.layers[1]
+    assert isinstance(layer0.self_attn.qkv_proj, Int8Linear) and isinstance(layer1.mlp.down_proj, Int8Linear)
+    assert isinstance(layer0.mlp, SparseMoeBlock)
+    assert layer0.mlp.experts.gate_up_proj.dtype == torch.float32 and layer0.mlp.gate.weight.dtype == torch.float32
+    assert engine.weights.quantization is not None and "experts not quantized" in engine.weights.quantization
+    assert any("experts and routers stay in" in r.getMessage() for r in caplog.records)
+    case = make_case(vocab=2000, n=16, seed=11)
+    ref = make_engine(path).generate(case.prompts, greedy(1, logprobs=2))
+    got = engine.generate(case.prompts, greedy(1))
+    clear = [i for i, r in enumerate(ref) if r.logprobs[0].top[0][1] - r.logprobs[0].top[1][1] > 0.2]
+    assert len(clear) >= 4
+    assert [i for i in clear if got[i].token_ids != ref[i].token_ids] == []
+
+
+def test_batch_invariant_mode_refuses_moe_models(build_model):
+    with pytest.raises(ValueError, match="deterministic does not support mixture-of-experts models"):
+        make_engine(build_model("tiny-olmoe"), deterministic=True)
+
+
+def test_expert_token_counts_for_debugging(build_model):
+    """Each sparse layer counts the tokens routed to each expert when asked: top-k per token."""
+    engine = make_engine(build_model("tiny-qwen2-moe"))
+    model = engine.runner.model
+    model.count_expert_tokens()
+    case = _small_case()
+    engine.generate(case.prompts, [greedy(m) for m in case.max_tokens])
+    counts = model.expert_counts()
+    assert len(counts) == 2 and all(len(c) == N_EXPERTS for c in counts)
+    assert sum(counts[0]) == sum(counts[1]) > 0 and sum(counts[0]) % 2 == 0  # top-2: two per token
