@@ -117,3 +117,26 @@ def test_expert_token_counts_for_debugging(build_model):
     counts = model.expert_counts()
     assert len(counts) == 2 and all(len(c) == N_EXPERTS for c in counts)
     assert sum(counts[0]) == sum(counts[1]) > 0 and sum(counts[0]) % 2 == 0  # top-2: two per token
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-mixtral"])
+def test_speculative_drafts_are_routed_like_any_token(build_model, preset):
+    """Verification rows (a request's drafts, several positions in one step) go through the experts as
+    any token does: with drafts (every third one wrong) the greedy tokens stay those without."""
+    from .helpers import spec_engine
+    from .test_speculative import SPEC, OracleProposer
+
+    path = build_model(preset)
+    case = make_case(vocab=2000, n=8, seed=13)
+    ref = _generate(make_engine(path), case)
+    engine = spec_engine(path, speculative=SPEC)
+    engine.scheduler.proposer = OracleProposer({f"r{i}": r for i, r in enumerate(ref)}, 2000)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(case.prompts))}
+    for i, (prompt, m) in enumerate(zip(case.prompts, case.max_tokens, strict=True)):
+        engine.add_request(f"r{i}", prompt_token_ids=prompt, params=greedy(m))
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+    assert [got[f"r{i}"] for i in range(len(case.prompts))] == ref
+    st = engine.stats()
+    assert st.spec_drafts > 0 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens
