@@ -20,7 +20,7 @@ from engine.models.layers import (
     rotate_,
     rotate_partial,
 )
-from engine.models.moe import ExpertSlot
+from engine.models.moe import ExpertSlot, MoeExperts
 from engine.models.packed_linear import PackedLinear, pack_linears
 from engine.models.rope import check_rope_supported, rope_inv_freq, rotary_dim_of
 from engine.models.windows import layer_windows
@@ -240,11 +240,14 @@ class LlamaForCausalLM(nn.Module):
         engine/weights/cpu_weights.py). role: "gate_up" for each gated MLP's fused gate/up weight (a module
         with silu_mul(x) returned there computes silu(gate) * up itself, and the MLP calls it),
         "lm_head" for the logits head (a tied model's is built from the embedding matrix; the lookup
-        keeps its own), "linear" for the rest."""
+        keeps its own), "linear" for the rest; a mixture-of-experts model's experts each get theirs
+        (gate_up, linear; engine/models/moe.py)."""
         for mlp in [m for m in self.modules() if isinstance(m, GatedMLP) and m.activation == "silu"]:
             lin = mlp.gate_up_proj
             mlp.gate_up_proj = make(lin.weight, lin.bias, "gate_up")
             mlp.fused_act = hasattr(mlp.gate_up_proj, "silu_mul")
+        for experts in [m for m in self.modules() if isinstance(m, MoeExperts)]:  # each expert's, same roles
+            experts.replace_linears(make)
         targets = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
                    if isinstance(child, nn.Linear)]
         for parent, name, child in targets:

@@ -20,6 +20,7 @@ order; CUDA's may use atomics (the order is not fixed there).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,17 +44,24 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tens
     return weights, ids
 
 
-def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token: x [T, H], ids/weights [T, K],
-    gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype.
+ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]  # (expert e, its rows [n, H]) -> [n, H]
+
+
+def stacked_expert(gate_up: torch.Tensor, down: torch.Tensor) -> ExpertFn:
+    """Expert e's SwiGLU over stacked weights gate_up [E, 2I, H], down [E, H, I], with F.linear."""
+    return lambda e, rows: F.linear(silu_mul(F.linear(rows, gate_up[e])), down[e])
+
+
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, expert: ExpertFn,
+                    num_experts: int) -> torch.Tensor:
+    """sum_k weights[t, k] * expert(ids[t, k], x[t]) for every token: x [T, H], ids/weights [T, K]
+    -> [T, H] in x's dtype.
 
     The T*K (token, expert) pairs are sorted by expert id (stable: within an expert, in token order);
-    each expert with pairs runs silu(gate) * up and down as one product over its rows (one host sync
-    for the per-expert counts, a loop over experts, never over tokens); the rows, scaled by their
-    routing weight in x's dtype, go back to their tokens with index_add_ in sorted order."""
-    t, k = ids.shape
-    num_experts = gate_up.shape[0]
+    each expert with pairs runs once over all its rows (one host sync for the per-expert counts, a
+    loop over experts, never over tokens); the rows, scaled by their routing weight in x's dtype, go
+    back to their tokens with index_add_ in sorted order."""
+    k = ids.shape[1]
     flat = ids.reshape(-1)  # [T K]
     order = torch.argsort(flat, stable=True)  # [T K]: pairs grouped by expert, ascending
     token_of = torch.div(order, k, rounding_mode="floor")  # [T K]: each sorted pair's token
@@ -64,8 +72,7 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        h = silu_mul(F.linear(rows[start : start + n], gate_up[e]))  # [n, I]
-        out[start : start + n] = F.linear(h, down[e])  # [n, H]
+        out[start : start + n] = expert(e, rows[start : start + n])  # [n, H]
         start += n
     out = out * weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)  # [T K, H]
     return torch.zeros_like(x).index_add_(0, token_of, out)  # [T, H]
@@ -97,12 +104,36 @@ class MoeRouter(nn.Module):
 
 
 class MoeExperts(nn.Module):
-    """Every expert's SwiGLU weights, stacked."""
+    """Every expert's SwiGLU weights, stacked as loaded; on the CPU, replace_linears turns each expert's
+    matrices into the engine's linear modules (the small-batch kernels, oneDNN, INT8: whatever the
+    dense linears get), after which the stacks are dropped."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int) -> None:
         super().__init__()
+        self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))  # [E, 2I, H]
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))  # [E, H, I]
+        self.gate_up: nn.ModuleList | None = None  # per expert [2I, H] linears (replace_linears)
+        self.down: nn.ModuleList | None = None  # per expert [H, I]
+        self.fused_act = False  # every gate_up module computes silu(gate) * up itself (silu_mul)
+
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert e's SwiGLU over rows [n, H] -> [n, H]."""
+        if self.gate_up is None or self.down is None:
+            return F.linear(silu_mul(F.linear(rows, self.gate_up_proj[e])), self.down_proj[e])
+        gate_up = self.gate_up[e]
+        h = gate_up.silu_mul(rows) if self.fused_act else silu_mul(gate_up(rows))  # [n, I]
+        return self.down[e](h)
+
+    def replace_linears(self, make: Callable[[torch.Tensor, torch.Tensor | None, str], nn.Module]) -> None:
+        """Each expert's matrices by make(weight, None, role) (LlamaForCausalLM.replace_linears' roles)."""
+        gate_up, down = self.gate_up_proj.detach(), self.down_proj.detach()
+        self.gate_up = nn.ModuleList(make(gate_up[e], None, "gate_up") for e in range(self.num_experts))
+        self.down = nn.ModuleList(make(down[e], None, "linear") for e in range(self.num_experts))
+        self.fused_act = all(hasattr(m, "silu_mul") for m in self.gate_up)
+        # the stacks' memory goes where no module kept a view of it (a packed, quantized or kernel copy)
+        self.gate_up_proj = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
 
 
 class SharedExpertGate(nn.Module):
@@ -139,14 +170,14 @@ class SparseMoeBlock(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.normalize)
         if self.counts is not None:
             self.counts += torch.bincount(ids.reshape(-1), minlength=self.counts.shape[0]).to(self.counts.device)
-        out = grouped_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        out = grouped_experts(x, ids, weights, self.experts.expert, self.experts.num_experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + self.shared_expert_gate(x) * self.shared_expert(x)
         return out
 
     def count_tokens(self) -> None:
         """Keep a running count of the tokens each expert receives (debugging: expert_counts)."""
-        self.counts = torch.zeros(self.experts.gate_up_proj.shape[0], dtype=torch.int64)
+        self.counts = torch.zeros(self.experts.num_experts, dtype=torch.int64)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@
   AVX2-only CPU, so F.linear stands above the kernel's rows there.
 - INT8 (`quantization="int8"`, any dtype): every linear and the logits head quantized per output
   channel, the embedding looked up in INT8 (a tied model's in the head's own weight; a mixture-of-experts
-  model's stacked experts and routers stay in dtype, engine/models/moe.py); the kernel
+  model's experts each quantized as a linear, its routers left in dtype, engine/models/moe.py); the kernel
   for the row counts where it beats dequantizing the weight for PyTorch, the latter above. Without
   the kernels (same conditions, one log line) the weights stay INT8 and are dequantized per call.
 - float32 on a CPU with AVX2/FMA: the float32 small-batch kernel (GemvF32Linear) up to f32_max_rows()
@@ -298,9 +298,8 @@ def _int8(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype,
     model.model.embed_tokens = Int8Embedding(source, dtype)
     gemv = f"off ({reason})" if reason is not None else _plan_text(plans)
     text = "int8"
-    if isinstance(model, MoeCausalLM):  # attention, dense and shared-expert linears only
-        text = f"int8 (attention and dense linears; experts not quantized: {str(dtype).removeprefix('torch.')})"
-        log.info("quantization int8: a mixture-of-experts model's experts and routers stay in %s", dtype)
+    if isinstance(model, MoeCausalLM):  # every expert's matrices too; the routers stay float (float32 logits)
+        text = f"int8 (experts included; routers in {str(dtype).removeprefix('torch.')})"
     return WeightsReport(False, text, gemv, _weight_bytes(model))
 
 

@@ -79,27 +79,44 @@ def test_an_expert_beyond_the_configs_count_is_refused(build_model, tmp_path):
         make_engine(tmp_path / "fewer")
 
 
-def test_int8_quantizes_attention_and_dense_linears_and_keeps_the_experts(build_model, caplog):
+def test_int8_quantizes_every_linear_experts_included_and_keeps_the_routers(build_model):
     """--quantization int8 on an MoE model: every nn.Linear (attention, Qwen3-MoE's dense layer, the
-    logits head) becomes INT8; the stacked experts and the router stay float32, and the start-up report
-    says so. The tokens stay close to float32's: the first token of each prompt equal where float32's
-    top token leads clearly."""
+    logits head) and every expert's gate_up and down become INT8 (the experts' stacks dropped); the
+    router stays float32, and the start-up report says so. The tokens stay close to float32's: the
+    first token of each prompt equal where float32's top token leads clearly."""
     path = build_model("tiny-qwen3-moe")
-    with caplog.at_level("INFO", logger="tokenmill.engine"):
-        engine = make_engine(path, quantization="int8")
+    engine = make_engine(path, quantization="int8")
     model = engine.runner.model
     layer0, layer1 = model.model.layers[0], model.model.layers[1]
     assert isinstance(layer0.self_attn.qkv_proj, Int8Linear) and isinstance(layer1.mlp.down_proj, Int8Linear)
     assert isinstance(layer0.mlp, SparseMoeBlock)
-    assert layer0.mlp.experts.gate_up_proj.dtype == torch.float32 and layer0.mlp.gate.weight.dtype == torch.float32
-    assert engine.weights.quantization is not None and "experts not quantized" in engine.weights.quantization
-    assert any("experts and routers stay in" in r.getMessage() for r in caplog.records)
+    experts = layer0.mlp.experts
+    assert experts.gate_up is not None and experts.down is not None and len(experts.gate_up) == N_EXPERTS
+    assert all(isinstance(m, Int8Linear) for m in [*experts.gate_up, *experts.down])
+    assert experts.gate_up_proj.numel() == 0 and layer0.mlp.gate.weight.dtype == torch.float32
+    assert engine.weights.quantization is not None and "experts included" in engine.weights.quantization
     case = make_case(vocab=2000, n=16, seed=11)
     ref = make_engine(path).generate(case.prompts, greedy(1, logprobs=2))
     got = engine.generate(case.prompts, greedy(1))
     clear = [i for i, r in enumerate(ref) if r.logprobs[0].top[0][1] - r.logprobs[0].top[1][1] > 0.2]
     assert len(clear) >= 4
     assert [i for i in clear if got[i].token_ids != ref[i].token_ids] == []
+
+
+def test_cpu_experts_take_the_dense_linears_kernels(build_model):
+    """On the CPU each expert's matrices become the linear modules the dense layers get (float32: the
+    small-batch kernel, GemvF32Linear), and the stacks are dropped; the tokens are the stacked path's
+    (parity with transformers: test_parity.py)."""
+    from engine.models.cpu_linear import GemvF32Linear
+
+    path = build_model("tiny-olmoe")
+    engine = make_engine(path)
+    experts = engine.runner.model.model.layers[0].mlp.experts
+    assert experts.gate_up is not None and all(isinstance(m, GemvF32Linear) for m in experts.gate_up)
+    plain = make_engine(path, cpu_gemv="off")
+    assert plain.runner.model.model.layers[0].mlp.experts.gate_up is None  # F.linear over the stacks
+    case = _small_case()
+    assert _generate(engine, case) == _generate(plain, case)
 
 
 def test_batch_invariant_mode_refuses_moe_models(build_model):

@@ -14,6 +14,7 @@ from engine.models.moe import (
     expert_slot,
     grouped_experts,
     route,
+    stacked_expert,
 )
 
 E, H, INTER = 8, 32, 48
@@ -30,7 +31,7 @@ def test_grouped_experts_match_the_per_token_reference(tokens, top_k):
     g = torch.Generator().manual_seed(100 + tokens)
     x = torch.randn(tokens, H, generator=g)
     weights, ids = route(torch.randn(tokens, E, generator=g), top_k, normalize=True)
-    got = grouped_experts(x, ids, weights, gate_up, down)
+    got = grouped_experts(x, ids, weights, stacked_expert(gate_up, down), E)
     want = dense_reference(x, ids, weights, gate_up, down)
     assert got.shape == (tokens, H) and got.dtype == x.dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -42,7 +43,7 @@ def test_experts_without_tokens_are_skipped_and_cost_nothing():
     ids = torch.tensor([[1, 6]] * 5)  # experts 0, 2..5, 7 receive nothing
     weights = torch.full((5, 2), 0.5)
     gate_up[[0, 2, 3, 4, 5, 7]] = float("nan")  # read: the output would be NaN
-    got = grouped_experts(x, ids, weights, gate_up, down)
+    got = grouped_experts(x, ids, weights, stacked_expert(gate_up, down), E)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, dense_reference(x, ids, weights, gate_up, down), rtol=1e-5, atol=1e-5)
 
@@ -52,7 +53,7 @@ def test_all_tokens_on_one_expert():
     x = torch.randn(20, H)
     ids = torch.full((20, 1), 3)
     weights = torch.rand(20, 1)
-    got = grouped_experts(x, ids, weights, gate_up, down)
+    got = grouped_experts(x, ids, weights, stacked_expert(gate_up, down), E)
     torch.testing.assert_close(got, dense_reference(x, ids, weights, gate_up, down), rtol=1e-5, atol=1e-5)
     # and exactly one expert's product: the token's weight times expert 3 alone
     alone = torch.nn.functional.linear(torch.nn.functional.silu(x @ gate_up[3, :INTER].T) * (x @ gate_up[3, INTER:].T),
@@ -67,9 +68,9 @@ def test_a_token_does_not_depend_on_its_neighbours_routing():
     g = torch.Generator().manual_seed(7)
     x = torch.randn(16, H, generator=g)
     weights, ids = route(torch.randn(16, E, generator=g), 2, normalize=False)
-    batch = grouped_experts(x, ids, weights, gate_up, down)
+    batch = grouped_experts(x, ids, weights, stacked_expert(gate_up, down), E)
     for t in (0, 9, 15):
-        alone = grouped_experts(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], gate_up, down)
+        alone = grouped_experts(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], stacked_expert(gate_up, down), E)
         torch.testing.assert_close(batch[t : t + 1], alone, rtol=1e-6, atol=1e-6)
 
 
