@@ -101,8 +101,8 @@ def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch
     ggml: GGUF blocks by parameter name (engine/weights/gguf/blocks.py; their parameters were never
     written), kept as they are; ggml_text: the report's quantization field then."""
     if isinstance(model, MoeCausalLM) and config.deterministic:
-        raise ValueError(f"deterministic does not support mixture-of-experts models ({type(model).__name__}): the "
-                         "experts' products take a different number of rows with each batch")  # fmt: skip
+        raise ValueError(f"deterministic does not support mixture-of-experts models ({type(model).__name__}): "
+                         "their routers' products are not batch-invariant")  # fmt: skip
     if ggml:
         if device.type != "cpu":
             raise ValueError(f"GGUF quantized weights run on the CPU only (device is {device}); use quantization='none'")
