@@ -205,6 +205,10 @@ class LlamaForCausalLM(nn.Module):
             return "attention-logit soft-capping"
         return None
 
+    def cuda_graphs_unsupported(self) -> str | None:
+        """Why decode steps of this model cannot be captured in CUDA graphs; None when they can."""
+        return None
+
     def use_cpu_kernels(self, norms: bool, fused_decode: bool = True) -> None:
         """Route rotary (and, with norms, every RMSNorm and residual add) through the C++ CPU
         kernels (engine/kernels/cpu_kernels.py, loaded by the caller). Rotary is bit-exact in any dtype;

@@ -269,6 +269,9 @@ class MoeCausalLM:
     def fused_decode_unsupported(self) -> str | None:
         return "mixture-of-experts MLPs (tokens routed to experts)"
 
+    def cuda_graphs_unsupported(self) -> str | None:
+        return "the experts' token counts are read on the host each step (a sync a graph cannot hold)"
+
     def moe_blocks(self) -> list[SparseMoeBlock]:
         assert isinstance(self, nn.Module)
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]

@@ -157,3 +157,11 @@ def test_speculative_drafts_are_routed_like_any_token(build_model, preset):
     assert [got[f"r{i}"] for i in range(len(case.prompts))] == ref
     st = engine.stats()
     assert st.spec_drafts > 0 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens
+
+
+def test_moe_models_decline_cuda_graphs(build_model):
+    """grouped_experts reads the per-expert counts on the host: a CUDA graph cannot capture that, so the
+    engine runs an MoE model's decode steps eagerly (engine.py logs why); dense models keep the graphs."""
+    moe = make_engine(build_model("tiny-mixtral")).runner.model
+    dense = make_engine(build_model("tiny-llama")).runner.model
+    assert "host" in (moe.cuda_graphs_unsupported() or "") and dense.cuda_graphs_unsupported() is None
