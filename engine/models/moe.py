@@ -97,9 +97,13 @@ class MoeRouter(nn.Module):
     def __init__(self, hidden: int, num_experts: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        # the batch-invariant mode's float32 product over the float32 weight (engine/weights/cpu_weights.py)
+        self.invariant: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> logits [T, E] float32."""
+        if self.invariant is not None:
+            return self.invariant(x.float())
         return F.linear(x.float(), self.weight.float())
 
 

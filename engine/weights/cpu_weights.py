@@ -100,9 +100,6 @@ def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch
 
     ggml: GGUF blocks by parameter name (engine/weights/gguf/blocks.py; their parameters were never
     written), kept as they are; ggml_text: the report's quantization field then."""
-    if isinstance(model, MoeCausalLM) and config.deterministic:
-        raise ValueError(f"deterministic does not support mixture-of-experts models ({type(model).__name__}): "
-                         "their routers' products are not batch-invariant")  # fmt: skip
     if ggml:
         if device.type != "cpu":
             raise ValueError(f"GGUF quantized weights run on the CPU only (device is {device}); use quantization='none'")
@@ -131,6 +128,8 @@ def _invariant(model: LlamaForCausalLM, config: EngineConfig, device: torch.devi
     and INT8 weights (no oneDNN copy), one-row products for float32; ValueError where they cannot run."""
     if device.type != "cpu":
         raise ValueError(f"deterministic runs on the CPU only (device is {device})")
+    if isinstance(model, MoeCausalLM):
+        _invariant_routers(model, config)
     if config.quantization != "int8" and dtype == torch.float32:
         reason = "cpu_gemv is 'off'" if config.cpu_gemv == "off" else kernels_unavailable("f32")
         if reason is None:  # one float32 chain per output in column order, whatever the rows: invariant
@@ -151,6 +150,16 @@ def _invariant(model: LlamaForCausalLM, config: EngineConfig, device: torch.devi
     if kind == "int8":
         return _int8(model, forced, dtype, preloaded)
     return _bf16(model, forced, onednn=False)
+
+
+def _invariant_routers(model: MoeCausalLM, config: EngineConfig) -> None:
+    """An MoE model's routers in the mode: their float32 logits from the float32 kernel at every row count
+    (one chain per output in column order, whatever the rows), else one-row products. The experts are
+    linears like the others (replace_linears); the routing and the sum back are per row already."""
+    reason = "cpu_gemv is 'off'" if config.cpu_gemv == "off" else kernels_unavailable("f32")
+    for block in model.moe_blocks():
+        weight = block.gate.weight.detach().float()
+        block.gate.invariant = GemvF32Linear(weight, None, ALWAYS) if reason is None else RowLinear(weight, None)
 
 
 def _tiled(model: LlamaForCausalLM, config: EngineConfig, gemv_reason: str | None) -> WeightsReport:

@@ -119,9 +119,29 @@ def test_cpu_experts_take_the_dense_linears_kernels(build_model):
     assert _generate(engine, case) == _generate(plain, case)
 
 
-def test_batch_invariant_mode_refuses_moe_models(build_model):
-    with pytest.raises(ValueError, match="deterministic does not support mixture-of-experts models"):
-        make_engine(build_model("tiny-olmoe"), deterministic=True)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_mode_keeps_a_requests_tokens_whatever_its_neighbours(build_model, dtype):
+    """--deterministic on an MoE model: the routers' float32 logits and every expert's product on the
+    mode's row-invariant kernels, the sum back per token in expert order: each request's tokens alone,
+    in one batch with its neighbours, and with 16-token steps (prompts chunked) are the same, in bf16
+    (where the default path's differ) and float32."""
+    from engine.kernels import cpu_kernels
+
+    from .helpers import require_cpu_kernels
+
+    require_cpu_kernels()
+    if dtype == "bfloat16" and not torch.ops.tokenmill.gemv_supported("bf16"):
+        pytest.skip("this CPU lacks AVX2/FMA (the mode refuses bf16 weights there)")
+    assert cpu_kernels.load("linear") is None
+    path = build_model("tiny-qwen2-moe")
+    case = make_case(vocab=2000, n=12, seed=17)
+    case.max_tokens = [10] * len(case.prompts)
+    engine = make_engine(path, dtype=dtype, deterministic=True)
+    router = engine.runner.model.model.layers[0].mlp.gate
+    assert router.invariant is not None
+    alone = [engine.generate([p], greedy(m))[0].token_ids for p, m in zip(case.prompts, case.max_tokens, strict=True)]
+    assert _generate(engine, case) == alone
+    assert _generate(make_engine(path, dtype=dtype, deterministic=True, max_num_batched_tokens=16), case) == alone
 
 
 def test_expert_token_counts_for_debugging(build_model):
