@@ -417,23 +417,31 @@ def _plan_text(plans: dict[tuple, int]) -> str:
 
 
 def _weight_bytes(model: nn.Module) -> int:
-    """Bytes of the linear weights (the logits head included) a decode step reads."""
-    total = 0
+    """Bytes of the linear weights (the logits head included) a one-token decode step reads; a
+    mixture-of-experts layer's experts count top_k / num_experts of their bytes (the token's experts)."""
+    total = 0.0
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     # An untied INT8 embedding's rows are looked up, not multiplied: not read whole.
     lookup_only = (embed.source if isinstance(embed, (Int8Embedding, GGMLEmbedding)) and embed.source is not model.lm_head
                    else None)
     inner = {id(m.large) for m in model.modules() if isinstance(m, GemvLinear)}  # counted with their GemvLinear
     inner |= {id(m.inner) for m in model.modules() if isinstance(m, TiledLinear)}
+    share: dict[int, float] = {}  # module id -> the share of it one token reads (MoE experts)
+    for block in model.moe_blocks() if isinstance(model, MoeCausalLM) else []:
+        ex, part = block.experts, block.top_k / block.experts.num_experts
+        share.update((id(sub), part) for m in [*(ex.gate_up or []), *(ex.down or [])] for sub in m.modules())
+        if ex.gate_up is None:  # still stacked (no kernels): F.linear over the stacks
+            total += part * sum(p.numel() * p.element_size() for p in (ex.gate_up_proj, ex.down_proj))
     for m in model.modules():
         if m is lookup_only or id(m) in inner:
             continue
+        part = share.get(id(m), 1.0)
         if isinstance(m, (GemvLinear, GemvF32Linear, Int8Linear, GGMLLinear)):
-            total += m.weight_bytes
+            total += part * m.weight_bytes
         elif isinstance(m, (PackedLinear, TiledLinear)):
-            total += m.out_features * m.in_features * 2
+            total += part * m.out_features * m.in_features * 2
         elif isinstance(m, (nn.Linear, RowLinear)):
-            total += m.weight.numel() * m.weight.element_size()
+            total += part * m.weight.numel() * m.weight.element_size()
     if getattr(model, "lm_head", True) is None:  # tied and unreplaced: the logits read the embedding
         total += embed.weight.numel() * embed.weight.element_size()
-    return total
+    return round(total)

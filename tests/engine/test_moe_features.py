@@ -185,3 +185,18 @@ def test_moe_models_decline_cuda_graphs(build_model):
     moe = make_engine(build_model("tiny-mixtral")).runner.model
     dense = make_engine(build_model("tiny-llama")).runner.model
     assert "host" in (moe.cuda_graphs_unsupported() or "") and dense.cuda_graphs_unsupported() is None
+
+
+@pytest.mark.parametrize("cpu_gemv", ["auto", "off"])
+def test_weight_bytes_count_the_experts_a_token_reads(build_model, cpu_gemv):
+    """The report's weight bytes (what a one-token decode step reads) count top_k / num_experts of the
+    experts' bytes: 2 of 8 here, whether the experts are kernel linears or still stacked."""
+    path = build_model("tiny-olmoe")
+    engine = make_engine(path, cpu_gemv=cpu_gemv)
+    cfg = engine.hf_config
+    h, inter, layers, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    attn = h * (h + 2 * 2 * 32) + h * h  # qkv (4 heads + 2 KV heads of 32) and o
+    experts = 8 * 3 * h * inter
+    want = 4 * (layers * (attn + experts * 2 // 8) + vocab * h)  # float32; untied head
+    got = engine.weights.weight_bytes
+    assert abs(got - want) / want < 0.02  # the float32 kernel pads its layout to whole blocks
