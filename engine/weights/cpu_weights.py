@@ -318,15 +318,15 @@ def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blo
     if reason is not None and config.cpu_gemv != "off":
         log.warning("GGUF block kernels unavailable (%s); the blocks are dequantized for each product", reason)
     bf16_reason = kernels_unavailable("bf16") if dtype == torch.bfloat16 and config.cpu_gemv != "off" else "off"
-    names = {id(p): name for name, p in model.named_parameters()}  # before any replacement
-    unknown = sorted(set(blocks) - set(names.values()))
+    name_of = _ParamNames(model)
+    unknown = sorted(set(blocks) - set(name_of.names))
     if unknown:
         raise ValueError(f"GGUF blocks for parameters the model does not have: {unknown[:5]}")
     plans: dict[tuple, int] = {}
     tied = model.lm_head is None
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None, role: str) -> nn.Module:
-        given = blocks.get(names.get(id(weight), ""))
+        given = blocks.get(name_of(weight) or "")
         if given is None:  # dequantized at load: the bf16 kernel where it runs, else F.linear
             if bf16_reason is not None:
                 return _plain(weight, bias)
@@ -334,7 +334,7 @@ def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blo
             lin.max_rows = _planned_rows(plans, lin, role, config, dtype)
             return lin if lin.max_rows else _plain(weight, bias)
         if (given.n, given.k) != tuple(weight.shape):
-            raise ValueError(f"GGUF blocks {names[id(weight)]!r} are {given.n}x{given.k}, the model's "
+            raise ValueError(f"GGUF blocks {name_of(weight)!r} are {given.n}x{given.k}, the model's "
                              f"{tuple(weight.shape)}")
         qlin = GGMLLinear(given, bias, ALWAYS, reason is None, role == "gate_up")
         if reason is None:
@@ -353,16 +353,31 @@ def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blo
     return WeightsReport(False, text, gemv, _weight_bytes(model))
 
 
+class _ParamNames:
+    """A weight's parameter name, from the model before any replacement; None for another tensor (an
+    expert's row of a stack, engine/models/moe.py). Holds the parameters, so no id is reused while a
+    replacement frees the modules it replaced."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = dict(model.named_parameters())
+        self.names = list(self.params)
+        self._by_id = {id(p): name for name, p in self.params.items()}
+
+    def __call__(self, weight: torch.Tensor) -> str | None:
+        name = self._by_id.get(id(weight))
+        return name if name is not None and self.params[name] is weight else None
+
+
 def _int8_source(model: nn.Module, preloaded: dict[str, Int8Weight],
                  group_size: int | None) -> Callable[[torch.Tensor], Int8Weight]:
     """weight -> its INT8 form: the preloaded one for its parameter name, else quantized here."""
-    names = {id(p): name for name, p in model.named_parameters()}  # before any replacement
-    unknown = sorted(set(preloaded) - set(names.values()))
+    name_of = _ParamNames(model)
+    unknown = sorted(set(preloaded) - set(name_of.names))
     if unknown:
         raise ValueError(f"preloaded INT8 weights for parameters the model does not have: {unknown[:5]}")
 
     def int8_of(weight: torch.Tensor) -> Int8Weight:
-        name = names.get(id(weight))
+        name = name_of(weight)
         given = preloaded.get(name) if name else None
         if given is None:
             return quantize_int8(weight, group_for(weight.shape[1], group_size))
