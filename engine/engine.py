@@ -76,6 +76,9 @@ class Engine(StepLoop):
             model.use_cpu_kernels(norms=self.dtype == torch.bfloat16 or config.deterministic,
                                   fused_decode=config.fused_decode)
         use_graphs = graphs_enabled(self.device, config.enforce_eager, backend)
+        if use_graphs and (why_not := model.cuda_graphs_unsupported()) is not None:
+            log.info("CUDA graphs: off for %s (%s): decode steps run eagerly", type(model).__name__, why_not)
+            use_graphs = False
         buckets = graph_buckets(config.max_num_seqs)
         spec = startup.kv_spec(self.hf_config, self.block_size, self.dtype)
         num_blocks = config.num_kv_blocks

@@ -30,7 +30,7 @@ from engine.api.errors import (
     LoraShapeError,
     LoraUnsupportedTarget,
 )
-from engine.lora.shapes import FUSED, TARGETS, BaseShapes
+from engine.lora.shapes import ATTENTION, FUSED, MLP, TARGETS, BaseShapes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -95,6 +95,7 @@ def read_adapter(name: str, path: str, shapes: BaseShapes, max_rank: int) -> Lor
     folder = Path(path)
     cfg = _read_config(folder)
     tensors = _read_tensors(folder)
+    _check_moe_targets(cfg, shapes)
     found = _group(tensors, shapes)
     _check_targets(cfg, found)
     layers: list[dict[str, Pair]] = [{} for _ in range(shapes.num_layers)]
@@ -156,6 +157,10 @@ def _group(tensors: dict[str, torch.Tensor], shapes: BaseShapes) -> dict[int, di
     found: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
     for key, t in tensors.items():
         m = _KEY.search(key)
+        if shapes.moe and (".experts." in key or (m is not None and m.group(2) in MLP)):
+            raise LoraUnsupportedTarget(FIELD, f"{WEIGHTS_FILE}: tensor {key!r}: LoRA on the MLP of a mixture-of-experts "
+                                        f"model (its experts) is not supported; target_modules may name "
+                                        f"{', '.join(ATTENTION)}")  # fmt: skip
         if m is None:
             raise LoraUnsupportedTarget(FIELD, f"{WEIGHTS_FILE}: tensor {key!r} is not a LoRA A/B matrix of a "
                                         f"decoder projection ({', '.join(TARGETS)})")  # fmt: skip
@@ -174,6 +179,20 @@ def _group(tensors: dict[str, torch.Tensor], shapes: BaseShapes) -> dict[int, di
     if not found:
         raise LoraShapeError(FIELD, f"{WEIGHTS_FILE} holds no LoRA matrices")
     return found
+
+
+def _check_moe_targets(cfg: dict, shapes: BaseShapes) -> None:
+    """A mixture-of-experts base takes adapters on attention only: target_modules naming an MLP
+    projection (or "all-linear", which includes them) is refused with the option's name."""
+    targets = cfg.get("target_modules")
+    if not shapes.moe or targets is None:
+        return
+    named = [targets] if isinstance(targets, str) else list(targets)
+    bad = [t for t in named if t in MLP or t == "all-linear" or (isinstance(t, str) and "expert" in t)]
+    if bad:
+        raise LoraUnsupportedTarget(FIELD, f"{CONFIG_FILE}: target_modules {bad}: LoRA on the MLP of a "
+                                    f"mixture-of-experts model (its experts) is not supported; target_modules "
+                                    f"may name {', '.join(ATTENTION)}")  # fmt: skip
 
 
 def _check_targets(cfg: dict, found: dict[int, dict[str, dict[str, torch.Tensor]]]) -> None:

@@ -22,6 +22,8 @@ TARGETS: dict[str, tuple[str, int]] = {
     "gate_up_proj": ("gate_up", 0),
 }
 FUSED = ("qkv", "o", "gate_up", "down")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,9 @@ class BaseShapes:
 
     num_layers: int
     projections: dict[str, tuple[int, int]]  # PEFT module name -> (in, out)
+    # a mixture-of-experts model (engine/models/moe.py): adapters on attention only (its MLPs are experts,
+    # or dense/shared ones beside them; neither takes a delta), `projections` lists those
+    moe: bool = False
 
     def shards(self, fused: str) -> list[tuple[str, int]]:
         """(PEFT name, output size) of each shard of a fused module, in row order."""
@@ -49,6 +54,10 @@ class BaseShapes:
         head_dim = getattr(cfg, "head_dim", None) or hidden // heads
         inter = int(cfg.intermediate_size)
         q, kv = heads * head_dim, kv_heads * head_dim
+        if int(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or 0) > 0:
+            return cls(int(cfg.num_hidden_layers), {
+                "q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            }, moe=True)  # fmt: skip
         if "Phi3ForCausalLM" in (getattr(cfg, "architectures", None) or []):  # fused in the checkpoint
             return cls(int(cfg.num_hidden_layers), {
                 "qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),

@@ -27,6 +27,9 @@ mode every kernel of a step reduces each row in one fixed order:
   value sums run over the row's own context in cache order, whatever the chunk size or cached prefix.
 - Norms and residual adds: the C++ per-row kernel (cpu_layers.cpp) in every dtype.
 - Sampling: per-row already (engine/sample/sampler.py: each row's draw from its request's own generator).
+- Mixture-of-experts routers: float32 logits from the float32 kernel at every row count (one-row
+  products without it; cpu_weights._invariant_routers); the experts are linears as above, the sum
+  back per token in expert order (engine/models/moe.py).
 - LoRA deltas: tokenmill::lora_add_ at every row count (LoraBatch.invariant: no PyTorch products for
   prompt chunks), each row summed in a fixed order on every path of engine/kernels/csrc/cpu_lora.cpp.
 

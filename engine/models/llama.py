@@ -19,6 +19,7 @@ from engine.models.layers import (
     rotate_,
     rotate_partial,
 )
+from engine.models.moe import ExpertSlot, MoeExperts
 from engine.models.packed_linear import PackedLinear, pack_linears
 from engine.models.rope import check_rope_supported, rotary_dim_of, rotary_embedding
 from engine.models.windows import layer_windows
@@ -211,6 +212,10 @@ class LlamaForCausalLM(nn.Module):
             return "attention-logit soft-capping"
         return None
 
+    def cuda_graphs_unsupported(self) -> str | None:
+        """Why decode steps of this model cannot be captured in CUDA graphs; None when they can."""
+        return None
+
     def use_cpu_kernels(self, norms: bool, fused_decode: bool = True) -> None:
         """Route rotary (and, with norms, every RMSNorm and residual add) through the C++ CPU
         kernels (engine/kernels/cpu_kernels.py, loaded by the caller). Rotary is bit-exact in any dtype;
@@ -246,11 +251,14 @@ class LlamaForCausalLM(nn.Module):
         engine/weights/cpu_weights.py). role: "gate_up" for each gated MLP's fused gate/up weight (a module
         with silu_mul(x) returned there computes silu(gate) * up itself, and the MLP calls it),
         "lm_head" for the logits head (a tied model's is built from the embedding matrix; the lookup
-        keeps its own), "linear" for the rest."""
+        keeps its own), "linear" for the rest; a mixture-of-experts model's experts each get theirs
+        (gate_up, linear; engine/models/moe.py)."""
         for mlp in [m for m in self.modules() if isinstance(m, GatedMLP) and m.activation == "silu"]:
             lin = mlp.gate_up_proj
             mlp.gate_up_proj = make(lin.weight, lin.bias, "gate_up")
             mlp.fused_act = hasattr(mlp.gate_up_proj, "silu_mul")
+        for experts in [m for m in self.modules() if isinstance(m, MoeExperts)]:  # each expert's, same roles
+            experts.replace_linears(make)
         targets = [(parent, name, child) for parent in self.modules() for name, child in parent.named_children()
                    if isinstance(child, nn.Linear)]
         for parent, name, child in targets:
@@ -258,12 +266,22 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             self.lm_head = make(self.model.embed_tokens.weight, None, "lm_head")
 
-    def shard_sizes(self, fused: str) -> list[int]:
-        """Row sizes of the shards of a fused parameter, in shard order."""
+    def shard_sizes(self, fused: str, rows: int | None = None) -> list[int]:
+        """Row sizes of the shards of a fused parameter of `rows` rows (None: a dense layer's), in shard
+        order. gate_up halves: a MoE model's shared expert is not intermediate_size wide."""
         if fused == "qkv_proj":
             return self.model.layers[0].self_attn.split
-        inter = self.config.intermediate_size
+        inter = self.config.intermediate_size if rows is None else rows // 2
         return [inter, inter]
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as this class names its parameter (Mixtral renames its MLP)."""
+        return name
+
+    def expert_slot(self, name: str) -> ExpertSlot | None:
+        """Where a (renamed) checkpoint tensor of stacked experts goes; None: not an expert weight
+        (mixture-of-experts classes, engine/models/moe.py)."""
+        return None
 
     def after_load(self, dtype: torch.dtype, device: torch.device) -> None:
         """Build tables that are not weights (rotary cos/sin)."""

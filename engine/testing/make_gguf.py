@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,13 +27,14 @@ from safetensors.numpy import load_file
 
 from engine.weights.gguf.config import ARCHITECTURES, smollm3_no_rope_layers
 from engine.weights.gguf.gemma import DEFAULT_PATTERN, LAYERS_27B, pattern_of
-from engine.weights.gguf.tensors import gguf_name, permute
+from engine.weights.gguf.tensors import ROUTERS, gguf_name, permute
 
 # transformers class -> llama.cpp architecture (its converter writes Mistral as llama)
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
              "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Gemma2ForCausalLM": "gemma2",
-             "Gemma3ForCausalLM": "gemma3"}  # fmt: skip
+             "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe",
+             "OlmoeForCausalLM": "olmoe", "MixtralForCausalLM": "llama"}  # fmt: skip
 PERMUTED = ("llama", "mistral", "granite", "smollm3")  # architectures whose Q/K rows llama.cpp's converter permutes
 TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
 # A Q4_K_M-like mix (the Gemma 3 270M file's types): matrix role -> type; the embedding Q8_0.
@@ -57,6 +59,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
         raise ValueError("a smollm3 GGUF file cannot say no_rope_layers other than llama.cpp's every 4th layer")
     writer = gguf.GGUFWriter(str(out), name)
     _add_model_metadata(writer, config, folder.name)
+    if config.get("num_experts") or config.get("num_local_experts"):
+        _add_moe_metadata(writer, config, name)
     if name in DEFAULT_PATTERN:
         _add_gemma_metadata(writer, config, name)
     norm_offset = ARCHITECTURES[name].norm_offset if name in ARCHITECTURES else 0.0  # Gemma's 1 + weight
@@ -64,8 +68,11 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
     for tensor, factors in _longrope_tensors(writer, config).items():
         writer.add_tensor(tensor, factors)
     permuted = name in PERMUTED
-    for hf, value in load_file(str(folder / "model.safetensors")).items():
+    for hf, value in stack_experts(load_file(str(folder / "model.safetensors"))).items():
         value = value.astype(np.float32)
+        if hf.endswith(ROUTERS):  # llama.cpp keeps routers in F32, the shared expert's gate a vector [H]
+            writer.add_tensor(gguf_name(hf, name), value.reshape(-1) if "shared_expert_gate" in hf else value)
+            continue
         if norm_offset and hf.endswith("norm.weight"):
             value = value + np.float32(norm_offset)
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
@@ -84,6 +91,36 @@ def _type_of(hf: str, qtype: str) -> Q:
     if qtype != "MIX":
         return TYPES[qtype]
     return next((t for role, t in MIX.items() if f"{role}." in hf), Q.Q8_0)
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_MATRIX = {"gate_proj": "gate_proj", "w1": "gate_proj", "up_proj": "up_proj", "w3": "up_proj",
+                  "down_proj": "down_proj", "w2": "down_proj"}  # fmt: skip
+
+
+def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert matrices (`...mlp.experts.3.gate_proj.weight`, Mixtral's `block_sparse_moe...w1`) stacked
+    as llama.cpp's converter stacks them: `...mlp.experts.gate_proj.weight` [E, rows, cols]; Mixtral's
+    router renamed `mlp.gate`. Other tensors pass as they are, in order."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for hf, value in tensors.items():
+        m = _EXPERT.match(hf)
+        if m is None:
+            out[hf.replace(".block_sparse_moe.", ".mlp.")] = value
+            continue
+        stacks.setdefault(f"{m.group(1)}.mlp.experts.{_EXPERT_MATRIX[m.group(3)]}.weight", {})[int(m.group(2))] = value
+    for hf, by_expert in stacks.items():
+        out[hf] = np.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
+def _add_moe_metadata(w: gguf.GGUFWriter, c: dict, arch: str) -> None:
+    """llama.cpp's expert keys; Qwen's expert width and shared expert."""
+    w.add_expert_count(int(c.get("num_experts") or c["num_local_experts"]))
+    w.add_expert_used_count(int(c["num_experts_per_tok"]))
+    if arch in ("qwen3moe", "qwen2moe"):
+        w.add_expert_feed_forward_length(int(c["moe_intermediate_size"]))
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(int(c["shared_expert_intermediate_size"]))
 
 
 def _add_model_metadata(w: gguf.GGUFWriter, c: dict, name: str) -> None:
@@ -197,6 +234,7 @@ def encode(value: np.ndarray, qtype: Q) -> tuple[np.ndarray, Q | None]:
         return quantize_q5_k(value), Q.Q5_K
     if q == Q.Q6_K:
         return quantize_q6_k(value), Q.Q6_K
+        return quantize_q4_k(value.reshape(-1, value.shape[-1])).reshape(*value.shape[:-1], -1), Q.Q4_K
     return gguf.quants.quantize(value, q), q
 
 

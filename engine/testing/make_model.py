@@ -308,6 +308,53 @@ PRESETS: dict[str, Preset] = {
                       ("rope_scaling", {"rope_type": "linear", "factor": 8.0}),
                       ("layer_types", ("sliding_attention",) * 3 + ("full_attention",))),  # fmt: skip
     ),
+    # Mixture of experts (engine/models/moe.py): 8 experts, top-2, experts narrower than the dense MLP.
+    # Qwen3-MoE: a dense layer among the sparse ones (mlp_only_layers), the top-2 weights renormalised.
+    "tiny-qwen3-moe": Preset(
+        "Qwen3MoeForCausalLM",
+        **_TINY,
+        num_hidden_layers=3,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=41,
+        extra_config=(("num_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),
+                      ("norm_topk_prob", True), ("decoder_sparse_step", 1), ("mlp_only_layers", (1,))),  # fmt: skip
+    ),
+    # Qwen2-MoE: q/k/v biases, a shared expert with its sigmoid gate, top-2 weights as the softmax gave them.
+    "tiny-qwen2-moe": Preset(
+        "Qwen2MoeForCausalLM",
+        **_TINY,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=42,
+        extra_config=(("num_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),
+                      ("shared_expert_intermediate_size", 96), ("norm_topk_prob", False)),  # fmt: skip
+    ),
+    # OLMoE: Q/K norms over the whole projection (head_dim must be hidden / heads), every layer sparse.
+    "tiny-olmoe": Preset(
+        "OlmoeForCausalLM",
+        **{**_TINY, "intermediate_size": 64},
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=43,
+        extra_config=(("num_experts", 8), ("num_experts_per_tok", 2), ("norm_topk_prob", False)),
+    ),
+    # Mixtral: block_sparse_moe with w1/w2/w3 experts in the checkpoint, the top-2 renormalised.
+    "tiny-mixtral": Preset(
+        "MixtralForCausalLM",
+        **{**_TINY, "intermediate_size": 64},
+        num_hidden_layers=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=44,
+        extra_config=(("num_local_experts", 8), ("num_experts_per_tok", 2), ("sliding_window", None)),
+    ),
     # Every matrix row a multiple of 256 values, so K-quant GGUF files (engine/testing/make_gguf.py)
     # quantize all of them; tied, so the file has no output.weight.
     "tiny-llama-k": Preset(

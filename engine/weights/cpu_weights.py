@@ -8,7 +8,8 @@
   (AMX, AVX-512 BF16, AVX2) is the CPU's (engine/kernels/csrc/isa.h); oneDNN does not pack bf16 on an
   AVX2-only CPU, so F.linear stands above the kernel's rows there.
 - INT8 (`quantization="int8"`, any dtype): every linear and the logits head quantized per output
-  channel, the embedding looked up in INT8 (a tied model's in the head's own weight); the kernel
+  channel, the embedding looked up in INT8 (a tied model's in the head's own weight; a mixture-of-experts
+  model's experts each quantized as a linear, its routers left in dtype, engine/models/moe.py); the kernel
   for the row counts where it beats dequantizing the weight for PyTorch, the latter above. Without
   the kernels (same conditions, one log line) the weights stay INT8 and are dequantized per call.
 - float32 on a CPU with AVX2/FMA: the float32 small-batch kernel (GemvF32Linear) up to f32_max_rows()
@@ -56,6 +57,7 @@ from engine.models.invariant_linear import (
     rows_agree,
 )
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import MoeCausalLM
 from engine.models.packed_linear import PackedLinear, packing_supported
 from engine.models.quantization import Int8Weight, group_for, quantize_int8
 
@@ -126,6 +128,8 @@ def _invariant(model: LlamaForCausalLM, config: EngineConfig, device: torch.devi
     and INT8 weights (no oneDNN copy), one-row products for float32; ValueError where they cannot run."""
     if device.type != "cpu":
         raise ValueError(f"deterministic runs on the CPU only (device is {device})")
+    if isinstance(model, MoeCausalLM):
+        _invariant_routers(model, config)
     if config.quantization != "int8" and dtype == torch.float32:
         reason = "cpu_gemv is 'off'" if config.cpu_gemv == "off" else kernels_unavailable("f32")
         if reason is None:  # one float32 chain per output in column order, whatever the rows: invariant
@@ -146,6 +150,16 @@ def _invariant(model: LlamaForCausalLM, config: EngineConfig, device: torch.devi
     if kind == "int8":
         return _int8(model, forced, dtype, preloaded)
     return _bf16(model, forced, onednn=False)
+
+
+def _invariant_routers(model: MoeCausalLM, config: EngineConfig) -> None:
+    """An MoE model's routers in the mode: their float32 logits from the float32 kernel at every row count
+    (one chain per output in column order, whatever the rows), else one-row products. The experts are
+    linears like the others (replace_linears); the routing and the sum back are per row already."""
+    reason = "cpu_gemv is 'off'" if config.cpu_gemv == "off" else kernels_unavailable("f32")
+    for block in model.moe_blocks():
+        weight = block.gate.weight.detach().float()
+        block.gate.invariant = GemvF32Linear(weight, None, ALWAYS) if reason is None else RowLinear(weight, None)
 
 
 def _tiled(model: LlamaForCausalLM, config: EngineConfig, gemv_reason: str | None) -> WeightsReport:
@@ -292,7 +306,10 @@ def _int8(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype,
     source = model.lm_head if tied else Int8Linear(int8_of(embed.weight), None, 0, kernel=False)
     model.model.embed_tokens = Int8Embedding(source, dtype)
     gemv = f"off ({reason})" if reason is not None else _plan_text(plans)
-    return WeightsReport(False, "int8", gemv, _weight_bytes(model))
+    text = "int8"
+    if isinstance(model, MoeCausalLM):  # every expert's matrices too; the routers stay float (float32 logits)
+        text = f"int8 (experts included; routers in {str(dtype).removeprefix('torch.')})"
+    return WeightsReport(False, text, gemv, _weight_bytes(model))
 
 
 def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blocks: dict[str, GGMLWeight | GGMLStack],
@@ -301,15 +318,15 @@ def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blo
     if reason is not None and config.cpu_gemv != "off":
         log.warning("GGUF block kernels unavailable (%s); the blocks are dequantized for each product", reason)
     bf16_reason = kernels_unavailable("bf16") if dtype == torch.bfloat16 and config.cpu_gemv != "off" else "off"
-    names = {id(p): name for name, p in model.named_parameters()}  # before any replacement
-    unknown = sorted(set(blocks) - set(names.values()))
+    name_of = _ParamNames(model)
+    unknown = sorted(set(blocks) - set(name_of.names))
     if unknown:
         raise ValueError(f"GGUF blocks for parameters the model does not have: {unknown[:5]}")
     plans: dict[tuple, int] = {}
     tied = model.lm_head is None
 
     def make(weight: torch.Tensor, bias: torch.Tensor | None, role: str) -> nn.Module:
-        given = blocks.get(names.get(id(weight), ""))
+        given = blocks.get(name_of(weight) or "")
         if given is None:  # dequantized at load: the bf16 kernel where it runs, else F.linear
             if bf16_reason is not None:
                 return _plain(weight, bias)
@@ -317,7 +334,7 @@ def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blo
             lin.max_rows = _planned_rows(plans, lin, role, config, dtype)
             return lin if lin.max_rows else _plain(weight, bias)
         if (given.n, given.k) != tuple(weight.shape):
-            raise ValueError(f"GGUF blocks {names[id(weight)]!r} are {given.n}x{given.k}, the model's "
+            raise ValueError(f"GGUF blocks {name_of(weight)!r} are {given.n}x{given.k}, the model's "
                              f"{tuple(weight.shape)}")
         qlin = GGMLLinear(given, bias, ALWAYS, reason is None, role == "gate_up", config.gguf_activations)
         if reason is None:
@@ -338,16 +355,31 @@ def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blo
     return WeightsReport(False, text, gemv, _weight_bytes(model))
 
 
+class _ParamNames:
+    """A weight's parameter name, from the model before any replacement; None for another tensor (an
+    expert's row of a stack, engine/models/moe.py). Holds the parameters, so no id is reused while a
+    replacement frees the modules it replaced."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = dict(model.named_parameters())
+        self.names = list(self.params)
+        self._by_id = {id(p): name for name, p in self.params.items()}
+
+    def __call__(self, weight: torch.Tensor) -> str | None:
+        name = self._by_id.get(id(weight))
+        return name if name is not None and self.params[name] is weight else None
+
+
 def _int8_source(model: nn.Module, preloaded: dict[str, Int8Weight],
                  group_size: int | None) -> Callable[[torch.Tensor], Int8Weight]:
     """weight -> its INT8 form: the preloaded one for its parameter name, else quantized here."""
-    names = {id(p): name for name, p in model.named_parameters()}  # before any replacement
-    unknown = sorted(set(preloaded) - set(names.values()))
+    name_of = _ParamNames(model)
+    unknown = sorted(set(preloaded) - set(name_of.names))
     if unknown:
         raise ValueError(f"preloaded INT8 weights for parameters the model does not have: {unknown[:5]}")
 
     def int8_of(weight: torch.Tensor) -> Int8Weight:
-        name = names.get(id(weight))
+        name = name_of(weight)
         given = preloaded.get(name) if name else None
         if given is None:
             return quantize_int8(weight, group_for(weight.shape[1], group_size))
@@ -402,23 +434,31 @@ def _plan_text(plans: dict[tuple, int]) -> str:
 
 
 def _weight_bytes(model: nn.Module) -> int:
-    """Bytes of the linear weights (the logits head included) a decode step reads."""
-    total = 0
+    """Bytes of the linear weights (the logits head included) a one-token decode step reads; a
+    mixture-of-experts layer's experts count top_k / num_experts of their bytes (the token's experts)."""
+    total = 0.0
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     # An untied INT8 embedding's rows are looked up, not multiplied: not read whole.
     lookup_only = (embed.source if isinstance(embed, (Int8Embedding, GGMLEmbedding)) and embed.source is not model.lm_head
                    else None)
     inner = {id(m.large) for m in model.modules() if isinstance(m, GemvLinear)}  # counted with their GemvLinear
     inner |= {id(m.inner) for m in model.modules() if isinstance(m, TiledLinear)}
+    share: dict[int, float] = {}  # module id -> the share of it one token reads (MoE experts)
+    for block in model.moe_blocks() if isinstance(model, MoeCausalLM) else []:
+        ex, part = block.experts, block.top_k / block.experts.num_experts
+        share.update((id(sub), part) for m in [*(ex.gate_up or []), *(ex.down or [])] for sub in m.modules())
+        if ex.gate_up is None:  # still stacked (no kernels): F.linear over the stacks
+            total += part * sum(p.numel() * p.element_size() for p in (ex.gate_up_proj, ex.down_proj))
     for m in model.modules():
         if m is lookup_only or id(m) in inner:
             continue
+        part = share.get(id(m), 1.0)
         if isinstance(m, (GemvLinear, GemvF32Linear, Int8Linear, GGMLLinear)):
-            total += m.weight_bytes
+            total += part * m.weight_bytes
         elif isinstance(m, (PackedLinear, TiledLinear)):
-            total += m.out_features * m.in_features * 2
+            total += part * m.out_features * m.in_features * 2
         elif isinstance(m, (nn.Linear, RowLinear)):
-            total += m.weight.numel() * m.weight.element_size()
+            total += part * m.weight.numel() * m.weight.element_size()
     if getattr(model, "lm_head", True) is None:  # tied and unreplaced: the logits read the embedding
         total += embed.weight.numel() * embed.weight.element_size()
-    return total
+    return round(total)

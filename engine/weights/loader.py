@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import expert_destination, expert_missing
 from engine.weights.model_source import ModelSource
 
 log = logging.getLogger("tokenmill.engine")
@@ -80,9 +81,14 @@ def _proc_status_kib(field: str) -> int | None:
 
 
 def _target(model: LlamaForCausalLM, name: str) -> str | None:
-    """The loaded-key tag of a checkpoint tensor: its parameter, "#shard" for a fused one; None: not loaded."""
+    """The loaded-key tag of a checkpoint tensor: its parameter, "#shard" for a fused one, "#expert.shard"
+    for one expert's matrix of a stacked parameter; None: not loaded."""
     if "rotary_emb" in name or (name == "lm_head.weight" and model.tie_word_embeddings):
         return None
+    name = model.checkpoint_name(name)
+    slot = model.expert_slot(name)
+    if slot is not None:
+        return slot.tag
     for sub, (fused, shard) in model.packed.items():
         if sub in name.split("."):
             return f"{name.replace(sub, fused)}#{shard}"
@@ -95,6 +101,16 @@ def _load_one(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Te
         return None
     if name == "lm_head.weight" and model.tie_word_embeddings:
         return None  # some tied checkpoints carry a copy
+    ckpt_name, name = name, model.checkpoint_name(name)
+    slot = model.expert_slot(name)
+    if slot is not None:  # stacked experts [E, ...]: one expert's gate, up or down, or the whole stack
+        param = params.get(slot.param)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in the model")
+        if slot.expert is not None and slot.expert >= param.shape[0]:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r}: expert {slot.expert} of {param.shape[0]}")
+        _copy(expert_destination(param.data, slot), tensor, ckpt_name)
+        return slot.tag
     parts = name.split(".")
     for sub, (fused, shard) in model.packed.items():
         if sub in parts:
@@ -102,7 +118,7 @@ def _load_one(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Te
             param = params.get(fused_name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-            sizes = model.shard_sizes(fused)
+            sizes = model.shard_sizes(fused, param.shape[0])
             offset = sum(sizes[:shard])
             dst = param.data.narrow(0, offset, sizes[shard])
             _copy(dst, tensor, name)
@@ -122,12 +138,15 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 def _check_complete(model: LlamaForCausalLM, params: dict, loaded: set[str]) -> None:
     expected: set[str] = set()
-    for name in params:
+    for name, param in params.items():
+        if model.expert_slot(name) is not None:  # stacked experts: whole, per shard, or per expert and shard
+            expected.update(expert_missing(name, param.shape, loaded))
+            continue
         fused = next((f for f, _ in model.packed.values() if f"{f}." in name), None)
         if fused is None:
             expected.add(name)
         else:
-            n = len(model.shard_sizes(fused))
+            n = len(model.shard_sizes(fused, param.shape[0]))
             expected.update(f"{name}#{i}" for i in range(n))
     missing = sorted(expected - loaded)
     if missing:

@@ -9,7 +9,7 @@ import torch
 
 from engine.models.layers import RMSNorm, rotate
 
-from .helpers import FAMILY_PRESETS, require_cpu_kernels
+from .helpers import FAMILY_PRESETS, MOE_PRESETS, require_cpu_kernels
 
 require_cpu_kernels()
 
@@ -86,7 +86,7 @@ def test_engine_turns_the_layer_kernels_on_with_the_cpu_backend(build_model, dty
     assert not any(getattr(m, "fused", False) or getattr(m, "fused_rotary", False) for m in plain.modules())
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", *FAMILY_PRESETS])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", *FAMILY_PRESETS, *MOE_PRESETS])
 def test_bf16_kernels_pick_the_references_token_when_it_is_clear(build_model, preset):
     """bf16 is not bit-exact between the two paths (float32 is, in the parity suite). Where the
     reference's top token leads by a clear margin, the kernel path must pick it: every request's

@@ -12,7 +12,15 @@ from engine.api import SamplingParams
 from engine.models import cpu_linear
 from engine.models.fused_decode import FusedDecode
 
-from .helpers import FAMILY_PRESETS, TINY_PRESETS, WINDOW_PRESETS, make_case, make_engine, require_cpu_kernels
+from .helpers import (
+    FAMILY_PRESETS,
+    MOE_PRESETS,
+    TINY_PRESETS,
+    WINDOW_PRESETS,
+    make_case,
+    make_engine,
+    require_cpu_kernels,
+)
 
 require_cpu_kernels()
 
@@ -72,11 +80,11 @@ def test_fused_decode_can_be_turned_off():
     assert FusedDecode.available()
 
 
-@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+@pytest.mark.parametrize("preset", FAMILY_PRESETS + MOE_PRESETS)
 def test_models_the_loop_does_not_implement_keep_the_python_layers(build_model, preset, caplog):
     """OLMo 2's post-norms, Granite's residual multiplier, SmolLM3's NoPE layers, Phi-4-mini's partial
-    rotary: the C++ loop does none of them, so the model declines it (a log line says why) and its
-    decode steps run the Python layers (the parity suite checks their tokens against transformers)."""
+    rotary, the mixture-of-experts MLPs: the C++ loop does none of them, so the model declines it (a log
+    line says why) and its decode steps run the Python layers (the parity suite checks their tokens against transformers)."""
     with caplog.at_level("INFO", logger="tokenmill.engine"):
         engine = make_engine(build_model(preset), fused_decode=True)
     model = engine.runner.model

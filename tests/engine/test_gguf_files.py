@@ -149,7 +149,9 @@ def test_tensor_names_map_both_ways():
     assert hf_name("blk.7.attn_k.bias") == "model.layers.7.self_attn.k_proj.bias"
     assert hf_name("blk.0.ffn_down.weight") == "model.layers.0.mlp.down_proj.weight"
     assert hf_name("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"
-    assert hf_name("blk.0.ffn_gate_exps.weight") is None  # MoE experts: no place in our models
+    assert hf_name("blk.0.ffn_gate_exps.weight") == "model.layers.0.mlp.experts.gate_proj.weight"  # stacked [E, I, H]
+    assert hf_name("blk.0.ffn_gate_inp_shexp.weight") == "model.layers.0.mlp.shared_expert_gate.weight"
+    assert hf_name("blk.0.ssm_conv1d.weight") is None  # Mamba layers: no place in our models
     assert gguf_name("model.layers.3.post_attention_layernorm.weight") == "blk.3.ffn_norm.weight"
 
 

@@ -398,3 +398,45 @@ def test_phi3_adapters_on_its_fused_projections_match_peft(build_model, tmp_path
         engine.load_lora("x", str(llama_adapter))
     assert engine.list_loras() == loaded  # nothing half-loaded
     assert_idle(engine)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_moe_adapters_on_attention_match_peft_and_expert_targets_are_refused(build_model, tmp_path, preset):
+    """A mixture-of-experts model takes adapters on its attention projections (a mixed batch with the
+    base model, equal to PEFT's greedy tokens); an adapter whose target_modules name an MLP projection,
+    or whose file holds an expert's matrices, is refused naming target_modules, nothing loaded."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    path = build_model(preset)
+    specs = {"attn": AdapterSpec(8, 16, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=1),
+             "qv": AdapterSpec(4, 8, ("q_proj", "v_proj"), rslora=True, seed=2)}
+    adapters = {name: make_adapter(path, tmp_path / name, spec) for name, spec in specs.items()}
+    prompts = random_prompts(AutoConfig.from_pretrained(str(path)).vocab_size, LENGTHS[:3], seed=8)
+    refs = {name: peft_greedy(path, adapters.get(name), prompts, MAX_TOKENS) for name in [None, *adapters]}
+    engine = lora_engine(path, adapters)
+    jobs = [(p, n, i) for i, p in enumerate(prompts) for n in refs]
+    got = run(engine, [p for p, _, _ in jobs], [n for _, n, _ in jobs])
+    assert [(n, i) for out, (_, n, i) in zip(got, jobs, strict=True) if out != refs[n][i]] == []
+    assert all(refs[name] != refs[None] for name in adapters)  # the adapters matter
+    loaded = engine.list_loras()
+    # target_modules naming an MLP projection
+    mlp = tmp_path / "mlp"
+    mlp.mkdir()
+    (mlp / "adapter_model.safetensors").write_bytes((adapters["qv"] / "adapter_model.safetensors").read_bytes())
+    cfg = json.loads((adapters["qv"] / "adapter_config.json").read_text())
+    (mlp / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ["q_proj", "gate_proj"]}))
+    with pytest.raises(LoraUnsupportedTarget, match=r"target_modules \['gate_proj'\].*mixture-of-experts.*q_proj"):
+        engine.load_lora("mlp", str(mlp))
+    # an expert's matrices in the file (target_modules a regex: the tensors say what it matched)
+    experts = tmp_path / "experts"
+    experts.mkdir()
+    tensors = load_file(str(adapters["qv"] / "adapter_model.safetensors"))
+    a = next(t for k, t in tensors.items() if "lora_A" in k)
+    tensors["base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight"] = a.clone()
+    save_file(tensors, str(experts / "adapter_model.safetensors"))
+    (experts / "adapter_config.json").write_text(json.dumps({**cfg, "target_modules": ".*proj"}))
+    with pytest.raises(LoraUnsupportedTarget, match="experts.0.gate_proj.*mixture-of-experts.*target_modules"):
+        engine.load_lora("experts", str(experts))
+    assert engine.list_loras() == loaded  # nothing half-loaded
+    assert_idle(engine)

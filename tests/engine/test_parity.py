@@ -1,7 +1,8 @@
 """Greedy output of our engine equals transformers' token for token (float32), in every regime:
 plain batching, preemption, prefix caching, chunked prefill, and several block sizes; sliding-window
-models included (windows shorter than most prompts, so prefix hits and preemption recompute cross them), and
-LongRoPE (tests/engine/test_longrope.py: prompts on both sides of its switch, sequences crossing it)."""
+models included (windows shorter than most prompts, so prefix hits and preemption recompute cross them),
+LongRoPE (tests/engine/test_longrope.py: prompts on both sides of its switch, sequences crossing it), and the
+mixture-of-experts models (engine/models/moe.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from engine.api import PreemptionCause
 from .helpers import (
     FAMILY_PRESETS,
     LONGROPE_PRESETS,
+    MOE_PRESETS,
     TINY_PRESETS,
     WINDOW_PRESETS,
     assert_idle,
@@ -27,7 +29,7 @@ from .helpers import (
 SHARED_PREFIX = 64
 
 
-@pytest.fixture(scope="module", params=TINY_PRESETS + FAMILY_PRESETS + WINDOW_PRESETS + LONGROPE_PRESETS)
+@pytest.fixture(scope="module", params=TINY_PRESETS + FAMILY_PRESETS + WINDOW_PRESETS + LONGROPE_PRESETS + MOE_PRESETS)
 def preset(request, build_model):
     path = build_model(request.param)
     cfg = EngineConfig(model=str(path))

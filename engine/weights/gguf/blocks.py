@@ -19,7 +19,7 @@ import torch
 
 from engine.models.gguf_linear import KERNEL_TYPES, GGMLStack, GGMLWeight, concat_rows
 from engine.weights.gguf.dequant import QUANTIZED_TYPES
-from engine.weights.gguf.tensors import unpermute
+from engine.weights.gguf.tensors import ROUTERS, unpermute
 from engine.weights.gguf.weights import GGUFWeights
 
 
@@ -57,7 +57,9 @@ def plan_blocks(weights: GGUFWeights, packed: dict[str, tuple[str, int]], shards
         hf = weights.names[t.name]
         if t.tensor_type not in QUANTIZED_TYPES or (tied and hf == "lm_head.weight"):
             continue
-        if int(t.tensor_type) not in KERNEL_TYPES or len(t.shape) != 2:
+        # not kept: other types, stacked experts (3-D, engine/models/moe.py multiplies them in dtype), and
+        # routers (not linears: their logits are float32)
+        if int(t.tensor_type) not in KERNEL_TYPES or len(t.shape) != 2 or hf.endswith(ROUTERS):
             plan.dequantized[hf] = t.tensor_type.name
             continue
         param, shard = _target(hf, packed)

@@ -38,7 +38,14 @@ ARCHITECTURES = {
     "smollm3": Architecture("SmolLM3ForCausalLM", "smollm3", permuted_qk=True),  # llama.cpp: Llama's converter
     "gemma2": Architecture("Gemma2ForCausalLM", "gemma2", permuted_qk=False, norm_offset=1.0),
     "gemma3": Architecture("Gemma3ForCausalLM", "gemma3_text", permuted_qk=False, norm_offset=1.0),
+    # mixture of experts (engine/models/moe.py); Mixtral is `llama` with llama.expert_count (MIXTRAL below)
+    "qwen3moe": Architecture("Qwen3MoeForCausalLM", "qwen3_moe", permuted_qk=False),
+    "qwen2moe": Architecture("Qwen2MoeForCausalLM", "qwen2_moe", permuted_qk=False),
+    "olmoe": Architecture("OlmoeForCausalLM", "olmoe", permuted_qk=False),
 }
+MIXTRAL = Architecture("MixtralForCausalLM", "mixtral", permuted_qk=True)  # llama.cpp: Llama's converter
+# whether llama.cpp renormalises the top-k routing weights (its build_moe_ffn norm_w), per architecture
+_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False, "llama": True}
 SMOLLM3_NO_ROPE_STEP = 4  # llama.cpp fixes it (no metadata key): layers 4, 8, ... have no RoPE
 _PARTIAL_ROTARY = ("phi3",)  # architectures whose rope.dimension_count may be below the head size
 # Granite's multipliers: config field <- `granite.*` key (llama.cpp's names; logit_scale divides the logits)
@@ -52,6 +59,8 @@ LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 def architecture_of(gf: GGUFFile) -> Architecture:
     """The file's architecture; GGUFError naming it (and the supported ones) otherwise."""
     arch = ARCHITECTURES.get(gf.architecture)
+    if gf.architecture == "llama" and _optional(gf, "expert_count", 0):
+        return MIXTRAL
     if arch is None:
         raise GGUFError(gf.path, f"unsupported architecture {gf.architecture!r} "
                                  f"(supported: {', '.join(ARCHITECTURES)})")  # fmt: skip
@@ -115,8 +124,32 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
             fields["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
         fields["rope_scaling"] = scaling
         fields["rope_parameters"] = {**scaling, "rope_theta": fields["rope_theta"]}
+    if _optional(gf, "expert_count", 0):
+        fields.update(_moe_fields(gf, fields["num_hidden_layers"]))
     if gf.architecture in ("gemma2", "gemma3"):
         fields.update(gemma_fields(gf, fields))  # layer pattern, local RoPE base, soft-caps, attention scale
+    return fields
+
+
+def _moe_fields(gf: GGUFFile, num_layers: int) -> dict[str, Any]:
+    """The routing fields of a mixture-of-experts file: expert count and top-k, the experts' width
+    (`expert_feed_forward_length`; Mixtral and OLMoE: feed_forward_length), Qwen2-MoE's shared expert,
+    and the layers without a router (dense MLPs: Qwen3-MoE's mlp_only_layers; llama.cpp's own files
+    have a router on every layer)."""
+    experts = int(_required(gf, "expert_count"))
+    fields: dict[str, Any] = {
+        "num_local_experts" if gf.architecture == "llama" else "num_experts": experts,
+        "num_experts_per_tok": int(_required(gf, "expert_used_count")),
+        "norm_topk_prob": _NORM_TOPK[gf.architecture],
+    }
+    if gf.architecture in ("qwen3moe", "qwen2moe"):
+        fields["moe_intermediate_size"] = int(_required(gf, "expert_feed_forward_length"))
+        fields["decoder_sparse_step"] = 1
+        names = gf.tensor_names()
+        fields["mlp_only_layers"] = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names]
+        fields["use_sliding_window"] = False
+    if gf.architecture == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = int(_required(gf, "expert_shared_feed_forward_length"))
     return fields
 
 

@@ -40,7 +40,7 @@ def to_torch(t: ReaderTensor) -> torch.Tensor:
 
 
 def _dequantize_rows(t: ReaderTensor) -> np.ndarray:
-    data = t.data if t.data.ndim > 1 else t.data.reshape(1, -1)
+    data = t.data.reshape(-1, t.data.shape[-1])  # [rows, row bytes]: a stack of experts' rows too
     rows = data.shape[0]
     first = dequantize(data[:1], t.tensor_type)  # [1, cols]
     out = np.empty((rows, first.shape[1]), dtype=np.float32)

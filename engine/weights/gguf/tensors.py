@@ -32,7 +32,18 @@ _BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture of experts (engine/models/moe.py): the router, every expert's matrix stacked [E, rows, cols],
+    # Qwen2-MoE's shared expert and its gate (a vector [H] in the file, [1, H] in the model)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+ROUTERS = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")  # name ends that llama.cpp keeps in F32
 # Per architecture, block names that differ from (and take precedence over) _BLOCK's.
 _ARCH_BLOCK = {
     # OLMo 2: norms after attention and MLP (its file has no attn_norm / ffn_norm)

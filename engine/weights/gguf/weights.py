@@ -46,6 +46,8 @@ class GGUFWeights:
         value = to_torch(t)
         if self.arch.norm_offset and self.names[name].endswith("norm.weight"):
             return value.float() - self.arch.norm_offset
+        if value.dim() == 1 and self.names[name].endswith("shared_expert_gate.weight"):
+            return value.unsqueeze(0)  # llama.cpp's [H] vector; the model's [1, H] row
         return unpermute(value, heads) if heads else value
 
     def stored(self, name: str) -> tuple[ReaderTensor, int | None]:

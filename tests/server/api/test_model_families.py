@@ -1,4 +1,5 @@
-"""The other Llama-like families (OLMo 2, Granite 3, SmolLM3, Phi-3, Gemma 2, Gemma 3) served over HTTP: /generate's greedy
+"""The other Llama-like families (OLMo 2, Granite 3, SmolLM3, Phi-3, Gemma 2, Gemma 3) and the
+mixture-of-experts ones (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral) served over HTTP: /generate's greedy
 tokens, several requests at once (batched in the engine), equal to transformers' generate in float32."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import torch
 
 from ..helpers import build_real_engine, make_settings, run_server
 
-PRESETS = ["tiny-olmo2", "tiny-granite", "tiny-smollm3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3"]
+PRESETS = ["tiny-olmo2", "tiny-granite", "tiny-smollm3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3",
+           "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe", "tiny-mixtral"]  # the last four: mixtures of experts
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Foo:\n    def __init__(self):", "print('hello')"]
 N = 16
 
@@ -31,14 +33,14 @@ def _transformers_greedy(path: str, prompts: list[str]) -> list[list[int]]:
     return out
 
 
-def assert_served_greedy_matches_transformers(preset: str, prompts: list[str]) -> None:
-    """Serve `preset`, send `prompts` to /generate at once (batched in the engine): the greedy tokens
-    equal transformers' generate in float32."""
+def assert_served_greedy_matches_transformers(preset: str, prompts: list[str], served: str | None = None) -> None:
+    """Serve `preset` (or `served`, a file made from it: a GGUF file), send `prompts` to /generate at once
+    (batched in the engine): the greedy tokens equal transformers' generate on the preset in float32."""
     from engine.testing.make_model import ensure_model
 
     path = str(ensure_model(preset))
     want = _transformers_greedy(path, prompts)
-    with run_server(make_settings(), build_real_engine(path)) as srv:
+    with run_server(make_settings(), build_real_engine(served or path)) as srv:
         def generate(text: str) -> list[int]:
             body = {"prompt": text, "max_tokens": N, "ignore_eos": True, "temperature": 0.0, "stream": False}
             r = httpx.post(f"{srv.url}/generate", json=body, timeout=120)
@@ -53,3 +55,14 @@ def assert_served_greedy_matches_transformers(preset: str, prompts: list[str]) -
 @pytest.mark.parametrize("preset", PRESETS)
 def test_family_served_greedy_matches_transformers(preset):
     assert_served_greedy_matches_transformers(preset, PROMPTS)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-mixtral"])
+def test_moe_gguf_served_greedy_matches_transformers(preset, tmp_path):
+    """A mixture-of-experts GGUF file (F32; qwen2moe with its shared expert, Mixtral as llama with
+    experts) served over HTTP: its own tokenizer and weights give transformers' tokens on the folder."""
+    from engine.testing.make_gguf import write_gguf
+    from engine.testing.make_model import ensure_model
+
+    gguf = write_gguf(ensure_model(preset), tmp_path / f"{preset}.gguf", "F32")
+    assert_served_greedy_matches_transformers(preset, PROMPTS, served=str(gguf))
