@@ -78,7 +78,9 @@ AREAS: dict[str, Area] = {
     "tenants": Area("Tenants: fair share inside a lane", (
         col("phase", "phase"), col("streams big / small", "big_streams", "small_streams"),
         col("small queue p50 / p99 ms", "small_queue_p50_ms", "small_queue_p99_ms", digits=0),
-        col("idle queue p50 ms", "idle_queue_p50_ms", digits=0), col("big queue p50 ms", "big_queue_p50_ms", digits=0),
+        col("idle queue p50 ms", "idle_queue_p50_ms", digits=0),
+        col("small / idle queue p50 steps", "small_queue_steps_p50", "idle_queue_steps_p50", digits=1),
+        col("big queue p50 ms", "big_queue_p50_ms", digits=0),
         col("big's token share", "big_share"), col("output tok/s", "tok_s", digits=1),
         col("scheduler us/step 1 / 16 tenants", "sched_us_1", "sched_us_16", digits=0))),
     "contention": Area("Engine threads beside a one-core hog", (
