@@ -83,6 +83,10 @@ class ServerSettings(BaseSettings):
         "Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights stay quantized on the CPU, multiplied with int8 activations (a third of the "
         "bytes; not yet faster than bf16 at batch 1, docs/ENGINE.md); int8: INT8 weight-only linears (CPU; half the "
         "weight bytes)")
+    gguf_activations: Literal["int8", "float"] = Field(
+        "int8", description="with --quantization gguf: int8 (activations quantized per 32 values, integer dot "
+        "products, as llama.cpp; faster, within a stated bound of the float product) or float (float32, the "
+        "bit-exact reference)")
     speculative_config: dict[str, Any] | None = Field(
         None, description="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; methods ngram, suffix, draft_model (with \"model\": PATH) "
@@ -373,6 +377,7 @@ class ServerSettings(BaseSettings):
             grammar_cache_bytes=self.structured_cache_bytes,
             grammar_compile_processes=self.structured_compile_processes,
             quantization=self.quantization,
+            gguf_activations=self.gguf_activations,
             speculative=SpeculativeConfig.from_dict(self.speculative_config) if self.speculative_config else None,
             cpu_threads=self.engine_threads or default_engine_threads(),
             adaptive_threads=self.adaptive_threads,
