@@ -354,6 +354,22 @@ def test_bf16_adapter_decode_steps_run_in_the_cpp_loop_bit_for_bit(family, gemv)
     assert all(by_name[n] != by_name[None] for n in adapters)  # the adapters still change the output
 
 
+def _mixed_batch_matches_peft(path, tmp_path, specs: dict, seed: int):
+    """Adapters made from `specs` on the model at `path`, served in one batch with the base model:
+    every row equals PEFT's greedy tokens, and each adapter changes them. Returns (engine, adapters)."""
+    from transformers import AutoConfig
+
+    adapters = {name: make_adapter(path, tmp_path / name, spec) for name, spec in specs.items()}
+    prompts = random_prompts(AutoConfig.from_pretrained(str(path)).vocab_size, LENGTHS[:3], seed=seed)
+    refs = {name: peft_greedy(path, adapters.get(name), prompts, MAX_TOKENS) for name in [None, *adapters]}
+    engine = lora_engine(path, adapters)
+    jobs = [(p, n, i) for i, p in enumerate(prompts) for n in refs]
+    got = run(engine, [p for p, _, _ in jobs], [n for _, n, _ in jobs])
+    assert [(n, i) for out, (_, n, i) in zip(got, jobs, strict=True) if out != refs[n][i]] == []
+    assert all(refs[name] != refs[None] for name in adapters)  # the adapters matter
+    return engine, adapters
+
+
 @pytest.mark.parametrize("preset", ["tiny-olmo2", "tiny-granite", "tiny-smollm3", "tiny-gemma2", "tiny-gemma3"])
 def test_other_families_adapters_match_peft(build_model, tmp_path, preset):
     """PEFT adapters on OLMo 2 (the delta before the whole-projection Q/K norms), Granite (before the
@@ -361,17 +377,9 @@ def test_other_families_adapters_match_peft(build_model, tmp_path, preset):
     soft-caps, sliding windows) and Gemma 3 (the delta before its per-head Q/K norms, local and global
     RoPE): a mixed batch of the base model and every adapter, on the Python layers (the C++ decode loop
     declines these models), equal to PEFT's greedy tokens."""
-    from transformers import AutoConfig
 
     path = build_model(preset)
-    adapters = {name: make_adapter(path, tmp_path / name, spec) for name, spec in SPECS.items()}
-    prompts = random_prompts(AutoConfig.from_pretrained(str(path)).vocab_size, LENGTHS[:3], seed=6)
-    refs = {name: peft_greedy(path, adapters.get(name), prompts, MAX_TOKENS) for name in [None, *adapters]}
-    engine = lora_engine(path, adapters)
-    jobs = [(p, n, i) for i, p in enumerate(prompts) for n in refs]
-    got = run(engine, [p for p, _, _ in jobs], [n for _, n, _ in jobs])
-    assert [(n, i) for out, (_, n, i) in zip(got, jobs, strict=True) if out != refs[n][i]] == []
-    assert all(refs[name] != refs[None] for name in adapters)  # the adapters matter
+    engine, adapters = _mixed_batch_matches_peft(path, tmp_path, SPECS, seed=6)
     assert_idle(engine)
 
 
@@ -379,19 +387,11 @@ def test_phi3_adapters_on_its_fused_projections_match_peft(build_model, tmp_path
     """Phi-3's PEFT adapters target the checkpoint's fused qkv_proj and gate_up_proj (one shard each);
     mixed with o/down targets and the base model in one batch, equal to PEFT's greedy tokens. A
     Llama adapter's q_proj has no place in Phi-3: refused by name, nothing loaded."""
-    from transformers import AutoConfig
 
     path = build_model("tiny-phi3")
     specs = {"fused": AdapterSpec(8, 16, ("qkv_proj", "gate_up_proj"), seed=1),
              "all": AdapterSpec(4, 8, ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), rslora=True, seed=2)}
-    adapters = {name: make_adapter(path, tmp_path / name, spec) for name, spec in specs.items()}
-    prompts = random_prompts(AutoConfig.from_pretrained(str(path)).vocab_size, LENGTHS[:3], seed=7)
-    refs = {name: peft_greedy(path, adapters.get(name), prompts, MAX_TOKENS) for name in [None, *adapters]}
-    engine = lora_engine(path, adapters)
-    jobs = [(p, n, i) for i, p in enumerate(prompts) for n in refs]
-    got = run(engine, [p for p, _, _ in jobs], [n for _, n, _ in jobs])
-    assert [(n, i) for out, (_, n, i) in zip(got, jobs, strict=True) if out != refs[n][i]] == []
-    assert all(refs[name] != refs[None] for name in adapters)  # the adapters matter
+    engine, adapters = _mixed_batch_matches_peft(path, tmp_path, specs, seed=7)
     llama_adapter = make_adapter(build_model("tiny-llama"), tmp_path / "llama", AdapterSpec(4, 8, ("q_proj",)))
     loaded = engine.list_loras()
     with pytest.raises(LoraBaseMismatch, match="'q_proj' is not a projection of the base model"):
@@ -406,19 +406,11 @@ def test_moe_adapters_on_attention_match_peft_and_expert_targets_are_refused(bui
     base model, equal to PEFT's greedy tokens); an adapter whose target_modules name an MLP projection,
     or whose file holds an expert's matrices, is refused naming target_modules, nothing loaded."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig
 
     path = build_model(preset)
     specs = {"attn": AdapterSpec(8, 16, ("q_proj", "k_proj", "v_proj", "o_proj"), seed=1),
              "qv": AdapterSpec(4, 8, ("q_proj", "v_proj"), rslora=True, seed=2)}
-    adapters = {name: make_adapter(path, tmp_path / name, spec) for name, spec in specs.items()}
-    prompts = random_prompts(AutoConfig.from_pretrained(str(path)).vocab_size, LENGTHS[:3], seed=8)
-    refs = {name: peft_greedy(path, adapters.get(name), prompts, MAX_TOKENS) for name in [None, *adapters]}
-    engine = lora_engine(path, adapters)
-    jobs = [(p, n, i) for i, p in enumerate(prompts) for n in refs]
-    got = run(engine, [p for p, _, _ in jobs], [n for _, n, _ in jobs])
-    assert [(n, i) for out, (_, n, i) in zip(got, jobs, strict=True) if out != refs[n][i]] == []
-    assert all(refs[name] != refs[None] for name in adapters)  # the adapters matter
+    engine, adapters = _mixed_batch_matches_peft(path, tmp_path, specs, seed=8)
     loaded = engine.list_loras()
     # target_modules naming an MLP projection
     mlp = tmp_path / "mlp"
