@@ -122,6 +122,11 @@ class FairShare:
         step's walk, seats freed together are dealt out by share instead of all to the least served)."""
         return self.max_seats is not None and len(self._active) > 1 and self.seats(tenant) >= self.seat_share(tenant)
 
+    def under_share(self, tenant: str) -> bool:
+        """Whether the tenant holds fewer seats than its share while another tenant is active (its
+        seats counted with any it just took)."""
+        return self.max_seats is not None and len(self._active) > 1 and self.seats(tenant) < self.seat_share(tenant)
+
     def charge(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
         """Count service just given to `tenant`: prompt tokens computed, tokens generated."""
         cost = self.prompt_weight * prompt_tokens + self.output_weight * output_tokens

@@ -352,8 +352,7 @@ class _StepPlanner:
         req.budget_deferred = False
         eff = self.policy.effective_priority(req, self.now)
         self.best = eff if self.best is None else min(self.best, eff)
-        if not self.under_share_in_step and self.s.fair.multi_tenant and self.s.fair.max_seats is not None:
-            self.under_share_in_step = self.s.fair.seats(req.tenant) < self.s.fair.seat_share(req.tenant)
+        self.under_share_in_step = self.under_share_in_step or self.s.fair.under_share(req.tenant)
 
     def _preempt(self, victim: Request, cause: PreemptionCause) -> None:
         """Preempt victim; the tokens it was given in this step go back into the budget."""
