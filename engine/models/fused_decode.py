@@ -6,8 +6,8 @@ of a batch-1 decode step. `FusedDecode` hands the same work to one C++ loop that
 to the same kernels in the same order, so outputs are bit-identical to the Python layers (LoRA deltas
 included, in float32 and bf16: the same tokenmill::lora_add_ calls the Python layers make). It applies
 to decode-only steps on the `cpu` attention backend whose linears all run as one kernel each at the
-step's row count (an INT8 weight past its kernel's rows is dequantized in Python: that step keeps the
-Python layers). What each linear runs is decided per row count, once (`_plan`).
+step's row count (an INT8 or GGUF-block weight past its kernel's rows is dequantized in Python, and a
+GGUF weight whose shards hold several types is several calls: those steps keep the Python layers). What each linear runs is decided per row count, once (`_plan`).
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from torch import nn
 
 from engine.lora.batch import CPP_DTYPES, LoraBatch, kernel_available
 from engine.models.cpu_linear import GemvF32Linear, GemvLinear, Int8Linear
+from engine.models.gguf_linear import GGMLLinear, GGMLWeight
 from engine.models.invariant_linear import TiledLinear
 from engine.models.layers import ForwardContext
 from engine.models.packed_linear import PackedLinear
 
 # cpu_decode.cpp Kind and Slot: how a linear runs; per layer, the optional tensors in this order.
-PLAIN, ONEDNN, GEMV, GEMV_SILU, GEMV_F32, GEMV_BLOCKED, GEMV_SPLIT = 0, 1, 2, 3, 4, 5, 6
+PLAIN, ONEDNN, GEMV, GEMV_SILU, GEMV_F32, GEMV_BLOCKED, GEMV_SPLIT, GGML, GGML_Q8 = 0, 1, 2, 3, 4, 5, 6, 7, 8
 LAYER_SLOTS = ("in_norm", "post_norm", "q_norm", "k_norm", "qkv_w", "qkv_scales", "qkv_bias", "o_w", "o_scales",
                "o_bias", "gu_w", "gu_scales", "gu_bias", "down_w", "down_scales", "down_bias")  # fmt: skip
 LORA_MODULES = ("qkv", "o", "gate_up", "down")  # the adapted linears of a layer, in cpu_decode.cpp's order
@@ -38,6 +39,7 @@ class _Linear:
     bias: torch.Tensor | None
     n: int  # out features
     k: int  # in features
+    ggml_type: int = 0  # the blocks' ggml type id (GGML kinds)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class _Plan:
     weights: list[torch.Tensor | None]  # LAYER_SLOTS per layer
     kinds: list[int]  # qkv, o, gate/up, down per layer
     shapes: list[int]  # (n, k) of each, per layer
+    ggml_types: list[int]  # each one's ggml type id (GGML kinds; 0 otherwise), per layer
 
 
 class FusedDecode:
@@ -99,7 +102,7 @@ class FusedDecode:
             x, ctx.cos, ctx.sin, k_caches, v_caches, meta.slot_mapping, meta.decode_gather.view(nd, -1),
             meta.decode_lens, meta.block_size, meta.decode_ctx, self.scale, plan.weights, plan.kinds, plan.shapes,
             self.heads, self.kv_heads, self.head_dim, self.eps, self.fused_norm, self.qk_norm,
-            lora_set, None if lora is None else lora.slots, self.windows,
+            lora_set, None if lora is None else lora.slots, self.windows, plan.ggml_types,
         )  # fmt: skip
         return out[0], out[1]
 
@@ -129,6 +132,7 @@ class FusedDecode:
         weights: list[torch.Tensor | None] = []
         kinds: list[int] = []
         shapes: list[int] = []
+        ggml_types: list[int] = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             if attn.fused_rotary is False and not self.qk_norm:
@@ -145,7 +149,8 @@ class FusedDecode:
                 weights += [lin.weight, lin.scales, lin.bias]
                 kinds.append(lin.kind)
                 shapes += [lin.n, lin.k]
-        return _Plan(weights, kinds, shapes)
+                ggml_types.append(lin.ggml_type)
+        return _Plan(weights, kinds, shapes, ggml_types)
 
 
 def _linear(mod: nn.Module, rows: int, silu: bool) -> _Linear | None:
@@ -166,6 +171,11 @@ def _linear(mod: nn.Module, rows: int, silu: bool) -> _Linear | None:
         if rows <= mod.max_rows:
             return _Linear(GEMV_F32, mod.packed, None, mod.bias, mod.out_features, mod.in_features)
         return _Linear(PLAIN, mod.weight, None, mod.bias, mod.out_features, mod.in_features)
+    if isinstance(mod, GGMLLinear):  # the blocks' kernel; silu: the C++ loop applies silu(gate) * up
+        if rows > mod.max_rows or not isinstance(mod.weight_q, GGMLWeight):
+            return None  # dequantized for the call, or shards of several types: the Python layers
+        w = mod.weight_q
+        return _Linear(GGML_Q8 if mod.activations == "int8" else GGML, w.blocks, None, mod.bias, w.n, w.k, w.type)
     if isinstance(mod, TiledLinear):  # batch-invariant mode: one oneDNN call up to its call_rows only
         if rows <= mod.kernel_rows:  # below that the kernel in oneDNN's order (same bits)
             return _Linear(GEMV_BLOCKED, mod.gemv_packed, None, mod.bias, mod.out_features, mod.in_features)

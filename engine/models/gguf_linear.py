@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu_kernels
-from engine.models.cpu_linear import silu_mul
+from engine.models.layers import silu_mul
 
 # ggml type id -> (name, values per block, bytes per block): the types the kernels take.
 KERNEL_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
@@ -161,7 +161,8 @@ class GGMLLinear(nn.Module):
         return self._dequantized_linear(x)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of the fused gate/up product: [..., out_features / 2]."""
+        """silu(gate) * up of the fused gate/up product: [..., out_features / 2] (layers.silu_mul: the
+        arithmetic the C++ decode loop applies after its GGML product, so both give the same bits)."""
         return silu_mul(self(x))
 
     def _dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:

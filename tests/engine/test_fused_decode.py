@@ -1,7 +1,8 @@
 """The C++ layer loop of decode-only CPU steps (engine/kernels/csrc/cpu_decode.cpp, models/fused_decode.py)
 against the Python layers it replaces: the same tokens and bit-identical log-probabilities for every
 model family, in float32 and bf16, with every kind of linear it calls (plain, oneDNN-packed, the
-small-batch gemv kernels, INT8), at batch sizes that switch between them; and it really runs."""
+small-batch gemv kernels, INT8, GGUF blocks with float and int8 activations), at batch sizes that switch
+between them; and it really runs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from engine import EngineConfig
 from engine.api import SamplingParams
 from engine.models import cpu_linear
 from engine.models.fused_decode import FusedDecode
+from engine.models.gguf_linear import GGMLLinear, GGMLStack
 
+from .gguf_helpers import gguf_path
 from .helpers import (
     FAMILY_PRESETS,
     MOE_PRESETS,
@@ -72,6 +75,40 @@ def test_fused_decode_matches_the_python_layers(build_model, preset, variant):
     assert got_tokens == want_tokens
     assert got_lps == want_lps  # bit for bit: the same kernels in the same order
     assert fused_steps >= 8  # most decode steps went through the C++ loop
+
+
+# GGUF files whose matrices stay as blocks (quantization="gguf"): (preset, type, dtype, activations). The
+# mix's q/k/v shards hold two types (a stack: several calls), so its steps keep the Python layers.
+GGUF_CASES = [("tiny-llama", "Q4_1", "bfloat16", "int8"), ("tiny-llama", "Q8_0", "float32", "float"),
+              ("tiny-llama", "Q5_0", "bfloat16", "float"), ("tiny-llama-k", "Q4_K", "float32", "int8"),
+              ("tiny-llama-k", "Q6_K", "bfloat16", "int8")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("preset", "qtype", "dtype", "activations"), GGUF_CASES,
+                         ids=["-".join(c) for c in GGUF_CASES])
+def test_fused_decode_runs_gguf_blocks_as_the_python_layers(build_model, tmp_path_factory, preset, qtype, dtype,
+                                                            activations):
+    path = gguf_path(build_model, tmp_path_factory.mktemp("gguf-fused"), preset, qtype)
+    overrides = {"quantization": "gguf", "gguf_activations": activations, "cpu_gemv": "on"}
+    case = make_case(vocab=256, n=7, seed=5)
+    case.max_tokens = [12, 3, 9, 12, 1, 7, 12]
+    want_tokens, want_lps, _ = _run(path, False, dtype, overrides, case)
+    got_tokens, got_lps, fused_steps = _run(path, True, dtype, overrides, case)
+    assert got_tokens == want_tokens
+    assert got_lps == want_lps  # bit for bit: the same block kernels in the same order
+    assert fused_steps >= 8
+
+
+def test_gguf_weights_of_several_types_keep_the_python_layers(build_model, tmp_path_factory):
+    path = gguf_path(build_model, tmp_path_factory.mktemp("gguf-mix"), "tiny-llama", "MIX")
+    engine = make_engine(path, quantization="gguf", fused_decode=True, cpu_gemv="on")
+    assert any(isinstance(m, GGMLLinear) and isinstance(m.weight_q, GGMLStack) for m in engine.runner.model.modules())
+    model = engine.runner.model.model
+    taken = []
+    run = model.fused_decode.run
+    model.fused_decode.run = lambda x, ctx: taken.append(run(x, ctx)) or taken[-1]
+    engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)])
+    assert taken and all(out is None for out in taken)  # declined: the stack is two calls
 
 
 def test_fused_decode_can_be_turned_off():

@@ -28,6 +28,8 @@ enum Kind : int64_t {
   GEMV_F32 = 4,   // tokenmill::gemv_f32(x, packed w, n, k, bias): float32 (cpu_gemv_f32.cpp)
   GEMV_BLOCKED = 5,  // tokenmill::gemv_blocked(x, packed w, n, k, bias): bf16 in oneDNN's order
   GEMV_SPLIT = 6,  // tokenmill::gemv_split: an interleaved gate/up's plain [gate | up] product (LoRA steps)
+  GGML = 7,        // tokenmill::ggml_gemv(x, blocks, type, n, k, bias): GGUF blocks, float32 activations
+  GGML_Q8 = 8,     // tokenmill::ggml_gemv_q8: GGUF blocks, int8 activations (engine/models/gguf_linear.py)
 };
 
 // Per layer, SLOTS optional tensors in this order (fused_decode.py LAYER_SLOTS):
@@ -39,7 +41,8 @@ enum Slot : int64_t {
   DOWN_W, DOWN_SCALES, DOWN_BIAS,
   SLOTS,
 };
-// Per layer, LINEARS kinds and LINEARS (n, k) pairs: qkv, o, gate/up, down.
+// Per layer, LINEARS kinds, LINEARS (n, k) pairs and LINEARS ggml type ids (GGML kinds; 0 otherwise):
+// qkv, o, gate/up, down.
 constexpr int64_t LINEARS = 4;
 
 c10::OperatorHandle op(const char* name) {  // by value: the dispatcher hands out a handle, not a reference
@@ -68,6 +71,8 @@ TOKENMILL_OP(rotary_op, "tokenmill::rotary_inplace")
 TOKENMILL_OP(store_op, "tokenmill::paged_store_kv")
 TOKENMILL_OP(attention_op, "tokenmill::paged_decode_attention")
 TOKENMILL_OP(onednn_op, "mkldnn::_linear_pointwise")
+TOKENMILL_OP(ggml_op, "tokenmill::ggml_gemv")
+TOKENMILL_OP(ggml_q8_op, "tokenmill::ggml_gemv_q8")
 #undef TOKENMILL_OP
 
 using Weights = c10::List<c10::optional<at::Tensor>>;
@@ -83,7 +88,7 @@ c10::IValue opt(const Weights& w, int64_t layer, int64_t slot) {
 
 // One linear (slots base..base+2: weight, scales, bias); its output, silu(gate) * up for GEMV_SILU.
 at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t layer, int64_t base, int64_t kind, int64_t n,
-                  int64_t k) {
+                  int64_t k, int64_t type) {
   const at::Tensor weight = get(w, layer, base);
   const c10::IValue scales = opt(w, layer, base + 1), bias = opt(w, layer, base + 2);
   switch (kind) {
@@ -104,6 +109,10 @@ at::Tensor linear(const at::Tensor& x, const Weights& w, int64_t layer, int64_t 
       return call1(gemv_blocked_op(), {x, weight, n, k, bias});
     case GEMV_SPLIT:
       return call1(gemv_split_op(), {x, weight, scales, n, k, bias});
+    case GGML:
+      return call1(ggml_op(), {x, weight, type, n, k, bias});
+    case GGML_Q8:
+      return call1(ggml_q8_op(), {x, weight, type, n, k, bias});
     default:
       TORCH_CHECK(false, "decode_layers: unknown linear kind ", kind);
   }
@@ -230,14 +239,16 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
                                       c10::IntArrayRef kinds, c10::IntArrayRef shapes, int64_t heads, int64_t kv_heads,
                                       int64_t head_dim, double eps, bool fused_norm, bool qk_norm,
                                       const c10::optional<c10::intrusive_ptr<LoraSet>>& lora_set,
-                                      const c10::optional<at::Tensor>& lora_slots, c10::IntArrayRef windows) {
+                                      const c10::optional<at::Tensor>& lora_slots, c10::IntArrayRef windows,
+                                      c10::IntArrayRef ggml_types) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == layers * SLOTS &&
                   static_cast<int64_t>(kinds.size()) == layers * LINEARS &&
                   static_cast<int64_t>(shapes.size()) == layers * LINEARS * 2 &&
-                  static_cast<int64_t>(windows.size()) == layers,
-              "decode_layers: one set of caches, weights, kinds, shapes and windows per layer");
+                  static_cast<int64_t>(windows.size()) == layers &&
+                  static_cast<int64_t>(ggml_types.size()) == layers * LINEARS,
+              "decode_layers: one set of caches, weights, kinds, shapes, ggml types and windows per layer");
   TORCH_CHECK(!lora_set.has_value() || (lora_slots.has_value() && (*lora_set)->layers() == layers),
               "decode_layers: LoRA operands for every layer, and the rows' slots");
   const Lora lora{lora_set.has_value() ? lora_set->get() : nullptr, lora_slots};
@@ -246,10 +257,11 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t* kind = kinds.data() + l * LINEARS;
     const int64_t* nk = shapes.data() + l * LINEARS * 2;
+    const int64_t* gt = ggml_types.data() + l * LINEARS;
     auto [h, stream] = add_norm(x, residual, get(weights, l, IN_NORM), eps, fused_norm);
     residual = stream;
     // Attention (llama.py LlamaAttention.forward).
-    const at::Tensor qkv = linear(h, weights, l, QKV_W, kind[0], nk[0], nk[1]);  // [B, (H + 2 Hkv) D]
+    const at::Tensor qkv = linear(h, weights, l, QKV_W, kind[0], nk[0], nk[1], gt[0]);  // [B, (H + 2 Hkv) D]
     lora.add(qkv, h, l, 0);
     const at::Tensor v = qkv.slice(1, q_size + kv_size).view({b, kv_heads, head_dim});
     at::Tensor q, k;
@@ -271,23 +283,23 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
         call1(attention_op(), {q, k_cache, v_cache, tables, lens, block_size, max_context, scale, windows[l],
                                0.0});  // [B, H, D]; windows[l]: the layer's sliding window (0: none), no softcap
     const at::Tensor attn2d = attn.reshape({b, -1});
-    h = linear(attn2d, weights, l, O_W, kind[1], nk[2], nk[3]);
+    h = linear(attn2d, weights, l, O_W, kind[1], nk[2], nk[3], gt[1]);
     lora.add(h, attn2d, l, 1);
     // MLP (layers.py GatedMLP.forward) after the post-attention norm.
     auto [h2, stream2] = add_norm(h, residual, get(weights, l, POST_NORM), eps, fused_norm);
     residual = stream2;
     at::Tensor act;
     if (kind[2] == GEMV_SILU) {  // (never with LoRA: fused_decode.py declines such a step)
-      act = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5]);
+      act = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5], gt[2]);
     } else {
-      const at::Tensor gu = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5]);
+      const at::Tensor gu = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5], gt[2]);
       act = lora.add_silu(gu, h2, l);
       if (!act.defined()) {
         lora.add(gu, h2, l, 2);
         act = silu_mul(gu);
       }
     }
-    x = linear(act, weights, l, DOWN_W, kind[3], nk[6], nk[7]);
+    x = linear(act, weights, l, DOWN_W, kind[3], nk[6], nk[7], gt[3]);
     lora.add(x, act, l, 3);
   }
   return {x, residual};
@@ -300,7 +312,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
         "Tensor block_tables, Tensor context_lens, int block_size, int max_context, float scale, Tensor?[] weights, "
         "int[] kinds, int[] shapes, int heads, int kv_heads, int head_dim, float eps, bool fused_norm, "
-        "bool qk_norm, __torch__.torch.classes.tokenmill.LoraSet? lora, Tensor? lora_slots, int[] windows) -> Tensor[]");
+        "bool qk_norm, __torch__.torch.classes.tokenmill.LoraSet? lora, Tensor? lora_slots, int[] windows, int[] ggml_types) -> Tensor[]");
   m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
   // oneDNN-packed weights among the arguments make the dispatcher pick MkldnnCPU: the same function.
   m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, TORCH_FN(decode_layers));
