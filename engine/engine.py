@@ -23,6 +23,7 @@ from engine.kv.cache import allocate_kv_cache
 from engine.kv.events import KVEventSink
 from engine.lora.loading import make_registry
 from engine.models import batch_invariant
+from engine.models.moe import MoeCausalLM
 from engine.models.windows import layer_windows, uniform_window
 from engine.runner import startup
 from engine.runner.cuda_graphs import capture_graphs, graph_buckets, graphs_enabled
@@ -144,6 +145,8 @@ class Engine(StepLoop):
                      len(windows), len(layer_windows(self.hf_config)),
                      "freed" if self.scheduler.blocks.sliding_window is not None
                      else "kept (full-attention layers read them)")  # fmt: skip
+        if isinstance(model, MoeCausalLM):  # tokens per expert, for debugging (expert_counts)
+            model.count_expert_tokens(self.device)
         log.info(
             "engine ready: %s, %s on %s, %d KV blocks x %d tokens (%d tokens, %.2f GiB), attention=%s, "
             "cuda graphs=%s, packed weights=%s, quantization=%s, CPU kernels: %s; small-batch linears: %s",
@@ -161,6 +164,12 @@ class Engine(StepLoop):
     @property
     def device_name(self) -> str:  # type: ignore[override]
         return str(self.device)
+
+    def expert_counts(self) -> list[list[int]] | None:
+        """A mixture-of-experts model's tokens routed to each expert since start-up, per sparse layer
+        (prompt, generated and speculative tokens alike); None for a dense model."""
+        model = self.runner.model
+        return model.expert_counts() if isinstance(model, MoeCausalLM) else None
 
     # ---- device memory ------------------------------------------------------------------------------
     def device_memory(self) -> dict[str, int] | None:

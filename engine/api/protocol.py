@@ -97,6 +97,11 @@ class EngineProtocol(Protocol):
         """Device memory in bytes (`used_bytes`, `total_bytes`, ...) on CUDA; None on the CPU."""
         ...
 
+    def expert_counts(self) -> list[list[int]] | None:
+        """Tokens routed to each expert since start-up, per sparse layer (a mixture-of-experts model;
+        None for a dense one): for debugging, never a metric label."""
+        ...
+
     def retire_kv_events(self) -> None:
         """The engine's last call (its version unloads, its worker ends): publish the removal of every
         block it still caches (engine/kv/events.py); a no-op without KV events."""

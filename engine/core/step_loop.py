@@ -121,6 +121,9 @@ class StepLoop:
     def device_memory(self) -> dict[str, int] | None:
         return None
 
+    def expert_counts(self) -> list[list[int]] | None:
+        return None  # a dense model (the real engine reads a mixture-of-experts model's)
+
     # ---- requests -------------------------------------------------------------------------------
     def add_request(
         self,

@@ -172,16 +172,17 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. lora: unused (adapters on MLPs are refused for MoE models, engine/lora/shapes.py)."""
         weights, ids = route(self.gate(x), self.top_k, self.normalize)
-        if self.counts is not None:
-            self.counts += torch.bincount(ids.reshape(-1), minlength=self.counts.shape[0]).to(self.counts.device)
+        if self.counts is not None:  # on ids' device: no host sync for it
+            self.counts += torch.bincount(ids.reshape(-1), minlength=self.counts.shape[0])
         out = grouped_experts(x, ids, weights, self.experts.expert, self.experts.num_experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + self.shared_expert_gate(x) * self.shared_expert(x)
         return out
 
-    def count_tokens(self) -> None:
-        """Keep a running count of the tokens each expert receives (debugging: expert_counts)."""
-        self.counts = torch.zeros(self.experts.num_experts, dtype=torch.int64)
+    def count_tokens(self, device: torch.device | str = "cpu") -> None:
+        """Keep a running count of the tokens each expert receives (debugging: expert_counts), on the
+        device the routing runs on."""
+        self.counts = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=device)
 
 
 @dataclass(frozen=True)
@@ -284,6 +285,6 @@ class MoeCausalLM:
         """Tokens each expert received so far, per sparse layer (after count_expert_tokens)."""
         return [[] if b.counts is None else b.counts.tolist() for b in self.moe_blocks()]
 
-    def count_expert_tokens(self) -> None:
+    def count_expert_tokens(self, device: torch.device | str = "cpu") -> None:
         for b in self.moe_blocks():
-            b.count_tokens()
+            b.count_tokens(device)

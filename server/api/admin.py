@@ -4,6 +4,7 @@ and their rollout, and the feedback export. docs/OPERATIONS.md has the runbooks.
     GET    /admin/models                                        every name, its versions and their states
     POST   /admin/models/{name}/versions                        load a version beside the running one
     GET    /admin/models/{name}/versions/{version}              one version
+    GET    /admin/models/{name}/versions/{version}/experts      tokens routed to each expert (MoE models)
     DELETE /admin/models/{name}/versions/{version}              retire a version that is not promoted
     POST   /admin/models/{name}/versions/{version}/promote      new requests go to it; the old one drains
     POST   /admin/models/{name}/versions/{version}/canary       {"weight": 0-100}
@@ -27,6 +28,7 @@ from server.serving.deployment import Probe
 from server.serving.registry import ModelSlot, version_row
 from server.serving.rollout import LoadFailed
 from server.serving.runtime import Runtime
+from server.serving.worker import WorkerUnavailable
 
 router = APIRouter(prefix="/admin")
 
@@ -102,6 +104,26 @@ async def load(name: str, request: Request) -> Response:
     except LoadFailed as exc:
         raise ApiError(422, exc.kind, exc.message, param="path" if exc.kind == "load_failed" else "probe") from None
     return JSONResponse(version_row(rt.models.slot(name), dep), status_code=201, headers=location)
+
+
+EXPERTS_TIMEOUT_S = 30.0  # a worker that does not answer between two steps in this long is stuck
+
+
+@router.get("/models/{name:path}/versions/{version}/experts")
+async def experts(name: str, version: str, request: Request) -> dict[str, Any]:
+    """A mixture-of-experts version's tokens routed to each expert since it loaded, per sparse layer
+    (debugging: which experts are hot or never used; kept out of /metrics, whose labels it would explode)."""
+    dep = _rt(request).models.slot(name).versions.get(version)
+    if dep is None:
+        raise ApiError(404, "not_found", f"{name}@{version} is not loaded")
+    try:
+        counts = await asyncio.wait_for(asyncio.wrap_future(dep.worker.call(lambda e: e.expert_counts())),
+                                        EXPERTS_TIMEOUT_S)
+    except WorkerUnavailable:
+        raise ApiError(503, "unavailable", f"{name}@{version} is not running") from None
+    if counts is None:
+        raise ApiError(404, "not_found", f"{name}@{version} is not a mixture-of-experts model")
+    return {"id": dep.spec.ref, "version": version, "layers": [{"layer": i, "tokens": c} for i, c in enumerate(counts)]}
 
 
 @router.get("/models/{name:path}/versions/{version}")

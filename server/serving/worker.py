@@ -253,6 +253,7 @@ class Worker:
             self._close()
             self._flush()
             self._retire()
+            self._log_experts()
             self._engine = cast(EngineProtocol, _ReleasedEngine())  # the weights and KV cache go now
 
     def _close(self) -> None:
@@ -278,6 +279,16 @@ class Worker:
             self._engine.retire_kv_events()
         except Exception:  # noqa: BLE001 - the thread is ending either way
             log.exception("engine.retire_kv_events failed")
+
+    def _log_experts(self) -> None:
+        """A mixture-of-experts engine's last word: the tokens each expert received (debugging)."""
+        try:
+            counts = self._engine.expert_counts()
+        except Exception:  # noqa: BLE001 - the thread is ending either way
+            log.exception("engine.expert_counts failed")
+            return
+        if counts:
+            log.info("experts: tokens routed to each expert since start-up, per sparse layer: %s", counts)
 
     def _iterate(self) -> None:
         self.stats = before = self._engine.stats()  # fresh for /health during a long step

@@ -145,15 +145,18 @@ def test_batch_invariant_mode_keeps_a_requests_tokens_whatever_its_neighbours(bu
 
 
 def test_expert_token_counts_for_debugging(build_model):
-    """Each sparse layer counts the tokens routed to each expert when asked: top-k per token."""
+    """Every sparse layer counts the tokens routed to each expert from start-up (Engine.expert_counts,
+    the admin API's experts endpoint): top-k per token, every token each layer ran; a dense model has none."""
     engine = make_engine(build_model("tiny-qwen2-moe"))
-    model = engine.runner.model
-    model.count_expert_tokens()
+    assert engine.expert_counts() == [[0] * N_EXPERTS, [0] * N_EXPERTS]
     case = _small_case()
-    engine.generate(case.prompts, [greedy(m) for m in case.max_tokens])
-    counts = model.expert_counts()
-    assert len(counts) == 2 and all(len(c) == N_EXPERTS for c in counts)
-    assert sum(counts[0]) == sum(counts[1]) > 0 and sum(counts[0]) % 2 == 0  # top-2: two per token
+    results = engine.generate(case.prompts, [greedy(m) for m in case.max_tokens])
+    counts = engine.expert_counts()
+    assert counts is not None and len(counts) == 2 and all(len(c) == N_EXPERTS for c in counts)
+    # each prompt token and each generated token but the last (never fed back) goes through once, top-2
+    ran = sum(len(p) + len(r.token_ids) - 1 for p, r in zip(case.prompts, results, strict=True))
+    assert sum(counts[0]) == sum(counts[1]) == 2 * ran
+    assert make_engine(build_model("tiny-llama")).expert_counts() is None
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-mixtral"])

@@ -163,3 +163,28 @@ def test_background_load_in_models_dir_one_at_a_time_then_promote(tmp_path):
             assert len(set(threads)) == 2 and not any(t.is_alive() for t in threads)
     finally:
         gate.set()
+
+
+class MoeFakeEngine(VersionedFakeEngine):
+    """A fake engine whose model routes tokens to experts: the counts a real MoE engine reports."""
+
+    def expert_counts(self) -> list[list[int]] | None:
+        return [[3, 0, 5, 2], [1, 9, 0, 0]]
+
+
+def test_experts_endpoint_reports_a_moe_versions_counts_and_the_stop_logs_them(caplog):
+    caplog.set_level("INFO", logger="tokenmill")
+    with run_server(make_settings(admin_api_keys="adm"), MoeFakeEngine(), loader=fake_loader()) as srv:
+        r = httpx.get(versions_url(srv, "/0/experts"), headers=ADMIN)
+        assert r.status_code == 200
+        assert r.json()["layers"] == [{"layer": 0, "tokens": [3, 0, 5, 2]}, {"layer": 1, "tokens": [1, 9, 0, 0]}]
+        assert httpx.get(versions_url(srv, "/0/experts")).status_code == 401  # admin keys only
+        r = httpx.get(versions_url(srv, "/7/experts"), headers=ADMIN)
+        assert r.status_code == 404 and "fake-model@7 is not loaded" in r.json()["error"]["message"]
+    assert "per sparse layer: [[3, 0, 5, 2], [1, 9, 0, 0]]" in caplog.text
+
+
+def test_experts_endpoint_on_a_dense_model_is_404():
+    with run_server(make_settings(admin_api_keys="adm"), VersionedFakeEngine(), loader=fake_loader()) as srv:
+        r = httpx.get(versions_url(srv, "/0/experts"), headers=ADMIN)
+        assert r.status_code == 404 and "not a mixture-of-experts model" in r.json()["error"]["message"]
