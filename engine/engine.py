@@ -62,7 +62,7 @@ class Engine(StepLoop):
         self.dtype = startup.resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = startup.resolve_max_model_len(config, self.hf_config)
         self.block_size = startup.resolve_block_size(config.block_size, self.device)
-        blocks = blocks_for(source, config.quantization, self.device)  # GGUF matrices kept quantized
+        blocks = blocks_for(source, config, self.device, self.dtype)  # GGUF matrices kept quantized
         model = load_model(source, self.dtype, self.device, self.max_model_len, config.show_progress,
                            frozenset(blocks.held) if blocks else frozenset())
         # packing, kernels, INT8, GGUF blocks

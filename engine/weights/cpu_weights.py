@@ -392,7 +392,7 @@ def _int8_source(model: nn.Module, preloaded: dict[str, Int8Weight],
 
 def _planned_rows(plans: dict[tuple, int], lin: GemvLinear | Int8Linear | GGMLLinear, role: str, config: EngineConfig,
                   dtype: torch.dtype) -> int:
-    """lin's max_rows: ALWAYS with cpu_gemv "on", else measured once per weight shape (in `plans`)
+    """lin's max_rows: ALWAYS with cpu_gemv "on" and for a GGUF-block head, else measured once per weight shape (in `plans`)
     over the row counts it meets: up to max_num_seqs for the logits head (sampled rows only), up to
     the step's token budget for the others (prefill chunks)."""
     kind = lin.weight_q.type_name if isinstance(lin, GGMLLinear) else ""
@@ -400,7 +400,12 @@ def _planned_rows(plans: dict[tuple, int], lin: GemvLinear | Int8Linear | GGMLLi
     if key not in plans:
         budget = resolve_step_budget(config.max_num_batched_tokens, torch.device("cpu"))  # CPU weights
         limit = config.max_num_seqs if role == "lm_head" else max(config.max_num_seqs, budget)
-        plans[key] = ALWAYS if config.cpu_gemv == "on" else _measure(lin, limit, dtype)
+        if config.cpu_gemv == "on" or (role == "lm_head" and isinstance(lin, GGMLLinear)):
+            # a block head's other path dequantizes the whole vocabulary's matrix for each step's few
+            # sampled rows (Gemma 3's 262144 x 640: seconds a trial, minutes of start-up to measure)
+            plans[key] = ALWAYS
+        else:
+            plans[key] = _measure(lin, limit, dtype)
     return plans[key]
 
 

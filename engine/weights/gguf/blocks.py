@@ -1,4 +1,5 @@
-"""Which tensors of a GGUF file the engine keeps quantized (`quantization="gguf"`): the matrices of a
+"""Which tensors of a GGUF file the engine keeps quantized (`quantization="gguf"`, and the default on the
+CPU where it applies: `blocks_for`): the matrices of a
 type the block kernels take (engine/models/gguf_linear.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
 Q6_K), as the file stores them, Q/K rows unpermuted (a block never spans two rows). The loader skips
 them (no float copy is made), and engine/weights/cpu_weights.py builds their linears and embedding
@@ -12,15 +13,19 @@ are dequantized into the serving dtype as before; the engine-ready line names th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from engine.kernels import cpu_kernels
 from engine.models.gguf_linear import KERNEL_TYPES, GGMLStack, GGMLWeight, concat_rows
 from engine.weights.gguf.dequant import QUANTIZED_TYPES
 from engine.weights.gguf.tensors import ROUTERS, unpermute
 from engine.weights.gguf.weights import GGUFWeights
+
+log = logging.getLogger("tokenmill.engine")
 
 
 @dataclass
@@ -95,15 +100,16 @@ def _blocks(weights: GGUFWeights, name: str) -> GGMLWeight:
 
 
 
-def blocks_for(source, quantization: str | None, device: torch.device) -> BlockPlan | None:
-    """The block plan of a model source under EngineConfig.quantization ("gguf": asked for; anything else,
-    None included, dequantizes: opt-in until the block kernels beat bf16 at one row, docs/ENGINE.md), or None when
-    every weight loads into the serving dtype. Sets the source's held names (the loader skips them).
-    ValueError where "gguf" was asked for and cannot apply."""
+def blocks_for(source, config, device: torch.device, dtype: torch.dtype) -> BlockPlan | None:
+    """The block plan of a model source under config.quantization (an EngineConfig), or None when every
+    weight loads into the serving dtype. "gguf": asked for (ValueError where it cannot apply); None (the
+    default): the same where it applies (a GGUF file holding kernel types, served in bf16 on the CPU,
+    the `ggml` kernels built and `cpu_gemv` not "off", not the batch-invariant mode), else dequantized
+    (float32 keeps the dequantized values exact: the reference); "none" / "int8": dequantized. Sets the source's held names (the loader skips them)."""
     from engine.models import model_class
 
-    explicit = quantization == "gguf"
-    if not explicit:
+    explicit = config.quantization == "gguf"
+    if config.quantization is not None and not explicit:
         return None
     if source.format != "gguf" or not isinstance(source.weights, GGUFWeights):
         if explicit:
@@ -112,6 +118,11 @@ def blocks_for(source, quantization: str | None, device: torch.device) -> BlockP
     if device.type != "cpu":
         if explicit:
             raise ValueError(f"quantization 'gguf' runs on the CPU only (device is {device}); use 'none'")
+        return None
+    if not explicit and (dtype != torch.bfloat16 or config.deterministic or config.cpu_gemv == "off"):
+        return None  # exact float32, the mode's own products, no small-batch kernels: dequantized
+    if not explicit and (why := cpu_kernels.load("ggml")) is not None:  # (an error under TOKENMILL_REQUIRE_KERNELS=1)
+        log.warning("GGUF block kernels unavailable (%s): the file's matrices are dequantized", why)
         return None
     cls = model_class(getattr(source.hf_config, "architectures", None))
     shards: dict[str, int] = {}
