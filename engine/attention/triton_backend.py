@@ -78,6 +78,8 @@ def _send_ints(parts: list[list[int]], device: torch.device) -> list[torch.Tenso
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    sinks_unsupported = ("the Triton kernels have no attention sinks (GPT-OSS) yet; attention_backend 'torch' "
+                         "serves such a model on CUDA")  # fmt: skip
 
     def __init__(
         self, num_sms: int = 132, dtype: torch.dtype = torch.bfloat16, tiles: TritonTiles | None = None,
@@ -137,7 +139,10 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if sinks is not None:  # the engine refuses such a model at start-up (sinks_unsupported)
+            raise ValueError(f"attention backend 'triton': {self.sinks_unsupported}")
         K.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         tiles = self.tiles
