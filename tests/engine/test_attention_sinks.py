@@ -1,18 +1,24 @@
-"""Learned attention sinks (GPT-OSS; engine/attention/base.py's `sinks`): the reference backend and the C++
-CPU decode kernel against the dense float64 answer with each head's sink logit in the softmax, on mixed
-steps (decodes, a fresh prompt, chunks over cached context), with and without a sliding window; the
-Triton backend, which has no sinks yet, is refused at start-up (engine/attention for_sinks), never run."""
+"""Learned attention sinks (GPT-OSS; engine/attention/base.py's `sinks`): the reference backend, the C++
+CPU decode kernel and the Triton kernels (under the Triton interpreter; decode whole and split, so the
+merge kernel adds the sink) against the dense float64 answer with each head's sink logit in the softmax,
+on mixed steps (decodes, a fresh prompt, chunks over cached context), with and without a sliding window;
+a backend without sinks is refused at start-up or replaced by the reference (engine/attention for_sinks)."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+import importlib
+import os
 
-from engine.attention import TorchAttentionBackend, for_sinks
-from engine.attention.cpu_backend import CpuAttentionBackend
+os.environ["TRITON_INTERPRET"] = "1"  # before triton or the kernels are imported: kernels take CPU tensors
 
-from .attention_cases import random_step, reference, rel_err
-from .helpers import require_cpu_kernels
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine.attention import TorchAttentionBackend, for_sinks  # noqa: E402
+from engine.attention.cpu_backend import CpuAttentionBackend  # noqa: E402
+
+from .attention_cases import random_step, reference, rel_err  # noqa: E402
+from .helpers import require_cpu_kernels  # noqa: E402
 
 require_cpu_kernels()
 
@@ -41,7 +47,23 @@ def _want(layout, s, scale, window, sinks):
     return reference(s["q"], k_cache, v_cache, layout, scale, window, None, sinks)
 
 
-@pytest.mark.parametrize("backend", [TorchAttentionBackend, CpuAttentionBackend])
+def _triton(splits):
+    pytest.importorskip("triton")
+    from engine.attention import triton_kernels as K
+
+    if not K.INTERPRETED:  # imported earlier in this process without the interpreter: decorate again
+        importlib.reload(K)  # in place: triton_backend's K is this module object
+    from engine.attention import triton_backend
+
+    tiles = triton_backend.TritonTiles(decode_n=16, prefill_m=16, prefill_n=16)  # small: the interpreter is slow
+    return triton_backend.TritonAttentionBackend(num_sms=4, tiles=tiles, num_splits=splits)
+
+
+BACKENDS = {"torch": TorchAttentionBackend, "cpu": CpuAttentionBackend, "triton": lambda: _triton(None),
+            "triton-split": lambda: _triton(2)}
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("window", [None, 13])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sinks_match_the_dense_reference(backend, window, dtype):
@@ -50,7 +72,7 @@ def test_sinks_match_the_dense_reference(backend, window, dtype):
     # sinks from far below to far above the scores: heads where the sink takes most of the weight
     sinks = torch.tensor([-4.0, -0.5, 0.0, 0.7, 2.0, 5.0]).to(dtype)
     scale = DIM**-0.5
-    out = _run(backend(), layout, s, bs, scale, window, sinks)
+    out = _run(BACKENDS[backend](), layout, s, bs, scale, window, sinks)
     want = _want(layout, s, scale, window, sinks)
     assert rel_err(out, want) < TOL[dtype]
     # the sinks matter here: without them the answer differs
@@ -82,8 +104,5 @@ def test_backends_without_sinks_are_refused_or_replaced(monkeypatch, caplog):
         for_sinks(_NoSinks(), "auto")
 
 
-def test_triton_backend_declares_no_sinks():
-    pytest.importorskip("triton")
-    from engine.attention.triton_backend import TritonAttentionBackend
-
-    assert TritonAttentionBackend.sinks_unsupported is not None
+def test_every_backend_takes_sinks():
+    assert all(BACKENDS[name]().sinks_unsupported is None for name in ("torch", "cpu", "triton"))

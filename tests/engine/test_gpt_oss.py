@@ -1,7 +1,7 @@
 """GPT-OSS's pieces against transformers' own modules (engine/models/gpt_oss.py): the YaRN rotary tables,
 the MoE block (router bias, softmax over the top-k logits, the clamped SwiGLU with biases) on random
-routing, the engine's CPU linears in the experts, and the start-up with its sinks (C++ attention on the CPU,
-Triton refused). Whole-model parity: tests/engine/test_parity.py (MOE_PRESETS); GGUF with MXFP4 experts:
+routing, the engine's CPU linears in the experts, and the start-up with its sinks (C++ attention on the
+CPU). Whole-model parity: tests/engine/test_parity.py (MOE_PRESETS); GGUF with MXFP4 experts:
 tests/engine/test_gguf_moe.py."""
 
 from __future__ import annotations
@@ -106,9 +106,3 @@ def test_engine_serves_it_with_sinks_on_the_cpu_kernels(build_model):
     windows = [layer.self_attn.window for layer in model.model.layers]
     assert windows == [24, None]  # sliding then full, from layer_types
     assert model.model.fused_decode is None and model.cuda_graphs_unsupported() is not None
-    pytest.importorskip("triton")
-    from engine.attention import for_sinks
-    from engine.attention.triton_backend import TritonAttentionBackend
-
-    with pytest.raises(ValueError, match="attention sinks.*attention_backend 'triton'"):
-        for_sinks(TritonAttentionBackend(num_sms=4, dtype=torch.float32), "triton")
