@@ -11,7 +11,7 @@ import time
 import torch
 
 from engine.api.errors import LoraError
-from engine.attention import select_backend
+from engine.attention import for_sinks, select_backend
 from engine.config import EngineConfig
 from engine.config.engine_config import resolve_step_budget
 from engine.core.step_loop import GenerationResult, StepLoop
@@ -70,6 +70,8 @@ class Engine(StepLoop):
                                        ggml_text=blocks.describe() if blocks else "gguf")
         self.packed_weights = self.weights.packed
         backend = select_backend(self.device, config.attention_backend, self.dtype)
+        if model.attention_sinks:  # GPT-OSS: a backend without sinks is refused, never run
+            backend = for_sinks(backend, config.attention_backend)
         if config.deterministic and (reason := batch_invariant.unsupported(self.device, backend.name)):
             raise ValueError(f"deterministic {reason}")
         if backend.name == "cpu" and cpu_kernels.load("layers") is None:  # the layers use theirs too

@@ -21,7 +21,7 @@ from engine.config.engine_config import ATTENTION_BACKENDS
 
 __all__ = [
     "ATTENTION_BACKENDS", "AttentionBackend", "AttentionMetadata", "BatchLayout", "TorchAttentionBackend",
-    "select_backend", "triton_unavailable_reason",
+    "for_sinks", "select_backend", "triton_unavailable_reason",
 ]
 
 MIN_TRITON_CAPABILITY = (8, 0)  # bf16 tl.dot
@@ -100,4 +100,20 @@ def _cpu_backend(dev: torch.device, required: bool) -> AttentionBackend:
     if required:
         raise ValueError(f"attention_backend 'cpu' cannot run on {dev}: {reason}")
     log.warning("CPU attention kernels unavailable (%s); using the PyTorch reference backend", reason)
+    return TorchAttentionBackend()
+
+
+def for_sinks(backend: AttentionBackend, preference: str) -> AttentionBackend:
+    """The backend for a model with learned attention sinks (GPT-OSS): `backend` when it takes them;
+    else, for "auto", the PyTorch reference with a warning (an error under TOKENMILL_REQUIRE_KERNELS=1:
+    no silent fallback), and for a backend asked for by name a ValueError saying why."""
+    reason = backend.sinks_unsupported
+    if reason is None:
+        return backend
+    from engine.kernels.cpu_kernels import required
+
+    if preference != "auto" or required():
+        why = "TOKENMILL_REQUIRE_KERNELS=1" if preference == "auto" else f"attention_backend {preference!r}"
+        raise ValueError(f"the model has attention sinks and {why}: {reason}")
+    log.warning("attention sinks: %s; using the PyTorch reference backend", reason)
     return TorchAttentionBackend()

@@ -32,6 +32,8 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     name: str = "abstract"
     supports_cuda_graphs: bool = False  # implements graph_decode_metadata (engine/runner/cuda_graphs.py)
+    # None: forward() takes `sinks` (GPT-OSS); else why not, for the start-up refusal (engine/engine.py)
+    sinks_unsupported: str | None = None
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
@@ -53,6 +55,7 @@ class AttentionBackend(ABC):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads], any float dtype
     ) -> torch.Tensor:
         """Store k/v into their slots, then attend each query causally over its sequence's
         cached context. Returns [num_tokens, num_heads, head_dim].
@@ -62,7 +65,9 @@ class AttentionBackend(ABC):
         every earlier position. Keys before p - W + 1 are never read, so a freed block there may sit
         in the block table as a placeholder (engine/kv/block_manager.py).
         softcap: attention-logit soft-capping (Gemma 2): the scaled scores s become
-        softcap * tanh(s / softcap) before the mask and the softmax; None: no cap."""
+        softcap * tanh(s / softcap) before the mask and the softmax; None: no cap.
+        sinks: learned attention sinks (GPT-OSS): per query head h one more logit sinks[h] in the
+        softmax's denominator, with no value (the weights of the real keys sum to less than 1); None: none."""
 
     def graph_decode_metadata(
         self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -44,11 +44,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return kk, v_cache.index_select(1, p.gather[lo:])
 
     def _decode(self, q, k_cache, v_cache, meta: TorchMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         nd = q.shape[0]
         tables = meta.decode_gather.view(nd, -1)  # [nd, width] block ids (padding: block 0, never read)
         # Scores, softmax and values per (sequence, KV head) in one kernel (one parallel region a layer);
-        # window 0 and softcap 0.0 mean none. The kernel reads only the window's blocks.
+        # window 0 and softcap 0.0 mean none. The kernel reads only the window's blocks; sinks (GPT-OSS)
+        # join each head's softmax denominator there.
+        if sinks is not None:
+            return torch.ops.tokenmill.paged_decode_attention_sinks(
+                q, k_cache, v_cache, tables, meta.decode_lens, meta.block_size, meta.decode_ctx, scale,
+                window or 0, softcap or 0.0, sinks,
+            )  # [nd, heads, d] in the cache's dtype
         return torch.ops.tokenmill.paged_decode_attention(
             q, k_cache, v_cache, tables, meta.decode_lens, meta.block_size, meta.decode_ctx, scale,
             window or 0, softcap or 0.0,

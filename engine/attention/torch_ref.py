@@ -91,26 +91,27 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         self._store(k, v, k_cache, v_cache, meta)
         nd = meta.num_decodes
         if not meta.prefills:  # decode-only step: no packed output to assemble
-            return self._decode(q, k_cache, v_cache, meta, scale, window, softcap)
+            return self._decode(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, sinks)
         for p in meta.prefills:
             qq = q[p.q_start : p.q_start + p.q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q, d]
             lo = _window_start(p, window)
             kk, vv = self._context_kv(k_cache, v_cache, p, meta.block_size, lo)  # [kv_heads, ctx - lo, d] each
-            o = _prefill_attention(qq, kk.unsqueeze(0), vv.unsqueeze(0), p, lo, scale, window, softcap)
+            o = _prefill_attention(qq, kk.unsqueeze(0), vv.unsqueeze(0), p, lo, scale, window, softcap, sinks)
             out[p.q_start : p.q_start + p.q_len] = o.squeeze(0).transpose(0, 1)
         return out
 
     # ---- what a backend with another cache layout overrides (cpu_backend.py) ----------------------
     def _decode(self, q, k_cache, v_cache, meta: TorchMetadata, scale: float, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
-        return _decode_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return _decode_attention(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
 
     def _context_kv(self, k_cache, v_cache, p: _Prefill, block_size: int,
                     lo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,9 +139,10 @@ def _window_start(p: _Prefill, window: int | None) -> int:
 
 
 def _prefill_attention(q, k, v, p: _Prefill, lo: int, scale: float, window: int | None,
-                       softcap: float | None) -> torch.Tensor:
+                       softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [1, heads, q_len, d] over the context k, v [1, kv_heads, ctx - lo, d] that starts at
-    position lo: causal with an offset, windowed and soft-capped as asked. Returns [1, heads, q_len, d]."""
+    position lo: causal with an offset, windowed, soft-capped and with sinks as asked. Returns
+    [1, heads, q_len, d]."""
     ctx = p.gather.shape[0]
     mask = p.mask
     if window is not None or lo:
@@ -149,25 +151,35 @@ def _prefill_attention(q, k, v, p: _Prefill, lo: int, scale: float, window: int 
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
-    # transformers' eager attention (Gemma 2): scores * scale, softcap * tanh(scores / softcap), the
-    # mask, softmax in float32
+    # transformers' eager attention (Gemma 2, GPT-OSS): scores * scale, softcap * tanh(scores / softcap),
+    # the mask, the sink logit as one more column (dropped after the softmax), softmax in float32
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [1, heads, q_len, ctx - lo]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(p.q_len, ctx, dtype=torch.bool, device=q.device).tril(ctx - p.q_len)
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    return torch.matmul(_softmax(scores, None if sinks is None else sinks.view(-1, 1)).to(q.dtype), v)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """float32 softmax over the last dim of scores [..., n]; with sinks (shaped to broadcast against
+    scores.shape[:-1]: one logit per head), each row's sink logit joins the denominator (a column
+    appended, dropped after: transformers' GPT-OSS eager attention)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    sink = sinks.to(scores.dtype).unsqueeze(-1).expand(*scores.shape[:-1], 1)  # [..., 1]
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
 
 
 def _decode_attention(q, k_cache, v_cache, meta: TorchMetadata, scale: float, window: int | None = None,
-                      softcap: float | None = None) -> torch.Tensor:
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence; batched matmuls per (sequence, KV head), GQA without repeating K/V.
     Much cheaper on CPU than the flash kernel for a single query row. The query of a sequence with
     context length c sits at position c - 1: with a window W it sees positions c - W .. c - 1."""
@@ -202,5 +214,9 @@ def _decode_attention(q, k_cache, v_cache, meta: TorchMetadata, scale: float, wi
     else:
         scores = torch.bmm(qq, kk.transpose(1, 2)) * scale
         scores = torch.tanh(scores / softcap) * softcap + bias
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:  # [heads] as [kv_heads, group, 1], the rows of each sequence
+        probs = _softmax(scores.view(nd, kvh, h // kvh, ctx), sinks.view(kvh, h // kvh))
+        probs = probs.reshape(nd * kvh, h // kvh, ctx).to(q.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.bmm(probs, vv).view(nd, h, d)

@@ -50,28 +50,31 @@ def variants(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block
                  stride_vt="i32", stride_vh="i32", stride_ch="i64", stride_cs="i32"),
             dict(NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads),
                  BLOCK_D=triton.next_power_of_2(head_dim)))]
-    # without and with a sliding window and soft-capping (engine/attention/base.py's window, softcap)
+    # without and with a sliding window, soft-capping and sinks (engine/attention/base.py's window, softcap, sinks)
     for window, cap in ((False, False), (True, True)):
         for split in (False, True):
             part = "*fp32" if split else p
             out.append((K._decode_kernel,
                         dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i64",
                              context_lens_ptr="*i64", out_ptr=p, part_m_ptr=part, part_l_ptr=part, part_acc_ptr=part,
+                             sinks_ptr="*fp32",
                              scale="fp32", num_heads="i32", num_splits="i32", window="i32", softcap="fp32",
                              **strides),
                         dict(GROUP=group, HEAD_DIM=head_dim, CACHE_BLOCK=block_size, SPLIT=split,
                              BLOCK_G=K._pow2(group), BLOCK_D=K._pow2(head_dim), BLOCK_N=tiles.decode_n, F32=f32,
-                             WINDOW=window, SOFTCAP=cap)))
+                             WINDOW=window, SOFTCAP=cap, SINKS=window)))
         out.append((K._prefill_kernel,
                     dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, out_ptr=p, block_tables_ptr="*i64",
                          q_starts_ptr="*i64", q_lens_ptr="*i64", context_lens_ptr="*i64", tile_seqs_ptr="*i64",
-                         tile_rows_ptr="*i64", scale="fp32", window="i32", softcap="fp32", **strides),
+                         tile_rows_ptr="*i64", sinks_ptr="*fp32", scale="fp32", window="i32", softcap="fp32",
+                         **strides),
                     dict(GROUP=group, HEAD_DIM=head_dim, CACHE_BLOCK=block_size, BLOCK_M=tiles.prefill_m,
-                         BLOCK_N=tiles.prefill_n, BLOCK_D=K._pow2(head_dim), F32=f32, WINDOW=window, SOFTCAP=cap)))
+                         BLOCK_N=tiles.prefill_n, BLOCK_D=K._pow2(head_dim), F32=f32, WINDOW=window, SOFTCAP=cap,
+                         SINKS=window)))
     out.append((K._merge_kernel,
-                dict(part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32", out_ptr=p, num_heads="i32",
-                     num_splits="i32", stride_ot="i32", stride_oh="i32"),
-                dict(HEAD_DIM=head_dim, BLOCK_S=K.MAX_SPLITS, BLOCK_D=triton.next_power_of_2(head_dim))))
+                dict(part_m_ptr="*fp32", part_l_ptr="*fp32", part_acc_ptr="*fp32", out_ptr=p, sinks_ptr="*fp32",
+                     num_heads="i32", num_splits="i32", stride_ot="i32", stride_oh="i32"),
+                dict(HEAD_DIM=head_dim, BLOCK_S=K.MAX_SPLITS, BLOCK_D=triton.next_power_of_2(head_dim), SINKS=True)))
     return out
 
 

@@ -137,7 +137,8 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float,
-                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         K.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         tiles = self.tiles
@@ -146,9 +147,9 @@ class TritonAttentionBackend(AttentionBackend):
             splits = meta.num_splits or K.choose_num_splits(nd, k_cache.shape[0], meta.decode_max_context,
                                                             self.num_sms)
             K.paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                           out[:nd], scale, meta.block_size, splits, tiles.decode_n, window, softcap)
+                           out[:nd], scale, meta.block_size, splits, tiles.decode_n, window, softcap, sinks)
         if meta.tile_seqs is not None:
             K.paged_prefill(q, k_cache, v_cache, out, meta.prefill_block_tables, meta.prefill_q_starts,
                             meta.prefill_q_lens, meta.prefill_context_lens, meta.tile_seqs, meta.tile_rows,
-                            scale, meta.block_size, tiles.prefill_m, tiles.prefill_n, window, softcap)
+                            scale, meta.block_size, tiles.prefill_m, tiles.prefill_n, window, softcap, sinks)
         return out

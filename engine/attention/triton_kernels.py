@@ -14,7 +14,9 @@ lives in row `slot = block_table[p // block_size] * block_size + p % block_size`
 
 With WINDOW (a sliding window of `window` positions) the query at position p sees positions
 p - window + 1 .. p only, and the kernels read no block before that (a freed block may sit in the
-table there); with SOFTCAP each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2).
+table there); with SOFTCAP each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2); with
+SINKS each query head's sink logit (GPT-OSS) joins its softmax's denominator after the context (m =
+max(m, sink), l += exp(sink - m); no value), in the merge kernel when the context is split.
 
 Softmax runs online in float32. Offsets into the cache are int64: one layer's cache can hold more
 than 2**31 elements. Kernels run on CUDA, and on CPU tensors under the Triton interpreter
@@ -86,12 +88,12 @@ def _store_kv_kernel(
 @triton.jit(do_not_specialize=["num_splits", "stride_bt", "window"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr,
     scale, num_heads, num_splits, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, F32: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     # grid: (sequences, kv_heads, num_splits)
     seq = tl.program_id(0).to(tl.int64)
@@ -145,6 +147,12 @@ def _decode_kernel(
         tl.store(part_l_ptr + row, l_i, mask=g_mask)
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=gd_mask)
     else:
+        if SINKS:  # the head's sink logit joins the denominator, no value: m = max(m, sink), l += exp(sink - m)
+            sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0)
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.exp(sink - m_new)
+            acc = acc * alpha[:, None]
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # context 0 (padding): zeros, not NaN
         out = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
         tl.store(out, o.to(out_ptr.dtype.element_ty), mask=gd_mask)
@@ -152,8 +160,8 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, num_heads, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, sinks_ptr, num_heads, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr,
 ):
     # grid: (sequences, query heads); rescales each partition's sums to the common maximum
     seq = tl.program_id(0).to(tl.int64)
@@ -165,9 +173,14 @@ def _merge_kernel(
     m = tl.load(part_m_ptr + row, mask=s_mask, other=float("-inf"))
     sums = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
+    if SINKS:  # the head's sink logit: one more partition with sum 1 and no value
+        sink = tl.load(sinks_ptr + head)
+        m_max = tl.maximum(m_max, sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every partition empty: context 0
     w = tl.exp(m - m_max)
     denom = tl.sum(sums * w, 0)
+    if SINKS:
+        denom += tl.exp(sink - m_max)
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
                   mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
@@ -177,11 +190,11 @@ def _merge_kernel(
 @triton.jit(do_not_specialize=["stride_bt", "window"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr,
-    q_starts_ptr, q_lens_ptr, context_lens_ptr, tile_seqs_ptr, tile_rows_ptr, scale, window, softcap,
+    q_starts_ptr, q_lens_ptr, context_lens_ptr, tile_seqs_ptr, tile_rows_ptr, sinks_ptr, scale, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F32: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     # grid: (query tiles of all prefill chunks, query heads)
     tile = tl.program_id(0)
@@ -236,6 +249,12 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + _mm(p.to(v.dtype), v, F32)
         m_i = m_new
 
+    if SINKS:  # the head's sink logit joins each row's denominator (no value)
+        sink = tl.load(sinks_ptr + head)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(out, o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
@@ -280,10 +299,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, out: torch.Tensor, scale: float, block_size: int, num_splits: int,
-    block_n: int = 64, window: int | None = None, softcap: float | None = None,
+    block_n: int = 64, window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> None:
     """q, out: [B, H, D] (out may be a row slice of a larger tensor); block_tables: [B, W] int;
-    context_lens: [B] int (0: padding, writes zeros); window, softcap: as AttentionBackend.forward.
+    context_lens: [B] int (0: padding, writes zeros); window, softcap, sinks: as AttentionBackend.forward.
     Writes out."""
     b, h, d = q.shape
     kvh = k_cache.shape[0]
@@ -300,20 +319,28 @@ def paged_decode(
         part_acc = torch.empty((b, h, num_splits, d), dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused
+    sinks_f = _sinks(sinks, q.device)
     _decode_kernel[(b, kvh, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc,
+        q, k_cache, v_cache, block_tables, context_lens, out, part_m, part_l, part_acc, sinks_f,
         scale, h, num_splits, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, CACHE_BLOCK=block_size, SPLIT=split,
         BLOCK_G=_pow2(group), BLOCK_D=_pow2(d), BLOCK_N=block_n, F32=_use_f32(q.dtype),
-        WINDOW=window is not None, SOFTCAP=softcap is not None, num_warps=ATTN_WARPS,
+        WINDOW=window is not None, SOFTCAP=softcap is not None, SINKS=sinks is not None, num_warps=ATTN_WARPS,
     )
     if split:
         _merge_kernel[(b, h)](
-            part_m, part_l, part_acc, out, h, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_S=MAX_SPLITS, BLOCK_D=triton.next_power_of_2(d),
+            part_m, part_l, part_acc, out, sinks_f, h, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=d, BLOCK_S=MAX_SPLITS, BLOCK_D=triton.next_power_of_2(d), SINKS=sinks is not None,
         )
+
+
+def _sinks(sinks: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The sink logits as float32 [H] for the kernels; without sinks a one-element placeholder (not read)."""
+    if sinks is None:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    return sinks.to(device=device, dtype=torch.float32).contiguous()
 
 
 def paged_prefill(
@@ -321,6 +348,7 @@ def paged_prefill(
     block_tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor, context_lens: torch.Tensor,
     tile_seqs: torch.Tensor, tile_rows: torch.Tensor, scale: float, block_size: int,
     block_m: int, block_n: int, window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """q, out: [T, H, D] packed; per prefill chunk: block_tables [P, W], q_starts, q_lens,
     context_lens [P]; per query tile: tile_seqs (its chunk) and tile_rows (its first row, a multiple
@@ -332,13 +360,13 @@ def paged_prefill(
     _, h, d = q.shape
     group = h // k_cache.shape[0]
     _prefill_kernel[(num_tiles, h)](
-        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, context_lens, tile_seqs, tile_rows, scale,
-        window or 0, softcap or 1.0,
+        q, k_cache, v_cache, out, block_tables, q_starts, q_lens, context_lens, tile_seqs, tile_rows,
+        _sinks(sinks, q.device), scale, window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=d, CACHE_BLOCK=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=_pow2(d), F32=_use_f32(q.dtype), WINDOW=window is not None, SOFTCAP=softcap is not None,
-        num_warps=ATTN_WARPS,
+        SINKS=sinks is not None, num_warps=ATTN_WARPS,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -30,6 +31,7 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,  # attention sinks, clamped-SwiGLU experts (engine/models/gpt_oss.py)
 }
 
 

@@ -19,7 +19,7 @@ from engine.models.layers import (
     rotate_,
     rotate_partial,
 )
-from engine.models.moe import ExpertSlot, MoeExperts
+from engine.models.moe import ExpertSlot, MoeExperts, expert_destination, expert_missing
 from engine.models.packed_linear import PackedLinear, pack_linears
 from engine.models.rope import check_rope_supported, rotary_dim_of, rotary_embedding
 from engine.models.windows import layer_windows
@@ -44,6 +44,8 @@ class LlamaAttention(nn.Module):
         # attention-logit soft-cap (None: none; a subclass sets it from its config, Gemma 2)
         self.window: int | None = layer_windows(cfg)[layer_idx]
         self.softcap: float | None = None
+        # learned attention sinks [heads] (GPT-OSS: engine/models/gpt_oss.py), passed to the backends; None: none
+        self.sinks: nn.Parameter | None = None
         bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = [q_size, kv_size, kv_size]
@@ -64,7 +66,7 @@ class LlamaAttention(nn.Module):
         q, k = self.query_key(qkv, ctx)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.window,
-                                self.softcap).reshape(t, -1)  # [T, H D]
+                                self.softcap, self.sinks).reshape(t, -1)  # [T, H D]
         return self.o_proj(o) if lora is None else lora.add("o", o, self.o_proj(o))
 
     def attention_scale(self, cfg) -> float:
@@ -210,11 +212,18 @@ class LlamaForCausalLM(nn.Module):
             return f"partial rotary ({attn.rotary_dim} of {attn.head_dim} dims)"
         if any(layer.self_attn.softcap is not None for layer in self.model.layers):
             return "attention-logit soft-capping"
+        if self.attention_sinks:
+            return "attention sinks"
         return None
 
     def cuda_graphs_unsupported(self) -> str | None:
         """Why decode steps of this model cannot be captured in CUDA graphs; None when they can."""
         return None
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Whether the attention layers have learned sinks (the backend must take them: engine/engine.py)."""
+        return any(layer.self_attn.sinks is not None for layer in self.model.layers)
 
     def use_cpu_kernels(self, norms: bool, fused_decode: bool = True) -> None:
         """Route rotary (and, with norms, every RMSNorm and residual add) through the C++ CPU
@@ -282,6 +291,14 @@ class LlamaForCausalLM(nn.Module):
         """Where a (renamed) checkpoint tensor of stacked experts goes; None: not an expert weight
         (mixture-of-experts classes, engine/models/moe.py)."""
         return None
+
+    def expert_destination(self, param: torch.Tensor, slot: ExpertSlot) -> torch.Tensor:
+        """The view of a stacked expert parameter that a checkpoint tensor of `slot` fills (GPT-OSS: its own)."""
+        return expert_destination(param, slot)
+
+    def expert_missing(self, param: str, shape: torch.Size, loaded: set[str]) -> list[str]:
+        """The loaded-key tags of a stacked expert parameter not yet loaded (engine/models/moe.py)."""
+        return expert_missing(param, shape, loaded)
 
     def after_load(self, dtype: torch.dtype, device: torch.device) -> None:
         """Build tables that are not weights (rotary cos/sin)."""

@@ -34,9 +34,10 @@ GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2F
              "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
              "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Gemma2ForCausalLM": "gemma2",
              "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe",
-             "OlmoeForCausalLM": "olmoe", "MixtralForCausalLM": "llama"}  # fmt: skip
+             "OlmoeForCausalLM": "olmoe", "MixtralForCausalLM": "llama", "GptOssForCausalLM": "gpt-oss"}  # fmt: skip
 PERMUTED = ("llama", "mistral", "granite", "smollm3")  # architectures whose Q/K rows llama.cpp's converter permutes
-TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)}
+TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+                             Q.MXFP4)}  # MXFP4: the experts' stacks only (llama.cpp's MOSTLY_MXFP4_MOE), the rest F32
 # A Q4_K_M-like mix (the Gemma 3 270M file's types): matrix role -> type; the embedding Q8_0.
 MIX = {"q_proj": Q.Q5_0, "k_proj": Q.Q5_0, "v_proj": Q.Q8_0, "o_proj": Q.Q4_K, "gate_proj": Q.Q5_0,
        "up_proj": Q.Q5_0, "down_proj": Q.Q6_K, "embed_tokens": Q.Q8_0, "lm_head": Q.Q6_K}
@@ -68,7 +69,11 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
     for tensor, factors in _longrope_tensors(writer, config).items():
         writer.add_tensor(tensor, factors)
     permuted = name in PERMUTED
-    for hf, value in stack_experts(load_file(str(folder / "model.safetensors"))).items():
+    tensors = load_file(str(folder / "model.safetensors"))
+    if name == "gpt-oss":
+        _add_gpt_oss_metadata(writer, config)
+        tensors = gpt_oss_tensors(tensors)
+    for hf, value in stack_experts(tensors).items():
         value = value.astype(np.float32)
         if hf.endswith(ROUTERS):  # llama.cpp keeps routers in F32, the shared expert's gate a vector [H]
             writer.add_tensor(gguf_name(hf, name), value.reshape(-1) if "shared_expert_gate" in hf else value)
@@ -78,7 +83,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             heads = config["num_attention_heads"] if ".q_proj." in hf else config["num_key_value_heads"]
             value = permute(value, heads)
-        data, raw = encode(value, _type_of(hf, qtype) if value.ndim > 1 else Q.F32)
+        # biases stay F32 (GPT-OSS's experts' biases are [E, rows]: not matrices)
+        data, raw = encode(value, type_of(hf, qtype) if value.ndim > 1 and not hf.endswith(".bias") else Q.F32)
         writer.add_tensor(gguf_name(hf, name), data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -87,7 +93,10 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
     return out
 
 
-def _type_of(hf: str, qtype: str) -> Q:
+def type_of(hf: str, qtype: str) -> Q:
+    """The type a matrix named `hf` is written in for `qtype` (MIX: by its role; MXFP4: experts only)."""
+    if qtype == "MXFP4":
+        return Q.MXFP4 if ".experts." in hf else Q.F32
     if qtype != "MIX":
         return TYPES[qtype]
     return next((t for role, t in MIX.items() if f"{role}." in hf), Q.Q8_0)
@@ -111,6 +120,41 @@ def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     for hf, by_expert in stacks.items():
         out[hf] = np.stack([by_expert[e] for e in range(len(by_expert))])
     return out
+
+
+def gpt_oss_tensors(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """GPT-OSS's checkpoint tensors as llama.cpp's converter splits them: gate_up_proj [E, H, 2I] (gate at
+    the even columns) into `experts.gate_proj.weight` / `up_proj.weight` [E, I, H], down_proj [E, I, H]
+    transposed to [E, H, I], the biases split the same way; the router as `mlp.gate`, the sinks as
+    `self_attn.sinks.weight` (its attn_sinks.weight)."""
+    out: dict[str, np.ndarray] = {}
+    for hf, value in tensors.items():
+        hf = hf.replace(".mlp.router.", ".mlp.gate.")
+        base = hf.rsplit(".", 1)[0]
+        if hf.endswith(".self_attn.sinks"):
+            out[hf + ".weight"] = value
+        elif hf.endswith(".experts.gate_up_proj"):
+            both = np.ascontiguousarray(value.transpose(0, 2, 1))  # [E, 2I, H]
+            out[base + ".gate_proj.weight"], out[base + ".up_proj.weight"] = both[:, 0::2], both[:, 1::2]
+        elif hf.endswith(".experts.gate_up_proj_bias"):
+            out[base + ".gate_proj.bias"], out[base + ".up_proj.bias"] = value[:, 0::2], value[:, 1::2]
+        elif hf.endswith(".experts.down_proj"):
+            out[base + ".down_proj.weight"] = np.ascontiguousarray(value.transpose(0, 2, 1))  # [E, H, I]
+        elif hf.endswith(".experts.down_proj_bias"):
+            out[base + ".down_proj.bias"] = value
+        else:
+            out[hf] = value
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def _add_gpt_oss_metadata(w: gguf.GGUFWriter, c: dict) -> None:
+    """The keys llama.cpp's GPT-OSS converter adds: the window, the experts' width, YaRN."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    w.add_sliding_window(int(c["sliding_window"]))
+    w.add_expert_feed_forward_length(int(c["intermediate_size"]))
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(rope["factor"]))
+    w.add_rope_scaling_orig_ctx_len(int(rope.get("original_max_position_embeddings", 4096)))
 
 
 def _add_moe_metadata(w: gguf.GGUFWriter, c: dict, arch: str) -> None:

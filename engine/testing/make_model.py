@@ -355,6 +355,25 @@ PRESETS: dict[str, Preset] = {
         seed=44,
         extra_config=(("num_local_experts", 8), ("num_experts_per_tok", 2), ("sliding_window", None)),
     ),
+    # GPT-OSS: attention sinks, q/k/v/o biases, sliding (a 24-token window: most test prompts are longer)
+    # and full layers alternating, YaRN rope (factor 4 over 128 original positions), 8 experts top-2 with
+    # router and expert biases and the clamped SwiGLU.
+    "tiny-gpt-oss": Preset(
+        "GptOssForCausalLM",
+        **{**_TINY, "intermediate_size": 64},
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=45,
+        rope_theta=150000.0,
+        max_position_embeddings=512,
+        extra_config=(("num_local_experts", 8), ("num_experts_per_tok", 2), ("sliding_window", 24),
+                      ("layer_types", ("sliding_attention", "full_attention")),
+                      ("rope_parameters", {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                           "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                           "original_max_position_embeddings": 128})),  # fmt: skip
+    ),
     # Every matrix row a multiple of 256 values, so K-quant GGUF files (engine/testing/make_gguf.py)
     # quantize all of them; tied, so the file has no output.weight.
     "tiny-llama-k": Preset(
@@ -572,7 +591,9 @@ def _randomize_norms_and_biases(model: torch.nn.Module, std: float) -> None:
             low = (4.0 if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"))
                    else -0.5) if gemma else 0.5  # fmt: skip
             param.uniform_(low, low + 1.0)
-        elif name.endswith(".bias"):
+        elif name.endswith(".sinks"):  # GPT-OSS: around exp(1) times a key's weight, so they matter
+            param.normal_(1.0, 1.0)
+        elif name.endswith((".bias", "_bias")):  # GPT-OSS's experts: gate_up_proj_bias, down_proj_bias
             param.normal_(0.0, 4 * std)
 
 

@@ -17,7 +17,6 @@ from tqdm.auto import tqdm
 
 from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM
-from engine.models.moe import expert_destination, expert_missing
 from engine.weights.model_source import ModelSource
 
 log = logging.getLogger("tokenmill.engine")
@@ -109,7 +108,7 @@ def _load_one(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Te
             raise ValueError(f"checkpoint tensor {ckpt_name!r} has no place in the model")
         if slot.expert is not None and slot.expert >= param.shape[0]:
             raise ValueError(f"checkpoint tensor {ckpt_name!r}: expert {slot.expert} of {param.shape[0]}")
-        _copy(expert_destination(param.data, slot), tensor, ckpt_name)
+        _copy(model.expert_destination(param.data, slot), tensor, ckpt_name)
         return slot.tag
     parts = name.split(".")
     for sub, (fused, shard) in model.packed.items():
@@ -140,7 +139,7 @@ def _check_complete(model: LlamaForCausalLM, params: dict, loaded: set[str]) -> 
     expected: set[str] = set()
     for name, param in params.items():
         if model.expert_slot(name) is not None:  # stacked experts: whole, per shard, or per expert and shard
-            expected.update(expert_missing(name, param.shape, loaded))
+            expected.update(model.expert_missing(name, param.shape, loaded))
             continue
         fused = next((f for f, _ in model.packed.values() if f"{f}." in name), None)
         if fused is None:

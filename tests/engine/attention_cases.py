@@ -41,10 +41,11 @@ def random_step(specs, heads, kv_heads, head_dim, block_size, dtype, seed, skip=
 
 
 def reference(q, k_cache, v_cache, layout: BatchLayout, scale: float, window: int | None = None,
-              softcap: float | None = None) -> torch.Tensor:
+              softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """float64 attention of each query row over its sequence's visible cached positions: the dense
     masked form (transformers' sliding-window mask: the row at position p sees p - window < k <= p;
-    softcap * tanh(scores / softcap) before the mask)."""
+    softcap * tanh(scores / softcap) before the mask; sinks [H]: each head's sink logit as one more
+    column of the softmax, dropped after it, as transformers' GPT-OSS eager attention)."""
     kvh = k_cache.shape[0]
     group = q.shape[1] // kvh
     out, row = [], 0
@@ -62,7 +63,12 @@ def reference(q, k_cache, v_cache, layout: BatchLayout, scale: float, window: in
         if window is not None:
             visible &= torch.arange(ctx)[None, :] > qpos - window
         scores = scores.masked_fill(~visible, float("-inf"))
-        out.append((scores.softmax(-1) @ vv).transpose(0, 1))
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            sink = sinks.double().view(-1, 1, 1).expand(-1, ql, 1)  # [H, ql, 1]
+            probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+        out.append((probs @ vv).transpose(0, 1))
         row += ql
     return torch.cat(out)
 

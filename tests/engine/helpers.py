@@ -16,7 +16,7 @@ TINY_PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"]
 # parity suite (their adapters: tests/engine/test_lora.py's own tests for them).
 FAMILY_PRESETS = ["tiny-olmo2", "tiny-granite", "tiny-smollm3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3"]
 # Mixture of experts (engine/models/moe.py): the Python layers only (the C++ decode loop declines them)
-MOE_PRESETS = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe", "tiny-mixtral"]
+MOE_PRESETS = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe", "tiny-mixtral", "tiny-gpt-oss"]
 # Sliding windows shorter than the test prompts: Mistral's on every layer (out-of-window blocks freed),
 # Qwen2's on some layers (engine/models/windows.py)
 WINDOW_PRESETS = ["tiny-mistral-swa", "tiny-qwen2-swa"]

@@ -53,7 +53,8 @@ def _file_with(path, tensors: dict[str, tuple[np.ndarray, Q | None]]):
     return open_gguf(path)
 
 
-@pytest.mark.parametrize("qtype", sorted(dequant.QUANTIZED_TYPES - {Q.Q5_0, Q.Q5_1}, key=lambda q: q.value),
+# transformers' torch dequantization has no MXFP4: test_mxfp4_dequantization_matches_the_format below
+@pytest.mark.parametrize("qtype", sorted(dequant.QUANTIZED_TYPES - {Q.Q5_0, Q.Q5_1, Q.MXFP4}, key=lambda q: q.value),
                          ids=lambda q: q.name)
 def test_dequantization_matches_transformers_torch_implementation(tmp_path, qtype):
     """Read back from a file through the engine's path (reader -> to_torch) vs transformers' own torch
@@ -66,6 +67,22 @@ def test_dequantization_matches_transformers_torch_implementation(tmp_path, qtyp
     theirs = ref_dequant.dequantize(torch.from_numpy(data.reshape(-1).copy()), qtype.value).reshape(rows, cols)
     assert ours.shape == (rows, cols) and ours.dtype == torch.float32
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_mxfp4_dequantization_matches_the_format(tmp_path):
+    """MXFP4 (GPT-OSS's experts) read back through the engine's path against the OCP format written out
+    here: per 32 values one E8M0 scale byte e (2^(e - 127)), then 16 bytes of E2M1 codes, the low nibbles
+    the block's first 16 values, the high nibbles the next 16."""
+    rng = np.random.default_rng(39)
+    rows, cols = 4, 128
+    scales = rng.integers(118, 134, (rows, cols // 32, 1), dtype=np.uint8)
+    codes = rng.integers(0, 256, (rows, cols // 32, 16), dtype=np.uint8)
+    data = np.concatenate([scales, codes], axis=-1).reshape(rows, -1)
+    gf = _file_with(tmp_path / "mx.gguf", {"w": (data, Q.MXFP4)})
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+    nibbles = np.concatenate([codes & 0x0F, codes >> 4], axis=-1)  # [rows, blocks, 32]
+    want = (e2m1[nibbles] * np.exp2(scales.astype(np.float32) - 127)).reshape(rows, cols)
+    assert np.array_equal(dequant.to_torch(gf.tensors[0]).numpy(), want)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)

@@ -119,8 +119,9 @@ def test_cpu_experts_take_the_dense_linears_kernels(build_model):
     assert _generate(engine, case) == _generate(plain, case)
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-gpt-oss"])  # GPT-OSS: router bias, sinks, window
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_batch_invariant_mode_keeps_a_requests_tokens_whatever_its_neighbours(build_model, dtype):
+def test_batch_invariant_mode_keeps_a_requests_tokens_whatever_its_neighbours(build_model, dtype, preset):
     """--deterministic on an MoE model: the routers' float32 logits and every expert's product on the
     mode's row-invariant kernels, the sum back per token in expert order: each request's tokens alone,
     in one batch with its neighbours, and with 16-token steps (prompts chunked) are the same, in bf16
@@ -133,7 +134,7 @@ def test_batch_invariant_mode_keeps_a_requests_tokens_whatever_its_neighbours(bu
     if dtype == "bfloat16" and not torch.ops.tokenmill.gemv_supported("bf16"):
         pytest.skip("this CPU lacks AVX2/FMA (the mode refuses bf16 weights there)")
     assert cpu_kernels.load("linear") is None
-    path = build_model("tiny-qwen2-moe")
+    path = build_model(preset)
     case = make_case(vocab=2000, n=12, seed=17)
     case.max_tokens = [10] * len(case.prompts)
     engine = make_engine(path, dtype=dtype, deterministic=True)
@@ -159,7 +160,7 @@ def test_expert_token_counts_for_debugging(build_model):
     assert make_engine(build_model("tiny-llama")).expert_counts() is None
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-mixtral"])
+@pytest.mark.parametrize("preset", ["tiny-qwen2-moe", "tiny-mixtral", "tiny-gpt-oss"])
 def test_speculative_drafts_are_routed_like_any_token(build_model, preset):
     """Verification rows (a request's drafts, several positions in one step) go through the experts as
     any token does: with drafts (every third one wrong) the greedy tokens stay those without."""

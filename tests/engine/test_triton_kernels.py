@@ -212,10 +212,11 @@ def test_auto_selection_on_cpu_is_never_triton_even_under_the_interpreter():
 # ---- the engine on the Triton backend --------------------------------------------------------------
 
 
-def test_engine_on_triton_backend_matches_torch_backend(build_model):
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt-oss"])  # GPT-OSS: sinks, a 24-token window
+def test_engine_on_triton_backend_matches_torch_backend(build_model, preset):
     """Greedy tokens through the whole engine, Triton kernels against the reference backend:
     batched decodes, 8-token chunked prefill, prefix-cache hits, block size 4."""
-    path = build_model("tiny-llama")
+    path = build_model(preset)
     gen = torch.Generator().manual_seed(3)
     shared = torch.randint(10, 2000, (9,), generator=gen).tolist()
     prompts = [shared + torch.randint(10, 2000, (n,), generator=gen).tolist() for n in (3, 14, 1, 25)]

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -72,13 +73,13 @@ void check_tables(const int64_t* tables, const int64_t* lens, const Shapes& sh, 
 // out[s, h * group + g] = softmax(scale q k^T) v per (sequence, KV head) item (kernels/attention.h).
 void attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& tables_t, const at::Tensor& lens_t, at::Tensor& out, const Shapes& sh,
-                    float scale, int64_t max_context, int64_t window, float softcap) {
+                    float scale, int64_t max_context, int64_t window, float softcap, const float* sinks) {
   const int64_t* tables = tables_t.data_ptr<int64_t>();
   const int64_t* lens = lens_t.data_ptr<int64_t>();
   check_tables(tables, lens, sh, max_context);
   const tokenmill::attention::Call c{q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
                                      tables, lens, out.data_ptr(), sh, scale, max_context,
-                                     q.scalar_type() == at::kBFloat16, window, softcap};
+                                     q.scalar_type() == at::kBFloat16, window, softcap, sinks};
   const Isa p = path();
   at::parallel_for(0, sh.num_seqs * sh.kv_heads, 1, [&](int64_t begin, int64_t end) {
     if (p == Isa::Avx512) {
@@ -146,19 +147,45 @@ void paged_store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cach
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
-                                  int64_t max_context, double scale, int64_t window, double softcap) {
+                                  int64_t max_context, double scale, int64_t window, double softcap,
+                                  const std::optional<at::Tensor>& sinks = std::nullopt) {
   // q: [num_seqs, heads, D]. Returns [num_seqs, heads, D] in the cache's dtype. window: a sliding
-  // window (0: none), softcap: attention-logit soft-capping (0: none); see kernels/attention.h.
+  // window (0: none), softcap: attention-logit soft-capping (0: none), sinks: [heads] attention-sink
+  // logits (none: none; any float dtype, read as float32); see kernels/attention.h.
   const Shapes sh = check(q, k_cache, block_tables, context_lens, block_size);
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
                   v_cache.is_contiguous(),
               "paged decode: k_cache and v_cache must match");
   TORCH_CHECK(max_context >= 0, "paged decode: max_context must be >= 0");
   TORCH_CHECK(window >= 0 && softcap >= 0, "paged decode: window and softcap must be >= 0 (0: none)");
+  at::Tensor sinks_f;  // float32 [heads], kept alive through the call
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == sh.heads, "paged decode: sinks must be [heads] (",
+                sh.heads, ")");
+    sinks_f = sinks->to(at::kFloat).contiguous();
+  }
   auto out = at::empty({sh.num_seqs, sh.heads, sh.dim}, v_cache.options());
   attention_impl(q, k_cache, v_cache, block_tables, context_lens, out, sh, static_cast<float>(scale), max_context,
-                 window, static_cast<float>(softcap));
+                 window, static_cast<float>(softcap), sinks_f.defined() ? sinks_f.data_ptr<float>() : nullptr);
   return out;
+}
+
+// paged_decode_attention with learned attention sinks (GPT-OSS), an op of its own: the schema of
+// paged_decode_attention stays as the C++ decode loop (cpu_decode.cpp) calls it.
+at::Tensor paged_decode_attention_sinks(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                        int64_t block_size, int64_t max_context, double scale, int64_t window,
+                                        double softcap, const at::Tensor& sinks) {
+  return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, max_context, scale,
+                                window, softcap, sinks);
+}
+
+at::Tensor paged_decode_attention_plain(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                        int64_t block_size, int64_t max_context, double scale, int64_t window,
+                                        double softcap) {
+  return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, block_size, max_context, scale,
+                                window, softcap);
 }
 
 std::string attention_path() { return tokenmill::isa_name(path()); }
@@ -170,7 +197,11 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
         "int block_size) -> ()");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, int block_size, int max_context, float scale, int window=0, float softcap=0.0) -> Tensor");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+  m.def("paged_decode_attention_sinks(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, int block_size, int max_context, float scale, int window, float softcap, "
+        "Tensor sinks) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention_plain));
+  m.impl("paged_decode_attention_sinks", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention_sinks));
   m.impl("paged_store_kv", c10::DispatchKey::CPU, TORCH_FN(paged_store_kv));
   m.def("attention_path() -> str", &attention_path);
 }

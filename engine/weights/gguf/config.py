@@ -42,6 +42,7 @@ ARCHITECTURES = {
     "qwen3moe": Architecture("Qwen3MoeForCausalLM", "qwen3_moe", permuted_qk=False),
     "qwen2moe": Architecture("Qwen2MoeForCausalLM", "qwen2_moe", permuted_qk=False),
     "olmoe": Architecture("OlmoeForCausalLM", "olmoe", permuted_qk=False),
+    "gpt-oss": Architecture("GptOssForCausalLM", "gpt_oss", permuted_qk=False),
 }
 MIXTRAL = Architecture("MixtralForCausalLM", "mixtral", permuted_qk=True)  # llama.cpp: Llama's converter
 # whether llama.cpp renormalises the top-k routing weights (its build_moe_ffn norm_w), per architecture
@@ -114,6 +115,10 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
         fields.update({field: float(_required(gf, key)) for field, key in _GRANITE_SCALES.items()})
     if arch.model_type == "mistral":
         fields["sliding_window"] = _optional(gf, "attention.sliding_window", None)
+    if arch.model_type == "gpt_oss":  # llama.cpp: sliding and full layers alternate, the sliding ones first
+        fields["sliding_window"] = int(_required(gf, "attention.sliding_window"))
+        fields["layer_types"] = [("sliding_attention", "full_attention")[i % 2]
+                                 for i in range(fields["num_hidden_layers"])]  # fmt: skip
     if arch.model_type == "qwen2":
         fields["use_sliding_window"] = False
     if rotary != head_dim:
@@ -137,6 +142,10 @@ def _moe_fields(gf: GGUFFile, num_layers: int) -> dict[str, Any]:
     and the layers without a router (dense MLPs: Qwen3-MoE's mlp_only_layers; llama.cpp's own files
     have a router on every layer)."""
     experts = int(_required(gf, "expert_count"))
+    if gf.architecture == "gpt-oss":  # every layer sparse, top-k softmax over the chosen logits (no key for it)
+        return {"num_local_experts": experts, "num_experts_per_tok": int(_required(gf, "expert_used_count")),
+                "intermediate_size": int(_optional(gf, "expert_feed_forward_length", 0) or
+                                         _required(gf, "feed_forward_length"))}  # fmt: skip
     fields: dict[str, Any] = {
         "num_local_experts" if gf.architecture == "llama" else "num_experts": experts,
         "num_experts_per_tok": int(_required(gf, "expert_used_count")),
@@ -216,7 +225,12 @@ def _rope_scaling(gf: GGUFFile, rotary: int, context: int) -> dict[str, Any] | N
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(_required(gf, "rope.scaling.factor"))}
-    raise GGUFError(gf.path, f"rope scaling {kind!r} is not supported (supported: none, linear)")
+    if kind == "yarn" and gf.architecture == "gpt-oss":
+        # GPT-OSS's YaRN: llama.cpp's default betas (32, 1), no truncation (the checkpoints' truncate false)
+        return {"rope_type": "yarn", "factor": float(_required(gf, "rope.scaling.factor")),
+                "original_max_position_embeddings": int(_required(gf, "rope.scaling.original_context_length")),
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}  # fmt: skip
+    raise GGUFError(gf.path, f"rope scaling {kind!r} is not supported (supported: none, linear; yarn for gpt-oss)")
 
 
 def _longrope(gf: GGUFFile, rotary: int, context: int) -> dict[str, Any]:

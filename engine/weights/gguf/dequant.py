@@ -18,7 +18,10 @@ from gguf import ReaderTensor
 from gguf.quants import dequantize
 
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
-QUANTIZED_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+# MXFP4 (GPT-OSS's experts): dequantized at load like the rest (4.25 bits a value in the file, the serving
+# dtype's 16 or 32 bits in memory; no kernel multiplies the packed blocks yet)
+QUANTIZED_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
+                             Q.MXFP4})
 # Ordered for error messages.
 SUPPORTED_TYPES = tuple(sorted(FLOAT_TYPES | QUANTIZED_TYPES, key=lambda q: q.value))
 Q8_0_BLOCK = 32  # values per Q8_0 block: one float16 scale, then 32 int8

@@ -50,6 +50,9 @@ _ARCH_BLOCK = {
     "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     # Phi-3: q/k/v and gate/up fused in the file as in the checkpoint (ffn_up holds [gate; up])
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # GPT-OSS: the norm before the MLP is post_attention_norm; the attention sinks; the experts' biases
+    # (ffn_*_exps.bias) follow from _BLOCK's names (engine/models/gpt_oss.py places the split stacks)
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
     # Gemma 2/3: norms before and after attention and MLP (ffn_norm is the one before the MLP)
     **dict.fromkeys(("gemma2", "gemma3"), {
         "post_attention_norm": "post_attention_layernorm",

@@ -3,9 +3,11 @@ values dequantized one tensor at a time."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import torch
+from gguf import GGMLQuantizationType as Q
 from gguf import ReaderTensor
 
 from engine.weights.gguf.config import LONGROPE_TENSORS, Architecture
@@ -13,6 +15,8 @@ from engine.weights.gguf.dequant import to_torch
 from engine.weights.gguf.errors import GGUFError
 from engine.weights.gguf.reader import GGUFFile
 from engine.weights.gguf.tensors import hf_name, permuted_heads, unpermute
+
+log = logging.getLogger("tokenmill.engine")
 
 
 class GGUFWeights:
@@ -28,6 +32,7 @@ class GGUFWeights:
         self.names = {t.name: _mapped(gf, t.name) for t in self.tensors}  # checked at once: fail before loading
         self._by_name = {t.name: t for t in self.tensors}
         self.held: set[str] = set()  # HF names the engine keeps quantized (gguf/blocks.py): not yielded
+        _note_mxfp4(self.tensors)
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -63,3 +68,15 @@ def _mapped(gf: GGUFFile, name: str) -> str:
     if hf is None:
         raise GGUFError(gf.path, f"tensor {name!r} has no place in a {gf.architecture} model")
     return hf
+
+
+def _note_mxfp4(tensors: list[ReaderTensor]) -> None:
+    """Log what dequantizing MXFP4 tensors (GPT-OSS's experts) at load costs: no kernel multiplies the
+    packed blocks yet, so their values take the serving dtype's 2 (bf16) or 4 (float32) bytes, not 17
+    bytes per 32 values."""
+    mx = [t for t in tensors if t.tensor_type == Q.MXFP4]
+    if mx:
+        values = sum(int(t.n_elements) for t in mx)
+        packed = sum(int(t.n_bytes) for t in mx)
+        log.info("GGUF: %d MXFP4 tensors (%.1f MiB packed) are dequantized at load: %.1f MiB in bf16, %.1f MiB "
+                 "in float32", len(mx), packed / 2**20, values * 2 / 2**20, values * 4 / 2**20)  # fmt: skip

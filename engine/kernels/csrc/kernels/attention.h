@@ -16,7 +16,9 @@ struct Shapes {
 // slots, D] (K used dimension-major per block, V token-major), the tables [num_seqs, width], the
 // context lengths, out [num_seqs, heads, D]; float32, or bf16 where `bf16`. window > 0: the query
 // (at position ctx - 1) sees only positions ctx - window .. ctx - 1, and blocks before them are never
-// read; softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
+// read; softcap > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax;
+// sinks (nullptr: none): float32 [heads], query head h's sink logit joins its softmax's denominator
+// (m = max(m, sink), l += exp(sink - m); no value: GPT-OSS's learned attention sinks).
 struct Call {
   const void* q;
   int64_t q_s0, q_s1;
@@ -31,6 +33,7 @@ struct Call {
   bool bf16;
   int64_t window;
   float softcap;
+  const float* sinks;
 };
 
 // Items [begin, end) of a call: item = sequence * kv_heads + KV head.
