@@ -39,3 +39,17 @@ def uniform_window(cfg) -> int | None:
     left the window is read by no layer and can be freed. None otherwise."""
     windows = layer_windows(cfg)
     return windows[0] if windows and windows[0] is not None and len(set(windows)) == 1 else None
+
+
+def group_windows(cfg) -> list[int | None]:
+    """The KV-cache groups of a model (engine/kv/groups.py): one per distinct layer window, full
+    attention (None) first, then the windows in increasing order. One group for a model whose layers
+    all have the same window (Llama: [None]; Mistral: [W]); Gemma 2/3: [None, W]."""
+    distinct = set(layer_windows(cfg))
+    return ([None] if None in distinct else []) + sorted(w for w in distinct if w is not None)
+
+
+def layer_groups(cfg) -> list[int]:
+    """Per layer, the index of its KV-cache group in group_windows(cfg)."""
+    groups = group_windows(cfg)
+    return [groups.index(w) for w in layer_windows(cfg)]
