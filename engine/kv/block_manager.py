@@ -14,14 +14,15 @@ With `record_events`, every change to the set of findable blocks is recorded as 
 the engine takes them once per step (`take_events`). Replaying them in order rebuilds exactly
 `cached_hashes()`.
 
-Sliding windows (`sliding_window`, set only when every layer of the model attends through the same
-window: Mistral; engine/models/windows.py uniform_window): once a request's computed tokens reach past
-a block by the whole window, no later query reads it, so `release_out_of_window` frees it. Its entry
-in the block table stays, as NULL_BLOCK, so positions keep their blocks; `request.num_freed_blocks`
-counts these leading placeholders. A freed block is handed back like a finished request's: one that
-holds a registered prefix stays findable until evicted (its K/V are unchanged until then, so a hit on
-it is exact), then the chain of hits stops there as for any evicted block. A model that mixes sliding
-and full layers (Gemma 2/3) keeps every block: its full layers read them all.
+Sliding windows (`sliding_window`: the window of every layer whose blocks this manager keeps: Mistral's
+one group, or a sliding group of a model mixing sliding and full layers, engine/kv/groups.py): once a
+request's computed tokens reach past a block by the whole window, no later query reads it, so
+`release_out_of_window` frees it. Its entry in the block table stays, as NULL_BLOCK, so positions keep
+their blocks; `num_freed_blocks` counts these leading placeholders. A freed block is handed back like a
+finished request's: one that holds a registered prefix stays findable until evicted (its K/V are
+unchanged until then, so a hit on it is exact), then the chain of hits stops there as for any evicted
+block. A manager of group g > 0 keeps its tables in request.kv_groups[g - 1] (`table`), group 0 in the
+Request's own fields.
 """
 
 from __future__ import annotations

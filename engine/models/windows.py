@@ -1,6 +1,7 @@
 """Which layers attend through a sliding window, read from a Hugging Face config the way transformers
-reads it for that config class. One place, used by the models (each attention layer's `window`), the
-start-up checks and the KV block manager (blocks that left every window are freed)."""
+reads it for that config class. One place, used by the models (each attention layer's `window` and KV-cache
+group), the start-up log and the KV-cache groups (engine/kv/groups.py: a group's blocks that left its
+window are freed)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def layer_windows(cfg) -> list[int | None]:
 
 
 def uniform_window(cfg) -> int | None:
-    """The window when every layer is a sliding layer with the same one (Mistral): then a block that
-    left the window is read by no layer and can be freed. None otherwise."""
+    """The window when every layer is a sliding layer with the same one (Mistral): the model's one KV-cache
+    group has it (group_windows). None otherwise."""
     windows = layer_windows(cfg)
     return windows[0] if windows and windows[0] is not None and len(set(windows)) == 1 else None
 

@@ -157,3 +157,27 @@ def test_a_long_prompt_holds_the_full_layers_kv_and_a_window_for_the_local_ones(
     # the full layer's bytes per token, plus at most the window and a block for the 3 local layers
     assert with_groups <= spec_bytes + 3 * spec_bytes * (WINDOW + 2 * 4) / len(prompt)
     assert with_groups < every_layer / 3
+
+
+def test_abort_frees_every_group(build_model):
+    path = build_model("tiny-gemma3")
+    prompts = _prompts(2, 60, 13)
+    ref = hf_reference(path, Case([prompts[1]], [20]))
+    engine = make_engine(path, block_size=4, max_num_batched_tokens=32)
+    blocks = engine.scheduler.blocks
+    engine.add_request("a", prompt_token_ids=prompts[0], params=greedy(40))
+    engine.add_request("b", prompt_token_ids=prompts[1], params=greedy(20))
+    got: list[int] = []
+    for _ in range(6):
+        got += [t for out in engine.step() if out.request_id == "b" for t in out.new_token_ids]
+    a = engine.scheduler.requests["a"]
+    held_a = blocks.held_blocks(a)
+    assert held_a[0] > 0 and held_a[1] > 0
+    used = (blocks.num_used_blocks, blocks.others[0].num_used_blocks)
+    assert engine.abort("a")
+    assert (blocks.num_used_blocks, blocks.others[0].num_used_blocks) == (used[0] - held_a[0], used[1] - held_a[1])
+    engine.check_integrity()
+    while engine.has_unfinished():
+        got += [t for out in engine.step() if out.request_id == "b" for t in out.new_token_ids]
+    assert got == ref.token_ids[0]
+    _idle(engine)
