@@ -181,3 +181,19 @@ def test_abort_frees_every_group(build_model):
         got += [t for out in engine.step() if out.request_id == "b" for t in out.new_token_ids]
     assert got == ref.token_ids[0]
     _idle(engine)
+
+
+def test_a_memory_budget_gives_the_full_group_what_the_sliding_one_does_not_need(build_model):
+    """Sized from kv_cache_memory: the sliding group gets its bound, the full group the rest, so it holds
+    more tokens than a one-pool cache of the whole model would in the same bytes."""
+    from engine.kv.groups import window_blocks_bound
+
+    path = build_model("tiny-gemma3")
+    budget = 4 << 20  # bytes: a block of 16 tokens of one layer is 2 * 16 * 32 * 4 = 4 KiB
+    engine = make_engine(path, num_kv_blocks=None, kv_cache_memory=budget, block_size=16, max_num_seqs=4,
+                         max_num_batched_tokens=64)  # fmt: skip
+    layer_block = 2 * 16 * 32 * 4
+    equal = budget // (4 * layer_block)  # blocks of a one-pool cache of the 4 layers
+    bound = window_blocks_bound(WINDOW, 16, 4, 64)
+    assert engine.kv_group_blocks == [(budget - bound * 3 * layer_block) // layer_block, bound]
+    assert engine.kv_group_blocks[0] > 3 * equal and engine.kv_cache_bytes <= budget
