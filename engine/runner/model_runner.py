@@ -96,10 +96,11 @@ class ModelRunner:
         if bucket is not None:
             return self.graphs.run(bucket, input_ids, positions, layout)
         meta = self.backend.build_metadata(layout, self.device)
-        group_metas = (meta, *(self.backend.build_metadata(g, self.device) for g in layout.group_layouts))
+        group_metas = (meta, *(self.backend.build_metadata(g, self.device) for g in layout.group_layouts)
+                       ) if layout.group_layouts else ()  # fmt: skip
         ctx = ForwardContext(self.backend, meta, self.kv_caches, lora=lora,
                              rope_long=self._send(rope_long) if rope_long is not None else None,
-                             group_metas=group_metas if layout.group_layouts else ())  # fmt: skip
+                             group_metas=group_metas)  # fmt: skip
         return self.model(self._send(input_ids), self._send(positions), ctx)
 
     def _rope_long(self, items: list[ScheduledRequest]) -> torch.Tensor | None:
@@ -158,10 +159,11 @@ class ModelRunner:
                 query_lens.append(b - a)
                 context_lens.append(b)
                 tables.append(table)
-            for g, (g_slots, g_tables) in enumerate(extra):  # the other KV groups: same rows, their tables
-                g_table = req.kv_groups[g].block_ids
-                g_slots.extend(g_table[p // bs] * bs + p % bs for p in range(start, end))
-                g_tables.extend([g_table] * (end - start if split else 1))
+            if extra:  # the other KV groups: the same rows over their tables
+                for g, (g_slots, g_tables) in enumerate(extra):
+                    g_table = req.kv_groups[g].block_ids
+                    g_slots.extend(g_table[p // bs] * bs + p % bs for p in range(start, end))
+                    g_tables.extend([g_table] * (end - start if split else 1))
         layout = BatchLayout(
             num_decodes=sum(1 for q in query_lens if q == 1),
             query_lens=query_lens,
@@ -170,7 +172,8 @@ class ModelRunner:
             block_size=bs,
             slot_mapping=torch.tensor(slots, dtype=torch.long),
         )
-        layout.group_layouts = [dataclasses.replace(layout, block_tables=g_tables, group_layouts=[],
-                                                    slot_mapping=torch.tensor(g_slots, dtype=torch.long))
-                                for g_slots, g_tables in extra]  # fmt: skip
+        if extra:
+            layout.group_layouts = [dataclasses.replace(layout, block_tables=g_tables, group_layouts=[],
+                                                        slot_mapping=torch.tensor(g_slots, dtype=torch.long))
+                                    for g_slots, g_tables in extra]  # fmt: skip
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), layout  # on the host
