@@ -19,12 +19,13 @@ from engine.core.thread_count import ThreadPin, per_thread_setter
 from engine.core.thread_governor import GovernorConfig, ThreadGovernor
 from engine.kernels import cpu_kernels
 from engine.kv.block_manager import BlockManager
-from engine.kv.cache import allocate_kv_cache
+from engine.kv.cache import allocate_grouped_kv_cache, allocate_kv_cache
 from engine.kv.events import KVEventSink
+from engine.kv.groups import GroupedBlockManager, group_block_counts
 from engine.lora.loading import make_registry
 from engine.models import batch_invariant
 from engine.models.moe import MoeCausalLM
-from engine.models.windows import layer_windows, uniform_window
+from engine.models.windows import group_windows, layer_groups, layer_windows
 from engine.runner import startup
 from engine.runner.cuda_graphs import capture_graphs, graph_buckets, graphs_enabled
 from engine.runner.model_runner import ModelRunner
@@ -85,17 +86,32 @@ class Engine(StepLoop):
         buckets = graph_buckets(config.max_num_seqs)
         spec = startup.kv_spec(self.hf_config, self.block_size, self.dtype)
         num_blocks = config.num_kv_blocks
+        budget_bytes: int | None = None  # the KV budget when sized from memory (None: a block count given)
         if num_blocks is None:
             cuda_profile = self.device.type == "cuda" and config.kv_cache_memory is None
             peak = activation_peak_bytes(model, backend, spec, self.device, min(budget, self.max_model_len),
                                          config.max_num_seqs, buckets[-1] if use_graphs else 0) if cuda_profile else 0
-            num_blocks = spec.num_blocks_for(startup.kv_budget_bytes(config, self.device, peak))
+            budget_bytes = startup.kv_budget_bytes(config, self.device, peak)
+            num_blocks = spec.num_blocks_for(budget_bytes)
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small for one KV block")
         rows_kernel = backend.name == "cpu" and cpu_kernels.load("sampling") is None
         self.sampler = Sampler(config.seed, rows_kernel=rows_kernel)
-        kv = allocate_kv_cache(spec, num_blocks, self.device, backend)
-        self.kv_cache_bytes = num_blocks * spec.bytes_per_block
+        # KV-cache groups (engine/kv/groups.py): one per distinct layer window; block counts per group
+        windows, groups = group_windows(self.hf_config), layer_groups(self.hf_config)
+        group_bytes = [dataclasses.replace(spec, num_layers=groups.count(g)).bytes_per_block
+                       for g in range(len(windows))]  # fmt: skip
+        counts = group_block_counts(group_bytes, windows, num_blocks, budget_bytes, self.block_size,
+                                    config.max_num_seqs, budget) if len(windows) > 1 else [num_blocks]  # fmt: skip
+        kv = (allocate_grouped_kv_cache(spec, counts, groups, self.device, backend) if len(windows) > 1
+              else allocate_kv_cache(spec, num_blocks, self.device, backend))  # fmt: skip
+        self.kv_cache_bytes = sum(n * b for n, b in zip(counts, group_bytes, strict=True))
+        self.kv_group_blocks = counts
+        num_blocks = counts[0]
+        blocks_kw = dict(enable_prefix_caching=config.enable_prefix_caching, record_events=kv_event_sink is not None,
+                         event_hash_salt=secrets.randbits(64), rope_switch=getattr(model, "rope_switch", None))
+        block_manager = (GroupedBlockManager(counts, self.block_size, windows, **blocks_kw) if len(windows) > 1
+                         else BlockManager(num_blocks, self.block_size, sliding_window=windows[0], **blocks_kw))
         graphs = capture_graphs(model, backend, kv, buckets, self.block_size, self.max_model_len,
                                 self.device) if use_graphs else None
         loras = make_registry(config.lora, self.hf_config, self.device, self.dtype) if config.lora else None
@@ -103,12 +119,8 @@ class Engine(StepLoop):
             model_name=source.name,
             tokenizer=source.tokenizer,
             runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs, loras,
-                               one_row_attention=config.deterministic),
-            block_manager=BlockManager(num_blocks, self.block_size, config.enable_prefix_caching,
-                                       record_events=kv_event_sink is not None,
-                                       event_hash_salt=secrets.randbits(64),
-                                       sliding_window=uniform_window(self.hf_config),
-                                       rope_switch=getattr(model, "rope_switch", None)),
+                               one_row_attention=config.deterministic, kv_groups=len(windows)),
+            block_manager=block_manager,
             scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.aging_s,
                                              config.outranked_chunk_tokens, config.speculative,
                                              tenant_weights=config.tenant_weights,
@@ -141,12 +153,11 @@ class Engine(StepLoop):
                 self.load_lora(name, path)
             except LoraError as exc:  # say which adapter
                 raise type(exc)(exc.field, f"lora module {name!r}: {exc.message}") from None
-        windows = [w for w in layer_windows(self.hf_config) if w is not None]
-        if windows:  # which layers attend through a window, and whether out-of-window blocks are freed
-            log.info("sliding window: %s tokens on %d of %d layers; KV blocks that left it: %s", max(windows),
-                     len(windows), len(layer_windows(self.hf_config)),
-                     "freed" if self.scheduler.blocks.sliding_window is not None
-                     else "kept (full-attention layers read them)")  # fmt: skip
+        sliding = [w for w in layer_windows(self.hf_config) if w is not None]
+        if sliding:  # which layers attend through a window; their blocks that left it are freed
+            log.info("sliding window: %s tokens on %d of %d layers; KV blocks that left it: freed; KV groups "
+                     "(window: blocks): %s", max(sliding), len(sliding), len(groups),
+                     ", ".join(f"{w or 'full'}: {n}" for w, n in zip(windows, counts, strict=True)))  # fmt: skip
         if isinstance(model, MoeCausalLM):  # tokens per expert, for debugging (expert_counts)
             model.count_expert_tokens(self.device)
         log.info(

@@ -19,6 +19,17 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(eq=False)
+class GroupTable:
+    """A request's block table in one extra KV-cache group (engine/kv/groups.py): the same four fields as
+    the Request's own table (group 0's), with the same meanings, over that group's block pool."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_freed_blocks: int = 0
+    num_hashed_blocks: int = 0
+    last_block_hash: int | None = None
+
+
+@dataclass(eq=False)
 class Request:
     """One generation request. The block table is here; the blocks themselves live in the block manager."""
 
@@ -54,6 +65,8 @@ class Request:
     num_freed_blocks: int = 0
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
     last_block_hash: int | None = None  # chained hash of the last registered block
+    # the other KV-cache groups' tables (group g at index g - 1; engine/kv/groups.py); empty with one group
+    kv_groups: list[GroupTable] = field(default_factory=list)
     # -- the output processor's (token appends, text) ------------------------------------------------------
     output_token_ids: list[int] = field(default_factory=list)
     text: Any = None  # RequestTextState: detokenizer and stop-string filter, kept across preemptions

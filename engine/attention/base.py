@@ -8,7 +8,7 @@ per-step metadata it needs (build_metadata), then every layer calls forward() wi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,9 @@ class BatchLayout:
     block_tables: list[list[int]]  # per sequence, its block ids in order
     block_size: int
     slot_mapping: torch.Tensor  # [num_tokens] long, cache slot of each new token (-1: do not store)
+    # A model with KV-cache groups (engine/kv/groups.py): groups 1.. as layouts of their own (the same rows,
+    # their block tables and slots); empty with one group
+    group_layouts: list[BatchLayout] = field(default_factory=list)
 
 
 class AttentionMetadata:

@@ -14,14 +14,15 @@ With `record_events`, every change to the set of findable blocks is recorded as 
 the engine takes them once per step (`take_events`). Replaying them in order rebuilds exactly
 `cached_hashes()`.
 
-Sliding windows (`sliding_window`, set only when every layer of the model attends through the same
-window: Mistral; engine/models/windows.py uniform_window): once a request's computed tokens reach past
-a block by the whole window, no later query reads it, so `release_out_of_window` frees it. Its entry
-in the block table stays, as NULL_BLOCK, so positions keep their blocks; `request.num_freed_blocks`
-counts these leading placeholders. A freed block is handed back like a finished request's: one that
-holds a registered prefix stays findable until evicted (its K/V are unchanged until then, so a hit on
-it is exact), then the chain of hits stops there as for any evicted block. A model that mixes sliding
-and full layers (Gemma 2/3) keeps every block: its full layers read them all.
+Sliding windows (`sliding_window`: the window of every layer whose blocks this manager keeps: Mistral's
+one group, or a sliding group of a model mixing sliding and full layers, engine/kv/groups.py): once a
+request's computed tokens reach past a block by the whole window, no later query reads it, so
+`release_out_of_window` frees it. Its entry in the block table stays, as NULL_BLOCK, so positions keep
+their blocks; `num_freed_blocks` counts these leading placeholders. A freed block is handed back like a
+finished request's: one that holds a registered prefix stays findable until evicted (its K/V are
+unchanged until then, so a hit on it is exact), then the chain of hits stops there as for any evicted
+block. A manager of group g > 0 keeps its tables in request.kv_groups[g - 1] (`table`), group 0 in the
+Request's own fields.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
-from engine.request import Request
+from engine.request import GroupTable, Request
 
 
 @dataclass(eq=False)
@@ -91,11 +92,14 @@ class BlockManager:
         event_hash_salt: int = 0,
         sliding_window: int | None = None,
         rope_switch: int | None = None,
+        group: int = 0,
     ) -> None:
         """`record_events`: keep KV events for take_events(); `event_hash_salt`: mixed into the hashes
         they carry (engine/kv/events.py external_hash); `sliding_window`: the window of a model whose
         every layer has it (blocks that left it are freed, release_out_of_window), None otherwise;
-        `rope_switch`: a LongRoPE model's switch position (root_hash), None otherwise."""
+        `rope_switch`: a LongRoPE model's switch position (root_hash), None otherwise; `group`: the KV-cache
+        group whose block tables it keeps (engine/kv/groups.py): 0 the Request's own fields, g > 0
+        request.kv_groups[g - 1]."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.block_size = block_size
@@ -112,6 +116,16 @@ class BlockManager:
         self._salt = event_hash_salt
         self.sliding_window = sliding_window
         self.rope_switch = rope_switch
+        self.group = group
+
+    def table(self, request: Request) -> Request | GroupTable:
+        """The request's block table in this manager's group (created empty on first use)."""
+        if self.group == 0:
+            return request
+        tables = request.kv_groups
+        while len(tables) < self.group:
+            tables.append(GroupTable())
+        return tables[self.group - 1]
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -124,8 +138,9 @@ class BlockManager:
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Blocks to add so that request can hold num_computed + num_new_tokens tokens."""
+        t = self.table(request)
         total = request.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(request.block_ids))
+        return max(0, -(-total // self.block_size) - len(t.block_ids))
 
     # ---- prefix cache ----------------------------------------------------------------------
     def find_cached_prefix(self, request: Request) -> list[int]:
@@ -148,34 +163,54 @@ class BlockManager:
             parent = h
         return hits
 
-    def acquire_cached_prefix(self, request: Request, block_ids: list[int]) -> None:
-        """Give the request the cached blocks (from find_cached_prefix) and count the lookup."""
-        assert not request.block_ids and request.num_computed_tokens == 0
+    def acquire_cached_prefix(self, request: Request, block_ids: list[int], first: int = 0,
+                              last_hash: int | None = None) -> None:
+        """Give the request the cached blocks (from find_cached_prefix) and count the lookup.
+
+        A sliding group's hit (engine/kv/groups.py) holds only the blocks its window still reads: block_ids
+        are blocks first.. of the prefix, the `first` before them stand as NULL_BLOCK (freed, as if they
+        had left the window), and last_hash is the chained hash of the prefix's last block."""
+        t = self.table(request)
+        assert not t.block_ids and (self.group or request.num_computed_tokens == 0)
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
             block.ref_count += 1
-        request.block_ids = list(block_ids)
-        request.num_computed_tokens = len(block_ids) * self.block_size
-        request.num_hashed_blocks = len(block_ids)
-        request.last_block_hash = self.blocks[block_ids[-1]].block_hash if block_ids else None
+        t.block_ids = [NULL_BLOCK] * first + list(block_ids)
+        t.num_freed_blocks = first
+        t.num_hashed_blocks = len(t.block_ids)
+        t.last_block_hash = self.blocks[block_ids[-1]].block_hash if block_ids else last_hash
+        if self.group:  # the request's counters are group 0's
+            return
+        request.num_computed_tokens = len(t.block_ids) * self.block_size
         if self.enable_prefix_caching:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += request.num_computed_tokens
 
+    def fits(self, request: Request, cached: list[int], num_new_tokens: int, first: int = 0) -> bool:
+        """Whether a waiting request can take its cached prefix blocks (blocks first.. of its prefix,
+        acquire_cached_prefix) plus blocks for num_new_tokens new tokens."""
+        bs = self.block_size
+        prefix = first + len(cached)
+        new_blocks = -(-(prefix * bs + num_new_tokens) // bs) - prefix
+        # Cached prefix blocks that sit in the free list stop being free once acquired.
+        cached_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        return new_blocks + cached_free <= len(self._free)
+
     def register_computed_blocks(self, request: Request) -> None:
         """Register every full block whose K/V are now computed, so later requests can share it."""
+        t = self.table(request)
         if not self.enable_prefix_caching:
             return
-        n_done = request.num_hashed_blocks
-        n_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        parent = request.last_block_hash if n_done else root_hash(request, self.rope_switch)
+        n_done = t.num_hashed_blocks
+        n_full = min(request.num_computed_tokens // self.block_size, len(t.block_ids))
+        parent = t.last_block_hash if n_done else root_hash(request, self.rope_switch)
         run: list[Block] = []  # consecutive blocks registered here: one BlockStored event
         for i in range(n_done, n_full):
             tokens = tuple(request.tokens(i * self.block_size, (i + 1) * self.block_size))
             h = chain_hash(parent, tokens)
-            block = self.blocks[request.block_ids[i]]
+            block = self.blocks[t.block_ids[i]]
             if block.block_hash is None and h not in self._cached:
                 block.block_hash, block.token_ids, block.parent_hash = h, tokens, parent
                 block.lora_id = request.lora_id
@@ -186,30 +221,33 @@ class BlockManager:
                 run = []
             parent = h
         self._record_stored(run)
-        request.num_hashed_blocks = max(n_done, n_full)
-        request.last_block_hash = parent
+        t.num_hashed_blocks = max(n_done, n_full)
+        t.last_block_hash = parent
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Add blocks so the request can hold num_new_tokens more tokens. False (and no change)
         when there are not enough free blocks."""
+        t = self.table(request)
         needed = self.blocks_needed(request, num_new_tokens)
         if needed > len(self._free):
             return False
         for _ in range(needed):
-            request.block_ids.append(self._take_free_block())
+            t.block_ids.append(self._take_free_block())
         return True
 
     def free(self, request: Request) -> None:
         """Release the request's blocks. Blocks go to the free list in reverse order, so the LRU
         evicts a sequence's tail before its head (heads are the likelier shared prefixes)."""
-        for block_id in reversed(request.block_ids[request.num_freed_blocks :]):
+        t = self.table(request)
+        for block_id in reversed(t.block_ids[t.num_freed_blocks :]):
             self._release(block_id)
-        request.block_ids = []
-        request.num_freed_blocks = 0
-        request.num_computed_tokens = 0
-        request.num_hashed_blocks = 0
-        request.last_block_hash = None
+        t.block_ids = []
+        t.num_freed_blocks = 0
+        t.num_hashed_blocks = 0
+        t.last_block_hash = None
+        if not self.group:  # the request's counters are group 0's
+            request.num_computed_tokens = 0
 
     def release_out_of_window(self, request: Request) -> int:
         """Free the request's blocks that no query will read again (a sliding-window model, see the
@@ -217,17 +255,18 @@ class BlockManager:
         to sliding_window - 1 positions before it, so block i is done once (i + 1) * block_size <=
         num_computed_tokens - sliding_window + 1. With prefix caching only registered blocks go (the
         rest are registered first, by register_computed_blocks). Returns how many were freed now."""
+        t = self.table(request)
         if self.sliding_window is None:
             return 0
         done = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
         if self.enable_prefix_caching:
-            done = min(done, request.num_hashed_blocks)
-        done = min(done, len(request.block_ids))
-        start = request.num_freed_blocks
+            done = min(done, t.num_hashed_blocks)
+        done = min(done, len(t.block_ids))
+        start = t.num_freed_blocks
         for i in range(start, done):
-            self._release(request.block_ids[i])
-            request.block_ids[i] = NULL_BLOCK
-        request.num_freed_blocks = max(start, done)
+            self._release(t.block_ids[i])
+            t.block_ids[i] = NULL_BLOCK
+        t.num_freed_blocks = max(start, done)
         return max(0, done - start)
 
     def _release(self, block_id: int) -> None:
@@ -241,16 +280,17 @@ class BlockManager:
     def truncate(self, request: Request) -> None:
         """Free the blocks past the request's computed tokens (a rejected draft tail's). They were
         never full and computed, so none carries a prefix-cache hash; they are reused first."""
+        t = self.table(request)
         keep = -(-request.num_computed_tokens // self.block_size)
-        if keep < request.num_hashed_blocks:
+        if keep < t.num_hashed_blocks:
             raise RuntimeError("truncate would drop blocks registered in the prefix cache")
-        for block_id in reversed(request.block_ids[keep:]):
+        for block_id in reversed(t.block_ids[keep:]):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
                 self._free.move_to_end(block_id, last=False)
-        del request.block_ids[keep:]
+        del t.block_ids[keep:]
 
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)
@@ -355,7 +395,8 @@ class BlockManager:
         """
         refs = [0] * self.num_blocks
         for req in requests:
-            for block_id in req.block_ids[req.num_freed_blocks :]:
+            t = self.table(req)
+            for block_id in t.block_ids[t.num_freed_blocks :]:
                 refs[block_id] += 1
         for block in self.blocks:
             is_free = block.block_id in self._free

@@ -64,6 +64,7 @@ class FusedDecode:
         # per layer, its sliding window (0: full attention); soft-capped layers never get here
         # (LlamaForCausalLM.fused_decode_unsupported)
         self.windows = [layer.self_attn.window or 0 for layer in layers]
+        self.groups = [layer.self_attn.kv_group for layer in layers]  # per layer, its KV-cache group
         self.eps = layers[0].input_layernorm.eps
         self.fused_norm = layers[0].input_layernorm.fused
         self._plans: dict[int, _Plan | None] = {}  # row count -> plan (None: the Python layers)
@@ -98,13 +99,24 @@ class FusedDecode:
         nd = meta.num_decodes
         k_caches = [k for k, _ in ctx.kv_caches]
         v_caches = [v for _, v in ctx.kv_caches]
+        slots, tables = self._group_operands(ctx, nd)
         out = torch.ops.tokenmill.decode_layers(
-            x, ctx.cos, ctx.sin, k_caches, v_caches, meta.slot_mapping, meta.decode_gather.view(nd, -1),
+            x, ctx.cos, ctx.sin, k_caches, v_caches, slots, tables,
             meta.decode_lens, meta.block_size, meta.decode_ctx, self.scale, plan.weights, plan.kinds, plan.shapes,
             self.heads, self.kv_heads, self.head_dim, self.eps, self.fused_norm, self.qk_norm,
             lora_set, None if lora is None else lora.slots, self.windows, plan.ggml_types,
         )  # fmt: skip
         return out[0], out[1]
+
+    def _group_operands(self, ctx: ForwardContext, nd: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer, the slot mapping and [nd, width] block tables of its KV-cache group (engine/kv/groups.py;
+        every group's rows are the same decodes, so the lengths and the padded context are shared)."""
+        if not ctx.group_metas:  # one group: the same for every layer
+            meta = ctx.meta
+            return [meta.slot_mapping] * len(self.groups), [meta.decode_gather.view(nd, -1)] * len(self.groups)
+        metas = ctx.group_metas
+        tables = [m.decode_gather.view(nd, -1) for m in metas]
+        return [metas[g].slot_mapping for g in self.groups], [tables[g] for g in self.groups]
 
     def _lora_operands(self, lora: LoraBatch) -> torch.ScriptObject:
         """The step's adapter operands (cpu_decode.cpp LoraSet): per layer, per linear, per segment A,

@@ -23,6 +23,10 @@ class ForwardContext:
     backend: AttentionBackend
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    # A model with several KV-cache groups (engine/kv/groups.py): per group, its metadata (its block tables
+    # and slots; group_metas[0] is `meta`), each layer reading its group's (LlamaAttention.kv_group).
+    # Empty: every layer reads `meta` (one group, the draft model, profiling).
+    group_metas: tuple[AttentionMetadata, ...] = ()
     # Rotary tables gathered once per step for the packed positions: [T, 1, head_dim] each.
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None

@@ -22,7 +22,7 @@ from engine.models.layers import (
 from engine.models.moe import ExpertSlot, MoeExperts, expert_destination, expert_missing
 from engine.models.packed_linear import PackedLinear, pack_linears
 from engine.models.rope import check_rope_supported, rotary_dim_of, rotary_embedding
-from engine.models.windows import layer_windows
+from engine.models.windows import layer_groups, layer_windows
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -43,6 +43,8 @@ class LlamaAttention(nn.Module):
         # sliding window of this layer (None: full attention; models/windows.py reads the config) and the
         # attention-logit soft-cap (None: none; a subclass sets it from its config, Gemma 2)
         self.window: int | None = layer_windows(cfg)[layer_idx]
+        # its KV-cache group (engine/kv/groups.py): which block tables and slots it reads (ctx.group_metas)
+        self.kv_group: int = layer_groups(cfg)[layer_idx]
         self.softcap: float | None = None
         # learned attention sinks [heads] (GPT-OSS: engine/models/gpt_oss.py), passed to the backends; None: none
         self.sinks: nn.Parameter | None = None
@@ -65,7 +67,8 @@ class LlamaAttention(nn.Module):
         v = qkv[:, q_size + kv_size :].view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = self.query_key(qkv, ctx)
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
-        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.window,
+        meta = ctx.group_metas[self.kv_group] if ctx.group_metas else ctx.meta
+        o = ctx.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, self.window,
                                 self.softcap, self.sinks).reshape(t, -1)  # [T, H D]
         return self.o_proj(o) if lora is None else lora.add("o", o, self.o_proj(o))
 
@@ -218,6 +221,9 @@ class LlamaForCausalLM(nn.Module):
 
     def cuda_graphs_unsupported(self) -> str | None:
         """Why decode steps of this model cannot be captured in CUDA graphs; None when they can."""
+        if any(layer.self_attn.kv_group for layer in self.model.layers):
+            # the graphs' persistent decode buffers hold one block table per row (engine/runner/cuda_graphs.py)
+            return "KV-cache groups (sliding and full layers read their own block tables)"
         return None
 
     @property

@@ -1,6 +1,7 @@
 """Which layers attend through a sliding window, read from a Hugging Face config the way transformers
-reads it for that config class. One place, used by the models (each attention layer's `window`), the
-start-up checks and the KV block manager (blocks that left every window are freed)."""
+reads it for that config class. One place, used by the models (each attention layer's `window` and KV-cache
+group), the start-up log and the KV-cache groups (engine/kv/groups.py: a group's blocks that left its
+window are freed)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,21 @@ def layer_windows(cfg) -> list[int | None]:
 
 
 def uniform_window(cfg) -> int | None:
-    """The window when every layer is a sliding layer with the same one (Mistral): then a block that
-    left the window is read by no layer and can be freed. None otherwise."""
+    """The window when every layer is a sliding layer with the same one (Mistral): the model's one KV-cache
+    group has it (group_windows). None otherwise."""
     windows = layer_windows(cfg)
     return windows[0] if windows and windows[0] is not None and len(set(windows)) == 1 else None
+
+
+def group_windows(cfg) -> list[int | None]:
+    """The KV-cache groups of a model (engine/kv/groups.py): one per distinct layer window, full
+    attention (None) first, then the windows in increasing order. One group for a model whose layers
+    all have the same window (Llama: [None]; Mistral: [W]); Gemma 2/3: [None, W]."""
+    distinct = set(layer_windows(cfg))
+    return ([None] if None in distinct else []) + sorted(w for w in distinct if w is not None)
+
+
+def layer_groups(cfg) -> list[int]:
+    """Per layer, the index of its KV-cache group in group_windows(cfg)."""
+    groups = group_windows(cfg)
+    return [groups.index(w) for w in layer_windows(cfg)]

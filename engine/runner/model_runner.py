@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.attention import AttentionBackend, BatchLayout
@@ -21,7 +23,7 @@ class ModelRunner:
         self, model: LlamaForCausalLM, kv_caches, backend: AttentionBackend, block_size: int,
         device: torch.device, sampler: Sampler, graphs: DecodeGraphRunner | None = None,
         loras: LoraRegistry | None = None,
-        one_row_attention: bool = False,
+        one_row_attention: bool = False, kv_groups: int = 1,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -34,6 +36,9 @@ class ModelRunner:
         # Every prompt chunk packed as one decode per position, so each query row attends through the
         # decode kernel whatever its chunk (batch-invariant mode, engine/models/batch_invariant.py).
         self.one_row_attention = one_row_attention
+        # KV-cache groups (engine/kv/groups.py): > 1, each step also packs the other groups' block tables and
+        # slots (request.kv_groups), and every layer reads its group's metadata (ForwardContext.group_metas)
+        self.kv_groups = kv_groups
         # LongRoPE's switch position (None: another rope type): the tokens below it of a sequence longer
         # than it take the long factors (engine/models/rope.py LongRopeEmbedding)
         self.rope_switch: int | None = getattr(model, "rope_switch", None)
@@ -86,13 +91,16 @@ class ModelRunner:
                  lora: LoraBatch | None = None, rope_long: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The model over one packed step (host tensors in): a decode graph's replay when one fits
         (graphs are captured without adapters or LongRoPE's long-factor rows: such a step runs eagerly)."""
-        eager = lora is not None or rope_long is not None
+        eager = lora is not None or rope_long is not None or bool(layout.group_layouts)  # graphs: one group
         bucket = self.graphs.bucket_for(layout) if self.graphs is not None and not eager else None
         if bucket is not None:
             return self.graphs.run(bucket, input_ids, positions, layout)
         meta = self.backend.build_metadata(layout, self.device)
+        group_metas = (meta, *(self.backend.build_metadata(g, self.device) for g in layout.group_layouts)
+                       ) if layout.group_layouts else ()  # fmt: skip
         ctx = ForwardContext(self.backend, meta, self.kv_caches, lora=lora,
-                             rope_long=self._send(rope_long) if rope_long is not None else None)  # fmt: skip
+                             rope_long=self._send(rope_long) if rope_long is not None else None,
+                             group_metas=group_metas)  # fmt: skip
         return self.model(self._send(input_ids), self._send(positions), ctx)
 
     def _rope_long(self, items: list[ScheduledRequest]) -> torch.Tensor | None:
@@ -137,6 +145,7 @@ class ModelRunner:
         context_lens: list[int] = []
         tables: list[list[int]] = []
         bs = self.block_size
+        extra: list[tuple[list[int], list[list[int]]]] = [([], []) for _ in range(self.kv_groups - 1)]  # slots, tables
         for s in items:
             req, start, end = s.request, s.start, s.start + s.num_tokens
             ids.extend(req.tokens(start, end - len(s.draft_token_ids)) + s.draft_token_ids)
@@ -150,6 +159,11 @@ class ModelRunner:
                 query_lens.append(b - a)
                 context_lens.append(b)
                 tables.append(table)
+            if extra:  # the other KV groups: the same rows over their tables
+                for g, (g_slots, g_tables) in enumerate(extra):
+                    g_table = req.kv_groups[g].block_ids
+                    g_slots.extend(g_table[p // bs] * bs + p % bs for p in range(start, end))
+                    g_tables.extend([g_table] * (end - start if split else 1))
         layout = BatchLayout(
             num_decodes=sum(1 for q in query_lens if q == 1),
             query_lens=query_lens,
@@ -158,4 +172,8 @@ class ModelRunner:
             block_size=bs,
             slot_mapping=torch.tensor(slots, dtype=torch.long),
         )
+        if extra:
+            layout.group_layouts = [dataclasses.replace(layout, block_tables=g_tables, group_layouts=[],
+                                                        slot_mapping=torch.tensor(g_slots, dtype=torch.long))
+                                    for g_slots, g_tables in extra]  # fmt: skip
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), layout  # on the host

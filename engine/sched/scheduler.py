@@ -308,12 +308,8 @@ class _StepPlanner:
         return req.lora_id in running or len(running) < limit
 
     def _fits(self, req: Request, cached: list[int], n: int) -> bool:
-        """Whether req can take its cached prefix blocks plus blocks for n new tokens."""
-        bs = self.s.blocks.block_size
-        new_blocks = -(-(len(cached) * bs + n) // bs) - len(cached)
-        # Cached prefix blocks that sit in the free list stop being free once acquired.
-        cached_free = sum(1 for b in cached if self.s.blocks.blocks[b].ref_count == 0)
-        return new_blocks + cached_free <= self.s.blocks.num_free_blocks
+        """Whether req can take its cached prefix blocks plus blocks for n new tokens (in every KV group)."""
+        return self.s.blocks.fits(req, cached, n)
 
     def _preempt_for(self, req: Request, cause: PreemptionCause) -> bool:
         """Preempt the least important running request if req outranks it."""

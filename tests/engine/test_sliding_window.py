@@ -1,7 +1,8 @@
 """Sliding-window models end to end: which layers have a window (engine/models/windows.py, as
 transformers reads each config class), the context no longer capped to the window, KV blocks that left
-the window freed for a model whose every layer has it (count asserted, answer unchanged), kept for one
-that mixes full and sliding layers, and speculative verify over the window."""
+the window freed for a model whose every layer has it (count asserted, answer unchanged), freed in the
+sliding group only for one that mixes full and sliding layers (engine/kv/groups.py; Gemma 3 in
+test_kv_groups_gemma3.py), and speculative verify over the window."""
 
 from __future__ import annotations
 
@@ -84,12 +85,25 @@ def test_blocks_outside_the_window_are_freed_and_the_answer_is_unchanged(build_m
     assert held_all[-1] == -(-(150 + 38) // bs)  # its last step wrote the 38th generated token's K/V
 
 
-def test_a_model_mixing_full_and_sliding_layers_keeps_every_block(build_model):
+def test_a_model_mixing_full_and_sliding_layers_frees_only_the_sliding_groups_blocks(build_model):
+    """Qwen2 with max_window_layers: two KV-cache groups (engine/kv/groups.py); the full layer's group keeps
+    every block (out.kv_blocks counts group 0), the sliding layer's holds its window."""
     path = build_model("tiny-qwen2-swa")
     prompt = list(range(10, 110))
     engine = make_engine(path, block_size=4)
-    tokens, held = _held_blocks(engine, prompt, 20)
+    assert engine.scheduler.blocks.windows == [None, 16]
+    sliding: list[int] = []
+    engine.add_request("r", prompt_token_ids=prompt, params=greedy(20))
+    tokens, held = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+            if not out.finished:
+                held.append(out.kv_blocks)
+                sliding.append(engine.scheduler.blocks.held_blocks(engine.scheduler.requests["r"])[1])
+        engine.check_integrity()
     assert held[-1] == -(-(100 + 18) // 4)
+    assert max(sliding[1:]) <= -(-16 // 4) + 1, sliding
     assert tokens == hf_reference(path, Case([prompt], [20])).token_ids[0]
 
 

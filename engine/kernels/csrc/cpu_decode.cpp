@@ -234,7 +234,8 @@ struct Lora {
 // the last layer, as LlamaModel's loop leaves them (the final norm is the caller's).
 std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                                       const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
-                                      const at::Tensor& slot_mapping, const at::Tensor& tables, const at::Tensor& lens,
+                                      const std::vector<at::Tensor>& slot_mappings,
+                                      const std::vector<at::Tensor>& tables, const at::Tensor& lens,
                                       int64_t block_size, int64_t max_context, double scale, const Weights& weights,
                                       c10::IntArrayRef kinds, c10::IntArrayRef shapes, int64_t heads, int64_t kv_heads,
                                       int64_t head_dim, double eps, bool fused_norm, bool qk_norm,
@@ -247,8 +248,10 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
                   static_cast<int64_t>(kinds.size()) == layers * LINEARS &&
                   static_cast<int64_t>(shapes.size()) == layers * LINEARS * 2 &&
                   static_cast<int64_t>(windows.size()) == layers &&
-                  static_cast<int64_t>(ggml_types.size()) == layers * LINEARS,
-              "decode_layers: one set of caches, weights, kinds, shapes, ggml types and windows per layer");
+                  static_cast<int64_t>(ggml_types.size()) == layers * LINEARS &&
+                  static_cast<int64_t>(slot_mappings.size()) == layers &&
+                  static_cast<int64_t>(tables.size()) == layers,
+              "decode_layers: one set of caches, weights, kinds, shapes, ggml types, windows, slots and tables per layer");
   TORCH_CHECK(!lora_set.has_value() || (lora_slots.has_value() && (*lora_set)->layers() == layers),
               "decode_layers: LoRA operands for every layer, and the rows' slots");
   const Lora lora{lora_set.has_value() ? lora_set->get() : nullptr, lora_slots};
@@ -278,9 +281,10 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
       k = qk.slice(1, heads);
     }
     at::Tensor k_cache = k_caches[l], v_cache = v_caches[l];
-    call1(store_op(), {k, v, k_cache, v_cache, slot_mapping, block_size});
+    // slots and block tables of the layer's KV-cache group (engine/kv/groups.py; one group: the same for all)
+    call1(store_op(), {k, v, k_cache, v_cache, slot_mappings[l], block_size});
     const at::Tensor attn =
-        call1(attention_op(), {q, k_cache, v_cache, tables, lens, block_size, max_context, scale, windows[l],
+        call1(attention_op(), {q, k_cache, v_cache, tables[l], lens, block_size, max_context, scale, windows[l],
                                0.0});  // [B, H, D]; windows[l]: the layer's sliding window (0: none), no softcap
     const at::Tensor attn2d = attn.reshape({b, -1});
     h = linear(attn2d, weights, l, O_W, kind[1], nk[2], nk[3], gt[1]);
@@ -309,8 +313,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.class_<LoraSet>("LoraSet")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, int64_t>());
-  m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor context_lens, int block_size, int max_context, float scale, Tensor?[] weights, "
+  m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, "
+        "Tensor[] slot_mappings, Tensor[] block_tables, Tensor context_lens, int block_size, int max_context, float scale, Tensor?[] weights, "
         "int[] kinds, int[] shapes, int heads, int kv_heads, int head_dim, float eps, bool fused_norm, "
         "bool qk_norm, __torch__.torch.classes.tokenmill.LoraSet? lora, Tensor? lora_slots, int[] windows, int[] ggml_types) -> Tensor[]");
   m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
