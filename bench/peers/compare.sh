@@ -2,7 +2,8 @@
 # Side by side, one after the other, same model, same client (vLLM's `vllm bench serve`, random 128 in /
 # 128 out, ignore_eos): tokenmill, vLLM's CPU build, llama.cpp's server.
 #   bench/peers/compare.sh HF_MODEL_DIR [GGUF_FILE] ["1 16 32"]
-# Env: OUT (results folder, default /tmp/peers-compare), TM_ARGS (extra `tokenmill serve` flags),
+# Env: OUT (results folder, default /tmp/peers-compare), TM_ARGS (extra `tokenmill serve` flags), TM_MODEL
+#      (what tokenmill serves, default HF_MODEL_DIR: e.g. the GGUF file, whose blocks it keeps),
 #      SKIP_TM / SKIP_VLLM / SKIP_LLAMA=1, PEERS (the peers folder with vllm/setup.sh and
 #      llama.cpp/: ../shared/peers beside the repository), LLAMA_SERVER (a llama-server binary, e.g. one
 #      built for this CPU: the peers' prebuilt one needs AVX-512), LLAMA_PORT (its port, 8200). Run it on a quiet machine (check
@@ -41,7 +42,7 @@ PY
 wait_ok() { for _ in $(seq 1 300); do curl -sf "$1/health" >/dev/null 2>&1 && return 0; sleep 1; done; return 1; }
 if [ -z "${SKIP_TM:-}" ]; then
   # shellcheck disable=SC2086  # TM_ARGS is a list of flags
-  .venv/bin/tokenmill serve --model "$MODEL" --host 127.0.0.1 --port 8321 ${TM_ARGS:-} >"$OUT/tokenmill.log" 2>&1 & pid=$!
+  .venv/bin/tokenmill serve --model "${TM_MODEL:-$MODEL}" --host 127.0.0.1 --port 8321 ${TM_ARGS:-} >"$OUT/tokenmill.log" 2>&1 & pid=$!
   wait_ok http://127.0.0.1:8321 && for c in $CS; do bench tokenmill http://127.0.0.1:8321 "$c"; done
   kill -TERM $pid; wait $pid 2>/dev/null || true  # stopped by us: not a failure
 fi
