@@ -54,6 +54,8 @@ class Request:
     num_freed_blocks: int = 0
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
     last_block_hash: int | None = None  # chained hash of the last registered block
+    # -- the state pool's (engine/state/pool.py; hybrid models only) ---------------------------------------
+    state_slot: int | None = None  # the slot of its recurrent state while it runs; None: it holds none
     # -- the output processor's (token appends, text) ------------------------------------------------------
     output_token_ids: list[int] = field(default_factory=list)
     text: Any = None  # RequestTextState: detokenizer and stop-string filter, kept across preemptions

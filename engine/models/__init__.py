@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.granite import GraniteForCausalLM
+from engine.models.lfm2 import Lfm2ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM
@@ -30,6 +31,8 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    # hybrid: short convolutions with a per-sequence state beside attention layers (engine/state/)
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
 }
 
 
