@@ -81,7 +81,9 @@ def test_chunked_prefill_cut_anywhere_keeps_parity(lfm2, budget):
 
     engine.scheduler.schedule = spy
     assert mismatches(run_all(engine, case), ref.token_ids) == []
-    assert cuts == {0, 1, 2} if budget == 7 else cuts
+    assert cuts, "no prompt chunk continued after a cut"
+    if budget == 7:  # cuts at every position of the window
+        assert cuts == {0, 1, 2}
     assert mixed, "no step mixed a continued prompt chunk with decodes"
     assert_slots_free(engine)
 
