@@ -23,7 +23,7 @@ from engine.kv.cache import allocate_grouped_kv_cache, allocate_kv_cache
 from engine.kv.events import KVEventSink
 from engine.kv.groups import GroupedBlockManager, group_block_counts
 from engine.lora.loading import make_registry
-from engine.models import batch_invariant
+from engine.models import batch_invariant, model_class
 from engine.models.moe import MoeCausalLM
 from engine.models.windows import group_windows, layer_groups, layer_windows
 from engine.runner import startup
@@ -32,6 +32,8 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.profiling import activation_peak_bytes
 from engine.sample.sampler import Sampler
 from engine.sched.scheduler import SchedulerConfig
+from engine.state.conv_cache import allocate_conv_state, split_budget
+from engine.state.pool import StatePool
 from engine.structured import make_compiler
 from engine.weights.cpu_weights import prepare_weights
 from engine.weights.gguf.blocks import blocks_for
@@ -63,6 +65,8 @@ class Engine(StepLoop):
         self.dtype = startup.resolve_dtype(config.dtype, self.hf_config, self.device)
         self.max_model_len = startup.resolve_max_model_len(config, self.hf_config)
         self.block_size = startup.resolve_block_size(config.block_size, self.device)
+        if model_class(getattr(self.hf_config, "architectures", None)).hybrid:
+            _check_hybrid_config(config)  # before any weight is read
         blocks = blocks_for(source, config, self.device, self.dtype)  # GGUF matrices kept quantized
         model = load_model(source, self.dtype, self.device, self.max_model_len, config.show_progress,
                            frozenset(blocks.held) if blocks else frozenset())
@@ -70,6 +74,8 @@ class Engine(StepLoop):
         self.weights = prepare_weights(model, config, self.device, self.dtype, ggml=blocks.weights if blocks else None,
                                        ggml_text=blocks.describe() if blocks else "gguf")
         self.packed_weights = self.weights.packed
+        # a hybrid model's recurrent layers (LFM2's short convs: engine/state/); None: attention only
+        state_spec = model.conv_state_spec(self.dtype)
         backend = select_backend(self.device, config.attention_backend, self.dtype)
         if model.attention_sinks:  # GPT-OSS: a backend without sinks is refused, never run
             backend = for_sinks(backend, config.attention_backend)
@@ -84,14 +90,19 @@ class Engine(StepLoop):
             log.info("CUDA graphs: off for %s (%s): decode steps run eagerly", type(model).__name__, why_not)
             use_graphs = False
         buckets = graph_buckets(config.max_num_seqs)
-        spec = startup.kv_spec(self.hf_config, self.block_size, self.dtype)
+        # KV blocks for the attention layers only (a hybrid model's conv layers keep a state slot instead)
+        spec = dataclasses.replace(startup.kv_spec(self.hf_config, self.block_size, self.dtype),
+                                   num_layers=model.num_kv_layers)
         num_blocks = config.num_kv_blocks
         budget_bytes: int | None = None  # the KV budget when sized from memory (None: a block count given)
+        state_slots = config.max_num_seqs  # a hybrid model's state slots: one per seat (engine/state/conv_cache.py)
         if num_blocks is None:
             cuda_profile = self.device.type == "cuda" and config.kv_cache_memory is None
             peak = activation_peak_bytes(model, backend, spec, self.device, min(budget, self.max_model_len),
                                          config.max_num_seqs, buckets[-1] if use_graphs else 0) if cuda_profile else 0
             budget_bytes = startup.kv_budget_bytes(config, self.device, peak)
+            if state_spec is not None:  # the state pool first, the KV blocks get the rest
+                state_slots, budget_bytes = split_budget(state_spec, budget_bytes, config.max_num_seqs)
             num_blocks = spec.num_blocks_for(budget_bytes)
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small for one KV block")
@@ -100,7 +111,7 @@ class Engine(StepLoop):
         # KV-cache groups (engine/kv/groups.py): one per distinct layer window; block counts per group
         windows, groups = group_windows(self.hf_config), layer_groups(self.hf_config)
         group_bytes = [dataclasses.replace(spec, num_layers=groups.count(g)).bytes_per_block
-                       for g in range(len(windows))]  # fmt: skip
+                       for g in range(len(windows))] if len(windows) > 1 else [spec.bytes_per_block]  # fmt: skip
         counts = group_block_counts(group_bytes, windows, num_blocks, budget_bytes, self.block_size,
                                     config.max_num_seqs, budget) if len(windows) > 1 else [num_blocks]  # fmt: skip
         kv = (allocate_grouped_kv_cache(spec, counts, groups, self.device, backend) if len(windows) > 1
@@ -108,10 +119,29 @@ class Engine(StepLoop):
         self.kv_cache_bytes = sum(n * b for n, b in zip(counts, group_bytes, strict=True))
         self.kv_group_blocks = counts
         num_blocks = counts[0]
-        blocks_kw = dict(enable_prefix_caching=config.enable_prefix_caching, record_events=kv_event_sink is not None,
+        # a hybrid model reuses no prefix: its attention KV would be reused without the conv state that
+        # goes with it (state checkpoints at prefix positions: issue 42, later)
+        blocks_kw = dict(enable_prefix_caching=config.enable_prefix_caching and state_spec is None,
+                         record_events=kv_event_sink is not None,
                          event_hash_salt=secrets.randbits(64), rope_switch=getattr(model, "rope_switch", None))
         block_manager = (GroupedBlockManager(counts, self.block_size, windows, **blocks_kw) if len(windows) > 1
                          else BlockManager(num_blocks, self.block_size, sliding_window=windows[0], **blocks_kw))
+        max_num_seqs, conv_state, state_pool = config.max_num_seqs, None, None
+        self.state_cache_bytes = 0
+        if state_spec is not None:
+            if state_slots < max_num_seqs:
+                log.warning("max_num_seqs lowered from %d to %d: the cache budget holds %d state slots",
+                            max_num_seqs, state_slots, state_slots)  # fmt: skip
+            max_num_seqs = state_slots  # a seat needs a slot: the seats are bounded by the slots
+            conv_state = allocate_conv_state(state_spec, state_slots, self.device)
+            state_pool = StatePool(state_slots)
+            self.state_cache_bytes = state_slots * state_spec.bytes_per_slot
+            log.info("hybrid model: %d short-conv layers with a conv state (%d columns each) in %d slots "
+                     "(%.1f KiB each, %.2f MiB), KV blocks for its %d attention layers; path: PyTorch layers "
+                     "with the torch reference conv (no fused decode, no CUDA graphs, no speculative decoding), "
+                     "prefix caching off (a conv state cannot be cut at a prefix)", state_spec.num_layers,
+                     state_spec.width, state_slots, state_spec.bytes_per_slot / 1024, self.state_cache_bytes / 2**20,
+                     model.num_kv_layers)  # fmt: skip
         graphs = capture_graphs(model, backend, kv, buckets, self.block_size, self.max_model_len,
                                 self.device) if use_graphs else None
         loras = make_registry(config.lora, self.hf_config, self.device, self.dtype) if config.lora else None
@@ -119,9 +149,9 @@ class Engine(StepLoop):
             model_name=source.name,
             tokenizer=source.tokenizer,
             runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs, loras,
-                               one_row_attention=config.deterministic, kv_groups=len(windows)),
+                               one_row_attention=config.deterministic, kv_groups=len(windows), conv_state=conv_state),
             block_manager=block_manager,
-            scheduler_config=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.aging_s,
+            scheduler_config=SchedulerConfig(max_num_seqs, config.max_num_batched_tokens, config.aging_s,
                                              config.outranked_chunk_tokens, config.speculative,
                                              tenant_weights=config.tenant_weights,
                                              fair_seats=config.fair_seats),
@@ -134,6 +164,7 @@ class Engine(StepLoop):
                                            config.grammar_compile_processes),  # fmt: skip
             kv_event_sink=kv_event_sink,
             loras=loras,
+            state_pool=state_pool,
         )
         threads = torch.get_num_threads()
         setter = per_thread_setter() if self.device.type == "cpu" else None  # the stepping thread's count only
@@ -198,3 +229,18 @@ class Engine(StepLoop):
             "reserved_bytes": int(torch.cuda.memory_reserved(self.device)),
             "kv_cache_bytes": int(self.kv_cache_bytes),
         }
+
+
+def _check_hybrid_config(config: EngineConfig) -> None:
+    """ValueError naming an option a hybrid model (a recurrent state per sequence) cannot serve yet:
+    drafts would advance the conv state past tokens that may be rejected (no rollback), LoRA has no
+    adapters for the conv layers, and GGUF blocks are planned under transformers' names, which LFM2's
+    differ from."""
+    if config.speculative is not None:
+        raise ValueError("speculative decoding is not supported for hybrid models (a conv state per sequence "
+                         "cannot roll rejected drafts back)")
+    if config.lora is not None:
+        raise ValueError("LoRA adapters are not supported for hybrid models (short-conv layers)")
+    if config.quantization == "gguf":
+        raise ValueError("quantization 'gguf' is not supported for hybrid models yet (their GGUF files load "
+                         "dequantized: quantization 'none')")

@@ -67,6 +67,8 @@ class Request:
     last_block_hash: int | None = None  # chained hash of the last registered block
     # the other KV-cache groups' tables (group g at index g - 1; engine/kv/groups.py); empty with one group
     kv_groups: list[GroupTable] = field(default_factory=list)
+    # -- the state pool's (engine/state/pool.py; hybrid models only) ---------------------------------------
+    state_slot: int | None = None  # the slot of its recurrent state while it runs; None: it holds none
     # -- the output processor's (token appends, text) ------------------------------------------------------
     output_token_ids: list[int] = field(default_factory=list)
     text: Any = None  # RequestTextState: detokenizer and stop-string filter, kept across preemptions

@@ -21,8 +21,8 @@ SERVER_FORBIDDEN = {"torch", "safetensors", "xgrammar"}  # xgrammar loads torch
 LAYERS = ("http", "prompt", "config", "ops", "serving", "api")
 TOP = len(LAYERS)  # server/app.py, server/cli.py, server/__main__.py, server/__init__.py
 # engine's packages (and its three top-level modules), lowest first; docs/ENGINE.md reads them in order.
-ENGINE_LAYERS = ("config", "kernels", "structured", "api", "text", "attention", "lora", "request", "models", "kv",
-                 "spec", "sched", "sample", "weights", "runner", "core", "testing", "engine", "conformance")
+ENGINE_LAYERS = ("config", "kernels", "structured", "api", "text", "attention", "lora", "request", "state", "models",
+                 "kv", "spec", "sched", "sample", "weights", "runner", "core", "testing", "engine", "conformance")
 ENGINE_TOP = len(ENGINE_LAYERS)  # engine/__init__.py: the public API, resolved lazily
 
 

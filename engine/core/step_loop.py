@@ -36,6 +36,7 @@ from engine.lora.registry import LoraRegistry
 from engine.request import Request, RequestStatus
 from engine.sched.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepRunner
 from engine.sched.scheduler import Scheduler, SchedulerConfig
+from engine.state.pool import StatePool
 from engine.structured import GrammarCompiler, GrammarError
 from engine.text.tokenization import chat_prompt_ids, encode_prompt
 
@@ -78,9 +79,11 @@ class StepLoop:
         grammar_compiler: GrammarCompiler | None = None,
         kv_event_sink: KVEventSink | None = None,
         loras: LoraRegistry | None = None,
+        state_pool: StatePool | None = None,
     ) -> None:
         """`kv_event_sink`: where each step's prefix-cache changes go (the block manager must record
-        them: BlockManager(record_events=True)); None: no events."""
+        them: BlockManager(record_events=True)); None: no events. `state_pool`: a hybrid model's
+        recurrent-state slots (engine/state/pool.py), admitted against by the scheduler; None: none."""
         self.model_name = model_name
         self.tokenizer = tokenizer
         # Compiles GrammarSpecs for this tokenizer; the server uses it off this thread. None: no backend.
@@ -91,7 +94,8 @@ class StepLoop:
             scheduler_config = replace(scheduler_config, max_loras=loras.config.max_loras)
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
-        self.scheduler = Scheduler(scheduler_config, block_manager, clock)
+        self.state_pool = state_pool
+        self.scheduler = Scheduler(scheduler_config, block_manager, clock, state_pool)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -452,8 +456,10 @@ class StepLoop:
                 "lora_loads": st.loads, "lora_load_s": st.load_s}
 
     def check_integrity(self) -> None:
-        """Block-manager invariants against the live requests (tests; debug)."""
+        """Block-manager (and state-pool) invariants against the live requests (tests; debug)."""
         self.block_manager.check_integrity(self.scheduler.requests.values())
+        if self.state_pool is not None:
+            self.state_pool.check_integrity(self.scheduler.requests.values())
 
     # ---- offline convenience ------------------------------------------------------------------
     def generate(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
+from engine.models.lfm2 import Lfm2ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.olmo2 import Olmo2ForCausalLM
@@ -32,6 +33,8 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,  # attention sinks, clamped-SwiGLU experts (engine/models/gpt_oss.py)
+    # hybrid: short convolutions with a per-sequence state beside attention layers (engine/state/)
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
 }
 
 

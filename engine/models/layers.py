@@ -14,6 +14,7 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 
 if TYPE_CHECKING:
     from engine.lora.batch import LayerLora, LoraBatch
+    from engine.state.batch import StateBatch
 
 
 @dataclass
@@ -38,6 +39,9 @@ class ForwardContext:
     # LongRoPE: [T] int64, 1 where a token below the switch takes the long factors (its sequence is longer
     # than the switch; engine/models/rope.py LongRopeEmbedding); None: no such token this step.
     rope_long: torch.Tensor | None = None
+    # A hybrid model's per-sequence recurrent state for this step (engine/state/batch.py: each sequence's
+    # rows and state slot); None: a model without one (or a profiling pass)
+    state: StateBatch | None = None
 
 
 class RMSNorm(nn.Module):

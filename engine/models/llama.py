@@ -23,6 +23,7 @@ from engine.models.moe import ExpertSlot, MoeExperts, expert_destination, expert
 from engine.models.packed_linear import PackedLinear, pack_linears
 from engine.models.rope import check_rope_supported, rotary_dim_of, rotary_embedding
 from engine.models.windows import layer_groups, layer_windows
+from engine.state.conv_cache import ConvStateSpec
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -230,6 +231,20 @@ class LlamaForCausalLM(nn.Module):
     def attention_sinks(self) -> bool:
         """Whether the attention layers have learned sinks (the backend must take them: engine/engine.py)."""
         return any(layer.self_attn.sinks is not None for layer in self.model.layers)
+
+    # ---- hybrid models (engine/models/lfm2.py): recurrent layers beside the attention ones -------------
+    hybrid = False  # True: some layers keep a per-sequence state (conv_state_spec), not KV blocks
+
+    def conv_state_spec(self, dtype: torch.dtype) -> ConvStateSpec | None:
+        """The per-sequence conv state of this model's recurrent layers (engine/state/); None: every layer
+        is attention, the model keeps nothing but KV blocks."""
+        return None
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep KV blocks (a hybrid model's attention layers only); each attention layer's
+        entry of ForwardContext.kv_caches is its index among them."""
+        return len(self.model.layers)
 
     def use_cpu_kernels(self, norms: bool, fused_decode: bool = True) -> None:
         """Route rotary (and, with norms, every RMSNorm and residual add) through the C++ CPU

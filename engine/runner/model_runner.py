@@ -16,6 +16,7 @@ from engine.sample.prompt_logprobs import compute_prompt_logprobs
 from engine.sample.sampler import Sampler
 from engine.sample.verify import verify_rows
 from engine.sched.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.state.batch import StateBatch
 
 
 class ModelRunner:
@@ -24,6 +25,7 @@ class ModelRunner:
         device: torch.device, sampler: Sampler, graphs: DecodeGraphRunner | None = None,
         loras: LoraRegistry | None = None,
         one_row_attention: bool = False, kv_groups: int = 1,
+        conv_state: torch.Tensor | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -42,6 +44,9 @@ class ModelRunner:
         # LongRoPE's switch position (None: another rope type): the tokens below it of a sequence longer
         # than it take the long factors (engine/models/rope.py LongRopeEmbedding)
         self.rope_switch: int | None = getattr(model, "rope_switch", None)
+        # A hybrid model's conv state [conv_layers, slots, channels, width] (engine/state/conv_cache.py): each
+        # step hands the layers its sequences' rows and slots (StateBatch); None: a model without one
+        self.conv_state = conv_state
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -50,7 +55,8 @@ class ModelRunner:
         items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1 and not s.draft_token_ids)
         input_ids, positions, layout = self._pack(items)
         rope_long = self._rope_long(items)
-        hidden = self._forward(input_ids, positions, layout, self._lora_batch(items), rope_long)  # [T, hidden]
+        hidden = self._forward(input_ids, positions, layout, self._lora_batch(items), rope_long,
+                               self._state_batch(items))  # [T, hidden]
         prompt_lps = compute_prompt_logprobs(self.model, hidden, items)  # {} unless a request asked
         ends: list[int] = []  # rows of `hidden` whose logits are needed
         plain: list[int] = []  # of those, the rows sampled as usual (index into ends)
@@ -87,11 +93,26 @@ class ModelRunner:
                  self.loras.resident(s.request.lora_id) if s.request.lora_id else None) for s in items]  # fmt: skip
         return build_batch(runs, self.device, invariant=self.one_row_attention)
 
+    def _state_batch(self, items: list[ScheduledRequest]) -> StateBatch | None:
+        """The step's sequences with their state slots, in packing order (a hybrid model); a chunk that
+        starts at position 0 (a new request, or a preempted one computed again) starts from a zero
+        window, any later one from its slot, which its previous chunk or decode left there."""
+        if self.conv_state is None:
+            return None
+        slots = []
+        for s in items:
+            if s.request.state_slot is None:
+                raise RuntimeError(f"request {s.request.request_id!r} runs without a state slot")
+            slots.append(s.request.state_slot)
+        return StateBatch.build(self.conv_state, [s.num_tokens for s in items], slots, [s.start == 0 for s in items])
+
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
-                 lora: LoraBatch | None = None, rope_long: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                 lora: LoraBatch | None = None, rope_long: torch.Tensor | None = None,
+                 state: StateBatch | None = None) -> torch.Tensor:  # fmt: skip
         """The model over one packed step (host tensors in): a decode graph's replay when one fits
         (graphs are captured without adapters or LongRoPE's long-factor rows: such a step runs eagerly)."""
-        eager = lora is not None or rope_long is not None or bool(layout.group_layouts)  # graphs: one group
+        # graphs: one KV group, no adapters, no LongRoPE long rows, no hybrid state
+        eager = lora is not None or rope_long is not None or bool(layout.group_layouts) or state is not None
         bucket = self.graphs.bucket_for(layout) if self.graphs is not None and not eager else None
         if bucket is not None:
             return self.graphs.run(bucket, input_ids, positions, layout)
@@ -100,7 +121,7 @@ class ModelRunner:
                        ) if layout.group_layouts else ()  # fmt: skip
         ctx = ForwardContext(self.backend, meta, self.kv_caches, lora=lora,
                              rope_long=self._send(rope_long) if rope_long is not None else None,
-                             group_metas=group_metas)  # fmt: skip
+                             group_metas=group_metas, state=state)  # fmt: skip
         return self.model(self._send(input_ids), self._send(positions), ctx)
 
     def _rope_long(self, items: list[ScheduledRequest]) -> torch.Tensor | None:

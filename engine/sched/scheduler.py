@@ -6,6 +6,10 @@ as it goes: a running request gets its next chunk (a decode is one token); a wai
 if a seat (max_num_seqs) and KV blocks are free or can be taken from running requests it outranks.
 Preemption is by recompute: the victim's blocks are freed (their prefix stays findable in the prefix
 cache) and it waits again with its original arrival, so it keeps its place in line.
+
+A hybrid model (engine/state/) also needs a free state slot to start a request; the slot is taken with
+the seat and freed wherever the blocks are (finish, abort, preemption: its state is rebuilt by the
+recompute from position 0).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from engine.sched.waiting_queue import WaitingQueue
 from engine.spec.drafts import Proposer, SpeculativeConfig, draft_length, may_speculate, update_acceptance
 from engine.spec.gate import SpecGate
 from engine.spec.proposers import BatchProposer, LearningProposer, make_proposer
+from engine.state.pool import StatePool
 
 
 @dataclass(frozen=True)
@@ -50,9 +55,11 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic, state_pool: StatePool | None = None) -> None:  # fmt: skip
+        """state_pool: a hybrid model's recurrent-state slots (engine/state/pool.py); None: none."""
         self.config = config
         self.blocks = block_manager
+        self.state = state_pool
         self.fair = FairShare(dict(config.tenant_weights), max_seats=config.max_num_seqs if config.fair_seats else None)
         self.policy = PriorityPolicy(config.aging_s, self.fair)
         self.clock = clock  # the callers' clock: arrival times and deadlines are read on it
@@ -86,6 +93,8 @@ class Scheduler:
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         self.blocks.free(request)
+        if self.state is not None:
+            self.state.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         if self.requests.pop(request.request_id, None) is not None:
@@ -112,6 +121,8 @@ class Scheduler:
         self.running.remove(victim)
         self.fair.unseated(victim.tenant)
         self.blocks.free(victim)
+        if self.state is not None:  # recompute: the state is rebuilt from position 0 when it runs again
+            self.state.free(victim)
         victim.status = RequestStatus.WAITING
         victim.waiting_since = now
         self.count_preemption(victim, cause)
@@ -274,6 +285,10 @@ class _StepPlanner:
             return False
         if not self._adapter_fits(req):
             return False
+        state = self.s.state  # a hybrid model: a state slot too (max_num_seqs <= slots makes this rare)
+        while state is not None and not state.has_free():
+            if not self._preempt_for(req, PreemptionCause.SLOTS):
+                return False
         # A request that wants prompt log-probabilities runs its whole prompt: cached blocks have no logits.
         cached = [] if req.needs_prompt_logprobs else self.s.blocks.find_cached_prefix(req)
         n = self._chunk(req, req.num_tokens - len(cached) * self.s.blocks.block_size)
@@ -290,6 +305,8 @@ class _StepPlanner:
             req.num_cached_tokens = req.num_computed_tokens
         if not self.s.blocks.allocate(req, n):
             raise RuntimeError("block allocation failed after _fits said yes")
+        if state is not None:
+            state.take(req)
         req.status = RequestStatus.RUNNING
         self.s.running.append(req)
         self.s.fair.seated(req.tenant)

@@ -34,7 +34,8 @@ GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2F
              "Qwen3ForCausalLM": "qwen3", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
              "Phi3ForCausalLM": "phi3", "SmolLM3ForCausalLM": "smollm3", "Gemma2ForCausalLM": "gemma2",
              "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe", "Qwen2MoeForCausalLM": "qwen2moe",
-             "OlmoeForCausalLM": "olmoe", "MixtralForCausalLM": "llama", "GptOssForCausalLM": "gpt-oss"}  # fmt: skip
+             "OlmoeForCausalLM": "olmoe", "MixtralForCausalLM": "llama", "GptOssForCausalLM": "gpt-oss",
+             "Lfm2ForCausalLM": "lfm2"}  # fmt: skip
 PERMUTED = ("llama", "mistral", "granite", "smollm3")  # architectures whose Q/K rows llama.cpp's converter permutes
 TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K,
                              Q.MXFP4)}  # MXFP4: the experts' stacks only (llama.cpp's MOSTLY_MXFP4_MOE), the rest F32
@@ -64,6 +65,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
         _add_moe_metadata(writer, config, name)
     if name in DEFAULT_PATTERN:
         _add_gemma_metadata(writer, config, name)
+    if name == "lfm2":
+        _add_lfm2_metadata(writer, config)
     norm_offset = ARCHITECTURES[name].norm_offset if name in ARCHITECTURES else 0.0  # Gemma's 1 + weight
     _add_tokenizer(writer, folder, config["vocab_size"])
     for tensor, factors in _longrope_tensors(writer, config).items():
@@ -80,6 +83,8 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
             continue
         if norm_offset and hf.endswith("norm.weight"):
             value = value + np.float32(norm_offset)
+        if hf.endswith(".conv.conv.weight"):  # LFM2's conv, squeezed as llama.cpp's converter does: [hidden, L]
+            value = value.reshape(value.shape[0], -1)
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             heads = config["num_attention_heads"] if ".q_proj." in hf else config["num_key_value_heads"]
             value = permute(value, heads)
@@ -175,14 +180,15 @@ def _add_model_metadata(w: gguf.GGUFWriter, c: dict, name: str) -> None:
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
     w.add_block_count(c["num_hidden_layers"])
-    w.add_feed_forward_length(c["intermediate_size"])
     w.add_head_count(c["num_attention_heads"])
-    w.add_head_count_kv(c["num_key_value_heads"])
+    if "Lfm2ForCausalLM" not in c["architectures"]:  # (per layer, its MLP width rule, norm_eps: _add_lfm2_metadata)
+        w.add_feed_forward_length(c["intermediate_size"])
+        w.add_head_count_kv(c["num_key_value_heads"])
+        w.add_layer_norm_rms_eps(float(c["rms_norm_eps"]))
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))  # Phi-4-mini: 3/4
     w.add_rope_freq_base(float(rope.get("rope_theta", c.get("rope_theta", 10000.0))))
-    w.add_layer_norm_rms_eps(float(c["rms_norm_eps"]))
     if c.get("sliding_window") and c["architectures"][0] == "MistralForCausalLM":
         w.add_sliding_window(int(c["sliding_window"]))
     w.add_vocab_size(c["vocab_size"])
@@ -191,6 +197,20 @@ def _add_model_metadata(w: gguf.GGUFWriter, c: dict, name: str) -> None:
         w.add_residual_scale(float(c["residual_multiplier"]))
         w.add_attention_scale(float(c["attention_multiplier"]))
         w.add_logit_scale(float(c["logits_scaling"]))
+
+
+def _add_lfm2_metadata(w: gguf.GGUFWriter, c: dict) -> None:
+    """llama.cpp's LFM2 keys (engine/weights/gguf/lfm2.py), where they differ from the common ones
+    (_add_model_metadata leaves those three out): KV heads per layer (0: a conv layer), the conv taps, norm_eps, the MLP width after LFM2's rule."""
+    from types import SimpleNamespace
+
+    from engine.models.lfm2 import ATTENTION, lfm2_ff_dim, lfm2_layer_types
+
+    cfg = SimpleNamespace(**c)
+    w.add_head_count_kv([c["num_key_value_heads"] if t == ATTENTION else 0 for t in lfm2_layer_types(cfg)])
+    w.add_feed_forward_length(lfm2_ff_dim(cfg))
+    w.add_layer_norm_rms_eps(float(c["norm_eps"]))
+    w.add_shortconv_l_cache(int(c["conv_L_cache"]))
 
 
 def _longrope_tensors(w: gguf.GGUFWriter, c: dict) -> dict[str, np.ndarray]:

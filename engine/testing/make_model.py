@@ -374,6 +374,22 @@ PRESETS: dict[str, Preset] = {
                                            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                            "original_max_position_embeddings": 128})),  # fmt: skip
     ),
+    # LFM2 (engine/models/lfm2.py): gated short convolutions (3 taps, the real models' L_cache) mixed with
+    # GQA attention layers with Q/K norms, LFM2-350M's pattern shrunk (conv first, attention at 2 and 4),
+    # tied embeddings; the MLP width by LFM2's rule (2/3 of 300 rounded up to 64: 256), so a wrong rule
+    # fails to load.
+    "tiny-lfm2": Preset(
+        "Lfm2ForCausalLM",
+        **{**_TINY, "intermediate_size": 300, "initializer_range": 0.2},
+        num_hidden_layers=6,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        seed=51,
+        extra_config=(("layer_types", ("conv", "conv", "full_attention", "conv", "full_attention", "conv")),
+                      ("conv_L_cache", 3), ("block_multiple_of", 64), ("block_ffn_dim_multiplier", 1.0),
+                      ("block_auto_adjust_ff_dim", True), ("norm_eps", 1e-5)),  # fmt: skip
+    ),
     # Every matrix row a multiple of 256 values, so K-quant GGUF files (engine/testing/make_gguf.py)
     # quantize all of them; tied, so the file has no output.weight.
     "tiny-llama-k": Preset(

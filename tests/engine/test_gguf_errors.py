@@ -62,7 +62,7 @@ def _unsupported_type(good, tmp_path):  # a real ggml type, but not a float or q
 def _unsupported_arch(build_model, tmp_path):
     bad = write_gguf(build_model("tiny-llama"), tmp_path / "gpt2.gguf", "Q8_0", arch="gpt2")
     return bad, ("unsupported architecture 'gpt2' (supported: llama, mistral, qwen2, qwen3, granite, olmo2, phi3, "
-                 "smollm3, gemma2, gemma3, qwen3moe, qwen2moe, olmoe, gpt-oss)")
+                 "smollm3, gemma2, gemma3, qwen3moe, qwen2moe, olmoe, gpt-oss, lfm2)")
 
 
 CASES = [_truncated, _truncated_header, _wrong_magic, _unknown_type, _unsupported_type]

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.weights.gguf.errors import GGUFError
 from engine.weights.gguf.gemma import gemma_fields
+from engine.weights.gguf.lfm2 import lfm2_fields
 from engine.weights.gguf.reader import GGUFFile
 
 
@@ -43,6 +44,8 @@ ARCHITECTURES = {
     "qwen2moe": Architecture("Qwen2MoeForCausalLM", "qwen2_moe", permuted_qk=False),
     "olmoe": Architecture("OlmoeForCausalLM", "olmoe", permuted_qk=False),
     "gpt-oss": Architecture("GptOssForCausalLM", "gpt_oss", permuted_qk=False),
+    # hybrid: short convolutions and attention (engine/models/lfm2.py; metadata: gguf/lfm2.py)
+    "lfm2": Architecture("Lfm2ForCausalLM", "lfm2", permuted_qk=False),
 }
 MIXTRAL = Architecture("MixtralForCausalLM", "mixtral", permuted_qk=True)  # llama.cpp: Llama's converter
 # whether llama.cpp renormalises the top-k routing weights (its build_moe_ffn norm_w), per architecture
@@ -90,7 +93,8 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
         "intermediate_size": _required(gf, "feed_forward_length"),
         "num_hidden_layers": _required(gf, "block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _optional(gf, "attention.head_count_kv", heads),
+        # (lfm2: one entry per layer, 0 for its conv layers: read by lfm2_fields below)
+        "num_key_value_heads": heads if gf.architecture == "lfm2" else _optional(gf, "attention.head_count_kv", heads),
         "head_dim": head_dim,
         "max_position_embeddings": _required(gf, "context_length"),
         "rms_norm_eps": float(_required(gf, "attention.layer_norm_rms_epsilon")),
@@ -133,6 +137,8 @@ def config_fields(gf: GGUFFile, arch: Architecture) -> dict[str, Any]:
         fields.update(_moe_fields(gf, fields["num_hidden_layers"]))
     if gf.architecture in ("gemma2", "gemma3"):
         fields.update(gemma_fields(gf, fields))  # layer pattern, local RoPE base, soft-caps, attention scale
+    if gf.architecture == "lfm2":
+        fields.update(lfm2_fields(gf, fields))  # which layers convolve, the conv taps, norm_eps
     return fields
 
 

@@ -59,15 +59,25 @@ _ARCH_BLOCK = {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     }),
+    # LFM2 (transformers' names): the operator and MLP norms, its attention's out_proj and q/k_layernorm,
+    # the MLP's w1/w3/w2, and the short conv (`shortconv.conv` squeezed to [hidden, L_cache] in the file)
+    "lfm2": {"attn_norm": "operator_norm", "ffn_norm": "ffn_norm", "attn_output": "self_attn.out_proj",
+             "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm",
+             "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
+             "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj",
+             "shortconv.out_proj": "conv.out_proj"},
 }
-_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Per architecture, global names that differ from _GLOBAL's (LFM2's final norm is token_embd_norm)
+_ARCH_GLOBAL = {"lfm2": {"token_embd_norm.weight": "model.embedding_norm.weight"}}
+_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+(?:\.[a-z_]+)?)\.(weight|bias)$")  # (lfm2: shortconv.conv)
 
 
 def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
     """The Hugging Face parameter name of a llama.cpp tensor of an `arch` file, or None when it has no
     equivalent."""
-    if gguf_name in _GLOBAL:
-        return _GLOBAL[gguf_name]
+    glob = {**_GLOBAL, **_ARCH_GLOBAL.get(arch or "", {})}
+    if gguf_name in glob:
+        return glob[gguf_name]
     m = _BLOCK_NAME.match(gguf_name)
     block = {**_BLOCK, **_ARCH_BLOCK.get(arch or "", {})}
     if m is None or m.group(2) not in block:
@@ -79,7 +89,7 @@ def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
 def gguf_name(hf: str, arch: str | None = None) -> str:
     """The llama.cpp name of a Hugging Face parameter in an `arch` file (the converse of hf_name; test
     files use it)."""
-    for g, h in _GLOBAL.items():
+    for g, h in [*_ARCH_GLOBAL.get(arch or "", {}).items(), *_GLOBAL.items()]:
         if h == hf:
             return g
     m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", hf)

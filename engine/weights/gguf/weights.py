@@ -53,6 +53,8 @@ class GGUFWeights:
             return value.float() - self.arch.norm_offset
         if value.dim() == 1 and self.names[name].endswith("shared_expert_gate.weight"):
             return value.unsqueeze(0)  # llama.cpp's [H] vector; the model's [1, H] row
+        if value.dim() == 2 and self.names[name].endswith(".conv.conv.weight"):
+            return value.unsqueeze(1)  # LFM2's conv, squeezed by llama.cpp: [hidden, L] -> [hidden, 1, L]
         return unpermute(value, heads) if heads else value
 
     def stored(self, name: str) -> tuple[ReaderTensor, int | None]:

@@ -1,0 +1,3 @@
+"""Per-sequence recurrent state of hybrid models (LFM2's short convolutions), beside the paged KV cache:
+the slot pool the scheduler admits against (pool.py), the state tensors and the KV / state memory split
+(conv_cache.py), and one step's view of them that the model's conv layers read and write (batch.py)."""

@@ -1,0 +1,38 @@
+"""One step's view of the state cache: which rows of the packed batch belong to which sequence, and
+that sequence's slot. Built by the model runner (engine/runner/model_runner.py) from the scheduled
+requests; read and written by every short-conv layer (engine/models/short_conv.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StateBatch:
+    """The step's sequences in packing order, each a run of consecutive rows of the packed [T, ...] batch.
+
+    conv: the whole conv-state tensor [conv_layers, slots, channels, width] (engine/state/conv_cache.py);
+    a layer reads and writes its own conv[layer_index].
+    """
+
+    conv: torch.Tensor
+    offsets: list[int]  # first packed row of each sequence
+    lengths: list[int]  # its rows this step (1 for a decode; a prompt chunk's length, cut anywhere)
+    slots: list[int]  # its state slot (StatePool)
+    fresh: list[bool]  # True: its chunk starts at position 0, the window before it is zeros (not the slot)
+    # slots as a tensor on the state's device, and whether every sequence is a decode that reads its
+    # slot (the vectorised path: one gather, one scatter per layer)
+    slot_index: torch.Tensor | None = None
+    all_decode: bool = False
+
+    @classmethod
+    def build(cls, conv: torch.Tensor, lengths: list[int], slots: list[int], fresh: list[bool]) -> StateBatch:
+        offsets, at = [], 0
+        for n in lengths:
+            offsets.append(at)
+            at += n
+        all_decode = all(n == 1 for n in lengths) and not any(fresh)
+        index = torch.tensor(slots, dtype=torch.long, device=conv.device) if all_decode else None
+        return cls(conv, offsets, lengths, slots, fresh, index, all_decode)
