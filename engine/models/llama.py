@@ -230,7 +230,8 @@ class LlamaForCausalLM(nn.Module):
     @property
     def attention_sinks(self) -> bool:
         """Whether the attention layers have learned sinks (the backend must take them: engine/engine.py)."""
-        return any(layer.self_attn.sinks is not None for layer in self.model.layers)
+        # (every attention module: a hybrid model's recurrent layers have none)
+        return any(m.sinks is not None for m in self.modules() if isinstance(m, LlamaAttention))
 
     # ---- hybrid models (engine/models/lfm2.py): recurrent layers beside the attention ones -------------
     hybrid = False  # True: some layers keep a per-sequence state (conv_state_spec), not KV blocks
