@@ -1,7 +1,8 @@
 """Command line of the benchmarks: `python -m bench <subcommand> ...`, also `tokenmill bench ...`.
 
 Each subcommand lives in its own module with `add_parser(subparsers)`, which registers its options
-and sets `func(args) -> int`. In this process (bench/inproc/): `offline`, `floor`, `quality`, `gemv`, `ggml-gemv`,
+and sets `func(args) -> int`. In this process (bench/inproc/): `offline`, `floor`, `moe` (an MoE model's decode
+vs its active-weight floor), `quality`, `gemv`, `ggml-gemv`,
 `fused`, `lora` (what LoRA adapters cost), `spec`, `linear-ab`, `determinism` (batch-invariant mode
 on/off), `startup`. Against a served `python -m server` (bench/served/): `load` (HTTP load test),
 `sweep`, `priority`, `long-prompt`, `spec-http`, `structured` (what structured outputs cost in
@@ -27,6 +28,7 @@ from bench.inproc import (
     ggml_gemv,
     linear_ab,
     lora,
+    moe,
     offline,
     quality,
     spec,
@@ -41,6 +43,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
     offline.add_parser(subparsers)
     floor.add_parser(subparsers)
+    moe.add_parser(subparsers)
     quality.add_parser(subparsers)
     gemv.add_parser(subparsers)
     ggml_gemv.add_parser(subparsers)

@@ -23,7 +23,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from safetensors.numpy import load_file
+from safetensors.torch import load_file
 
 from engine.weights.gguf.config import ARCHITECTURES, smollm3_no_rope_layers
 from engine.weights.gguf.gemma import DEFAULT_PATTERN, LAYERS_27B, pattern_of
@@ -43,6 +43,11 @@ TYPES = {q.name: q for q in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_
 MIX = {"q_proj": Q.Q5_0, "k_proj": Q.Q5_0, "v_proj": Q.Q8_0, "o_proj": Q.Q4_K, "gate_proj": Q.Q5_0,
        "up_proj": Q.Q5_0, "down_proj": Q.Q6_K, "embed_tokens": Q.Q8_0, "lm_head": Q.Q6_K}
 _QK_K = 256  # values per K-quant super-block
+
+
+def _load_float32(path: Path) -> dict[str, np.ndarray]:
+    """A safetensors file's tensors as float32 numpy arrays (bf16 ones too: numpy has no bfloat16)."""
+    return {k: v.float().numpy() for k, v in load_file(str(path)).items()}
 
 
 def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: str | None = None) -> Path:
@@ -72,7 +77,7 @@ def write_gguf(folder: str | Path, out: str | Path, qtype: str = "F32", arch: st
     for tensor, factors in _longrope_tensors(writer, config).items():
         writer.add_tensor(tensor, factors)
     permuted = name in PERMUTED
-    tensors = load_file(str(folder / "model.safetensors"))
+    tensors = _load_float32(folder / "model.safetensors")
     if name == "gpt-oss":
         _add_gpt_oss_metadata(writer, config)
         tensors = gpt_oss_tensors(tensors)

@@ -414,6 +414,25 @@ PRESETS: dict[str, Preset] = {
         tie_word_embeddings=False,
         seed=12,
     ),
+    # OLMoE-1B-7B's routing (64 experts, top-8, no renormalisation) at half its width and depth (hidden
+    # 1024, expert width 512, 8 layers): 0.88 B parameters, 0.18 B active a token; the MoE benchmark's
+    # model (python -m bench moe), small enough to build and serve on a 24 GiB machine.
+    "bench-olmoe": Preset(
+        "OlmoeForCausalLM",
+        tokenizer_vocab_size=BENCH_VOCAB,
+        hidden_size=1024,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        head_dim=64,
+        tie_word_embeddings=False,
+        seed=77,
+        dtype="bfloat16",
+        max_position_embeddings=4096,
+        initializer_range=0.02,
+        extra_config=(("num_experts", 64), ("num_experts_per_tok", 8), ("norm_topk_prob", False)),
+    ),
     # SmolLM2-135M's shape and init std: a realistic CPU benchmark model.
     "bench-135m": Preset(
         "LlamaForCausalLM",
