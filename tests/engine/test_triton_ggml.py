@@ -149,3 +149,60 @@ def test_refused_operands():
         TG.ggml_gemv_triton(torch.zeros(1, 64), blocks, 2, 4, 64, torch.zeros(3))
     with pytest.raises(ValueError, match="dtype must be"):
         TG.ggml_dequantize_triton(blocks, 2, 4, 64, torch.float16)
+
+
+# ---- the CUDA linear (engine/models/gguf_triton_linear.py), interpreted on CPU tensors ---------------
+
+
+def test_linear_gemv_and_dequantized_paths_and_a_stack():
+    from engine.models.gguf_linear import GGMLStack, GGMLWeight
+    from engine.models.gguf_triton_linear import TritonGGMLLinear
+
+    k = 256
+    parts = (GGMLWeight(torch.from_numpy(random_blocks(Q.Q5_0, 5, k, 1)), int(Q.Q5_0), 5, k),
+             GGMLWeight(torch.from_numpy(random_blocks(Q.Q6_K, 3, k, 2)), int(Q.Q6_K), 3, k))  # fmt: skip
+    stack = GGMLStack(parts)
+    w = stack.dequantize(torch.float32)  # [8, k] gguf's values
+    bias = torch.randn(8, generator=torch.Generator().manual_seed(3))
+    lin = TritonGGMLLinear(stack, bias, max_rows=2)
+    g = torch.Generator().manual_seed(4)
+    small, large = torch.randn(2, k, generator=g), torch.randn(5, k, generator=g)  # GEMV; dequantize + matmul
+    got = lin(small)
+    want = small.double() @ w.double().t() + bias.double()
+    assert ((got.double() - want).abs() <= _bound(small, w, bias)).all()
+    assert torch.equal(lin(large), torch.nn.functional.linear(large, w, bias))  # the same values, same matmul
+    big16 = large.to(torch.bfloat16)
+    assert torch.equal(lin(big16), torch.nn.functional.linear(big16, w.to(torch.bfloat16), bias.to(torch.bfloat16)))
+    assert lin.weight_bytes == stack.nbytes
+    with pytest.raises(ValueError, match="one type"):
+        lin.rows(torch.tensor([0]), torch.float32)
+    emb = TritonGGMLLinear(parts[1], None, 0)
+    ids = torch.tensor([2, 0, 2])
+    assert torch.equal(emb.rows(ids, torch.float32), parts[1].dequantize(torch.float32)[ids])
+
+
+def test_engine_on_triton_block_linears_equals_dequantized(build_model, tmp_path, monkeypatch):
+    # The real GGUF loading with quantization="gguf", the model's block linears built as on CUDA
+    # (cpu_weights._ggml_triton, here on CPU tensors under the interpreter): greedy tokens equal the
+    # dequantized float32 engine's for every generated token (N = 6 and 4); prefill chunks above
+    # DEFAULT_MAX_ROWS take the dequantize kernel, decode the GEMV.
+    from engine.models.gguf_linear import GGMLEmbedding
+    from engine.models.gguf_triton_linear import TritonGGMLLinear
+    from engine.weights import cpu_weights
+
+    from .gguf_helpers import gguf_path
+    from .helpers import greedy, make_engine
+
+    path = gguf_path(build_model, tmp_path, "tiny-llama", "MIX")
+    prompts, max_tokens = [[11, 52, 300, 7, 1000, 23, 99, 412, 5, 61, 17], [44, 9]], [6, 4]
+    params = [greedy(m) for m in max_tokens]
+    ref = make_engine(path, quantization="none").generate(prompts, params)
+    monkeypatch.setattr(cpu_weights, "_ggml", lambda model, config, dtype, blocks, text:
+                        cpu_weights._ggml_triton(model, torch.device("cpu"), dtype, blocks, text))  # fmt: skip
+    engine = make_engine(path, quantization="gguf", fused_decode=False)
+    assert engine.weights.quantization.endswith("; Triton")
+    model = engine.runner.model
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, TritonGGMLLinear)
+    assert isinstance(model.lm_head, TritonGGMLLinear) and isinstance(model.model.embed_tokens, GGMLEmbedding)
+    got = engine.generate(prompts, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ref]

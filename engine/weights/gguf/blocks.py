@@ -97,7 +97,8 @@ def _blocks(weights: GGUFWeights, name: str) -> GGMLWeight:
 
 def blocks_for(source, quantization: str | None, device: torch.device) -> BlockPlan | None:
     """The block plan of a model source under EngineConfig.quantization ("gguf": asked for; anything else,
-    None included, dequantizes: opt-in until the block kernels beat bf16 at one row, docs/ENGINE.md), or None when
+    None included, dequantizes: opt-in until the block kernels beat bf16 at one row, docs/ENGINE.md; on
+    CUDA the blocks take the Triton kernels, engine/models/triton_ggml.py), or None when
     every weight loads into the serving dtype. Sets the source's held names (the loader skips them).
     ValueError where "gguf" was asked for and cannot apply."""
     from engine.models import model_class
@@ -109,10 +110,8 @@ def blocks_for(source, quantization: str | None, device: torch.device) -> BlockP
         if explicit:
             raise ValueError(f"quantization 'gguf' needs a GGUF file; {source.path.name} is {source.format}")
         return None
-    if device.type != "cpu":
-        if explicit:
-            raise ValueError(f"quantization 'gguf' runs on the CPU only (device is {device}); use 'none'")
-        return None
+    if device.type != "cpu" and (reason := _triton_reason(device)) is not None:
+        raise ValueError(f"quantization 'gguf' on {device} needs the Triton kernels ({reason}); use 'none'")
     cls = model_class(getattr(source.hf_config, "architectures", None))
     shards: dict[str, int] = {}
     for fused, _ in cls.packed.values():
@@ -126,3 +125,11 @@ def blocks_for(source, quantization: str | None, device: torch.device) -> BlockP
         return None
     source.weights.held = set(plan.held)
     return plan
+
+
+def _triton_reason(device: torch.device) -> str | None:
+    """Why the Triton GGUF kernels cannot run on `device` (the attention backend's probe: triton
+    importable, a compiler, a test kernel compiled), or None."""
+    from engine.attention import triton_unavailable_reason
+
+    return triton_unavailable_reason(device)
