@@ -234,3 +234,38 @@ def ggml_dequantize_triton(blocks: torch.Tensor, type_: int, n: int, k: int, dty
             **({} if INTERPRETED else {"enable_fp_fusion": False}),  # s * q + c rounded twice, as gguf
         )
     return out.view(torch.bfloat16) if bf16 else out
+
+
+def compile_all(arch: int = 90, k: int = 1024, tiles: GGMLTiles = GGMLTiles()) -> list[str]:
+    """Compile every kernel variant the launchers make (each type; GEMV with float32 and bf16 x, with a
+    bias; dequantize to float32 and bf16) for compute capability `arch` without a GPU, through Triton's
+    compiler and the ptxas in its wheel; one line per variant with its resources (cuobjdump). Code only
+    a GPU would compile is compiled on the CPU too (tests/engine/test_triton_ggml.py). TRITON_INTERPRET
+    must be unset."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.attention.triton_aot import _resources
+
+    if INTERPRETED:
+        raise RuntimeError("TRITON_INTERPRET is set: interpreted kernels cannot be compiled")
+    target, lines = GPUTarget("cuda", arch, 32), []
+    for type_, (values, size) in BLOCKS.items():
+        shape = dict(K=k, TYPE=type_, UPB=values // 32, BB=size)
+        launches = []
+        for xt in ("fp32", "bf16"):
+            consts = dict(shape, HAS_BIAS=True, BF16=xt == "bf16", BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m)
+            types = dict(x_ptr="*" + xt, w_ptr="*u8", bias_ptr="*" + xt, y_ptr="*i16" if xt == "bf16" else "*fp32",
+                         M="i32", N="i32", stride_xm="i32", stride_ym="i32", row_bytes="i32")
+            launches.append((f"gemv {xt}", _gemv_kernel, types, consts, {}))
+        for bf16 in (False, True):
+            consts = dict(shape, BF16=bf16, BLOCK_N=32)
+            types = dict(w_ptr="*u8", out_ptr="*i16" if bf16 else "*fp32", N="i32", row_bytes="i32")
+            launches.append((f"dequantize {'bf16' if bf16 else 'fp32'}", _dequantize_kernel, types, consts,
+                             {"enable_fp_fusion": False}))
+        for name, kernel, types, consts, opts in launches:
+            sig = {a: "constexpr" if a in consts else types[a] for a in kernel.arg_names}
+            compiled = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=target,
+                                      options={"num_warps": 4, **opts})
+            lines.append(f"sm_{arch} type {type_:>2} {name:<16} ok  {_resources(compiled.asm['cubin'])}")
+    return lines

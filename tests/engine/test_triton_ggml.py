@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton or the kernels are imported: kernels take CPU tensors
 
@@ -33,6 +36,7 @@ from engine.testing.make_gguf import random_blocks  # noqa: E402
 if not TG.INTERPRETED:  # imported earlier in this process without the interpreter: decorate again
     TG = importlib.reload(TG)
 
+ROOT = str(Path(__file__).resolve().parents[2])
 TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 IDS = [t.name for t in TYPES]
 TILES = TG.GGMLTiles(block_n=8, block_m=4)  # small: several tiles of rows and of x, partial ones
@@ -206,3 +210,17 @@ def test_engine_on_triton_block_linears_equals_dequantized(build_model, tmp_path
     assert isinstance(model.lm_head, TritonGGMLLinear) and isinstance(model.model.embed_tokens, GGMLEmbedding)
     got = engine.generate(prompts, params)
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
+
+
+def test_kernels_compile_for_hopper_without_a_gpu(tmp_path):
+    """Everything the GPU would compile, compiled here (the interpreter does not compile): each type's
+    GEMV (float32, bf16 x) and dequantize (float32, bf16) for sm_90, in a fresh process without
+    TRITON_INTERPRET, through Triton's compiler and the ptxas in its wheel; no register spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1", PYTHONPATH=str(ROOT))
+    code = "from engine.models.triton_ggml import compile_all; print('\\n'.join(compile_all(90)))"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("sm_90")]
+    assert len(lines) == 4 * len(TG.BLOCKS) and all(" ok " in line for line in lines), run.stdout
+    assert all("LOCAL:0" in line for line in lines if "LOCAL:" in line), run.stdout  # no spills
