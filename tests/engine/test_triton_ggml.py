@@ -224,3 +224,21 @@ def test_kernels_compile_for_hopper_without_a_gpu(tmp_path):
     lines = [line for line in run.stdout.splitlines() if line.startswith("sm_90")]
     assert len(lines) == 4 * len(TG.BLOCKS) and all(" ok " in line for line in lines), run.stdout
     assert all("LOCAL:0" in line for line in lines if "LOCAL:" in line), run.stdout  # no spills
+
+
+def test_gguf_on_cuda_without_triton_is_an_error_naming_why(build_model, tmp_path, monkeypatch):
+    # blocks_for on a CUDA device asks the attention backend's Triton probe; where it says no, the
+    # opt-in "gguf" is refused at start-up with the reason (no silent dequantized fallback)
+    from engine.weights.gguf import blocks
+    from engine.weights.model_open import open_model_source
+
+    from .gguf_helpers import gguf_path
+
+    source = open_model_source(str(gguf_path(build_model, tmp_path, "tiny-llama", "Q8_0")))
+    monkeypatch.setattr(blocks, "_triton_reason", lambda device: "no C compiler")
+    with pytest.raises(ValueError, match=r"'gguf' on cuda needs the Triton kernels \(no C compiler\); use 'none'"):
+        blocks.blocks_for(source, "gguf", torch.device("cuda"))
+    assert blocks.blocks_for(source, None, torch.device("cuda")) is None  # the default dequantizes
+    monkeypatch.setattr(blocks, "_triton_reason", lambda device: None)
+    plan = blocks.blocks_for(source, "gguf", torch.device("cuda"))
+    assert plan is not None and plan.types == ["Q8_0"]
