@@ -80,8 +80,8 @@ class ServerSettings(BaseSettings):
                                                          "tool calls; none: such requests get a 400")
     quantization: Literal["int8", "gguf", "none"] | None = Field(
         None, description="default and none: every weight dequantized to --dtype; gguf: a GGUF file's Q4_0/Q4_1/Q5_0/"
-        "Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights stay quantized on the CPU, multiplied with int8 activations (a third of the "
-        "bytes; not yet faster than bf16 at batch 1, docs/ENGINE.md); int8: INT8 weight-only linears (CPU; half the "
+        "Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights stay quantized, multiplied on the CPU with int8 activations (a third of the "
+        "bytes; not yet faster than bf16 at batch 1, docs/ENGINE.md), on CUDA by Triton kernels (float); int8: INT8 weight-only linears (CPU; half the "
         "weight bytes)")
     gguf_activations: Literal["int8", "float"] = Field(
         "int8", description="with --quantization gguf: int8 (activations quantized per 32 values, integer dot "
