@@ -7,6 +7,8 @@ only PyTorch, Triton and transformers (tokenizers, safetensors, tqdm) as that im
 installs nothing. Steps, each guarded by the time budget (a step that would not fit is skipped,
 one that fails is reported and the rest still run):
 
+  0. the Triton GGUF block kernels (engine/models/triton_ggml.py) per type against the gguf package
+     (skipped where the image has no gguf package)
   1. build seeded random models without downloads: the tiny presets and qwen25-05b-shape
      (Qwen2.5-0.5B's shape; its vocabulary of 151,936 is larger than its tokenizer's)
   2. greedy parity against transformers on CUDA, float32, exact tokens: every tiny preset and the
@@ -162,6 +164,44 @@ def copy_bandwidth(report: Report, device: str) -> float | None:
 
 
 # ---- 1. models ------------------------------------------------------------------------------------
+
+
+def ggml_kernels(report: Report, device: str) -> None:
+    """The Triton GGUF kernels (engine/models/triton_ggml.py) compiled on this GPU, per type against
+    gguf.quants.dequantize on random blocks: the dequantize bit-exact (float32, and bf16 rounded once),
+    the GEMV within the float32 bound of any summation order (tests/engine/test_triton_ggml.py's, run
+    there under the interpreter), at 1, 3 and 9 rows of x and 300 weight rows."""
+    try:
+        from gguf import GGMLQuantizationType as Q
+        from gguf.quants import dequantize
+
+        from engine.testing.make_gguf import random_blocks
+    except ImportError as exc:  # the image lacks the gguf package: say so, check nothing
+        report.rows.append(Row("ggml triton kernels", f"skipped: {exc}"[:60], "", "SKIP"))
+        return
+    from engine.models import triton_ggml as TG
+
+    bad: list[str] = []
+    n = 300
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        k = 1024
+        host = random_blocks(qtype, n, k, int(qtype))
+        want = torch.from_numpy(dequantize(host, qtype))  # [n, k] float32
+        blocks = torch.from_numpy(host).to(device)
+        got = TG.ggml_dequantize_triton(blocks, int(qtype), n, k, torch.float32).cpu()
+        got16 = TG.ggml_dequantize_triton(blocks, int(qtype), n, k, torch.bfloat16).cpu()
+        ok = torch.equal(got.view(torch.int32), want.view(torch.int32)) and \
+            torch.equal(got16.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))  # fmt: skip
+        for rows in (1, 3, 9):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            y = TG.ggml_gemv_triton(x.to(device), blocks, int(qtype), n, k).cpu().double()
+            ref = x.double() @ want.double().t()
+            bound = 2 * k * 2**-24 * (x.double().abs() @ want.double().abs().t()) + 1e-30
+            ok = ok and bool(((y - ref).abs() <= bound).all())
+        if not ok:
+            bad.append(qtype.name)
+    report.add("ggml triton kernels (8 types)", f"wrong: {', '.join(bad)}" if bad else "all exact / in bound",
+               "every type", not bad)
 
 
 def build_models(report: Report, cache: Path, presets) -> dict[str, Path]:
@@ -480,6 +520,7 @@ def main(argv=None) -> int:
     torch.backends.cudnn.allow_tf32 = False
     report.phase("machine", 0, machine, report, dev)
     bw = report.phase("copy bandwidth", 5, copy_bandwidth, report, dev)
+    report.phase("ggml triton kernels", 10, ggml_kernels, report, dev)
     paths = report.phase("build models", 20, build_models, report, args.models, (*TINY, args.big)) or {}
     for p in TINY:
         if p in paths:

@@ -189,7 +189,7 @@ class GGMLEmbedding(nn.Module):
     """Token embeddings looked up in ggml blocks (only the rows a step reads are dequantized): its own
     (untied) or the logits head's (tied)."""
 
-    def __init__(self, source: GGMLLinear, dtype: torch.dtype) -> None:
+    def __init__(self, source: nn.Module, dtype: torch.dtype) -> None:  # GGMLLinear or TritonGGMLLinear: rows()
         super().__init__()
         self.source = source
         self.dtype = dtype

@@ -101,11 +101,11 @@ def prepare_weights(model: LlamaForCausalLM, config: EngineConfig, device: torch
     ggml: GGUF blocks by parameter name (engine/weights/gguf/blocks.py; their parameters were never
     written), kept as they are; ggml_text: the report's quantization field then."""
     if ggml:
-        if device.type != "cpu":
-            raise ValueError(f"GGUF quantized weights run on the CPU only (device is {device}); use quantization='none'")
         if config.deterministic:
             raise ValueError("deterministic does not take GGUF quantized weights: use quantization='none' "
                              "(the weights dequantized to dtype)")
+        if device.type != "cpu":
+            return _ggml_triton(model, device, dtype, dict(ggml), ggml_text)
         return _ggml(model, config, dtype, dict(ggml), ggml_text)
     if config.quantization in ("int8",) and device.type != "cpu":
         raise ValueError(f"quantization {config.quantization!r} runs on the CPU only (device is {device})")
@@ -355,6 +355,39 @@ def _ggml(model: LlamaForCausalLM, config: EngineConfig, dtype: torch.dtype, blo
     return WeightsReport(False, text, gemv, _weight_bytes(model))
 
 
+def _ggml_triton(model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype,
+                 blocks: dict[str, GGMLWeight | GGMLStack], text: str) -> WeightsReport:
+    """GGUF blocks on CUDA (or CPU tensors under the Triton interpreter): TritonGGMLLinear modules
+    (engine/models/gguf_triton_linear.py), the blocks moved to `device`; the rest stays as loaded."""
+    from engine.models.gguf_triton_linear import DEFAULT_MAX_ROWS, TritonGGMLLinear, to_device
+
+    name_of = _ParamNames(model)
+    unknown = sorted(set(blocks) - set(name_of.names))
+    if unknown:
+        raise ValueError(f"GGUF blocks for parameters the model does not have: {unknown[:5]}")
+    tied = model.lm_head is None
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None, role: str) -> nn.Module:
+        given = blocks.get(name_of(weight) or "")
+        if given is None:
+            return _plain(weight, bias)
+        if (given.n, given.k) != tuple(weight.shape):
+            raise ValueError(f"GGUF blocks {name_of(weight)!r} are {given.n}x{given.k}, the model's "
+                             f"{tuple(weight.shape)}")
+        return TritonGGMLLinear(to_device(given, device), bias, DEFAULT_MAX_ROWS, role == "gate_up")
+
+    model.replace_linears(make)
+    embed = model.model.embed_tokens
+    embed_blocks = blocks.get("model.embed_tokens.weight")
+    if embed_blocks is not None:  # looked up in its blocks: the head's (tied) or its own
+        source = model.lm_head if tied else TritonGGMLLinear(to_device(embed_blocks, device), None, 0)
+        model.model.embed_tokens = GGMLEmbedding(source, dtype)
+    elif not tied and not isinstance(embed, nn.Embedding):
+        raise ValueError("the embedding is neither blocks nor a plain embedding")
+    gemv = f"triton (GEMV up to {DEFAULT_MAX_ROWS} rows, then dequantize + matmul)"
+    return WeightsReport(False, f"{text}; Triton", gemv, _weight_bytes(model))
+
+
 class _ParamNames:
     """A weight's parameter name, from the model before any replacement; None for another tensor (an
     expert's row of a stack, engine/models/moe.py). Holds the parameters, so no id is reused while a
@@ -458,7 +491,8 @@ def _weight_bytes(model: nn.Module) -> int:
         if m is lookup_only or id(m) in inner:
             continue
         part = share.get(id(m), 1.0)
-        if isinstance(m, (GemvLinear, GemvF32Linear, Int8Linear, GGMLLinear)):
+        if isinstance(m, (GemvLinear, GemvF32Linear, Int8Linear, GGMLLinear)) \
+                or isinstance(getattr(m, "weight_q", None), (GGMLWeight, GGMLStack)):  # fmt: skip  # TritonGGMLLinear
             total += part * m.weight_bytes
         elif isinstance(m, (PackedLinear, TiledLinear)):
             total += part * m.out_features * m.in_features * 2

@@ -80,9 +80,9 @@ class ServerSettings(BaseSettings):
                                                          "tool calls; none: such requests get a 400")
     quantization: Literal["int8", "gguf", "none"] | None = Field(
         None, description="default: a GGUF file served in bf16 on the CPU keeps its Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/"
-        "Q5_K/Q6_K weights as blocks (as gguf), anything else dequantized to --dtype; gguf: those blocks, or an "
-        "error where they cannot apply; none: every weight dequantized to --dtype; int8: INT8 weight-only linears "
-        "(CPU; half the weight bytes)")
+        "Q5_K/Q6_K weights as blocks (as gguf), anything else dequantized to --dtype; gguf: those blocks (CPU: "
+        "int8 activations; CUDA: Triton kernels, float), or an error where they cannot apply; none: every weight "
+        "dequantized to --dtype; int8: INT8 weight-only linears (CPU; half the weight bytes)")
     gguf_activations: Literal["int8", "float"] = Field(
         "int8", description="with GGUF blocks: int8 (activations quantized per 32 values, integer dot "
         "products, as llama.cpp; faster, within a stated bound of the float product) or float (float32, the "

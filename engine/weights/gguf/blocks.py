@@ -102,10 +102,12 @@ def _blocks(weights: GGUFWeights, name: str) -> GGMLWeight:
 
 def blocks_for(source, config, device: torch.device, dtype: torch.dtype) -> BlockPlan | None:
     """The block plan of a model source under config.quantization (an EngineConfig), or None when every
-    weight loads into the serving dtype. "gguf": asked for (ValueError where it cannot apply); None (the
-    default): the same where it applies (a GGUF file holding kernel types, served in bf16 on the CPU,
-    the `ggml` kernels built and `cpu_gemv` not "off", not the batch-invariant mode), else dequantized
-    (float32 keeps the dequantized values exact: the reference); "none" / "int8": dequantized. Sets the source's held names (the loader skips them)."""
+    weight loads into the serving dtype. "gguf": asked for (ValueError where it cannot apply; on CUDA the
+    blocks take the Triton kernels, engine/models/triton_ggml.py); None (the default): the same where it
+    applies (a GGUF file holding kernel types, served in bf16 on the CPU, the `ggml` kernels built and
+    `cpu_gemv` not "off", not the batch-invariant mode), else dequantized (float32 keeps the dequantized
+    values exact: the reference; CUDA: opt-in); "none" / "int8": dequantized. Sets the source's held
+    names (the loader skips them)."""
     from engine.models import model_class
 
     explicit = config.quantization == "gguf"
@@ -116,12 +118,13 @@ def blocks_for(source, config, device: torch.device, dtype: torch.dtype) -> Bloc
             raise ValueError(f"quantization 'gguf' needs a GGUF file; {source.path.name} is {source.format}")
         return None
     if device.type != "cpu":
-        if explicit:
-            raise ValueError(f"quantization 'gguf' runs on the CPU only (device is {device}); use 'none'")
-        return None
-    if not explicit and (dtype != torch.bfloat16 or config.deterministic or config.cpu_gemv == "off"):
+        if not explicit:
+            return None  # CUDA: opt-in (the Triton kernels are not measured against bf16 on a GPU yet)
+        if (reason := _triton_reason(device)) is not None:
+            raise ValueError(f"quantization 'gguf' on {device} needs the Triton kernels ({reason}); use 'none'")
+    elif not explicit and (dtype != torch.bfloat16 or config.deterministic or config.cpu_gemv == "off"):
         return None  # exact float32, the mode's own products, no small-batch kernels: dequantized
-    if not explicit and (why := cpu_kernels.load("ggml")) is not None:  # (an error under TOKENMILL_REQUIRE_KERNELS=1)
+    elif not explicit and (why := cpu_kernels.load("ggml")) is not None:  # (an error under TOKENMILL_REQUIRE_KERNELS=1)
         log.warning("GGUF block kernels unavailable (%s): the file's matrices are dequantized", why)
         return None
     cls = model_class(getattr(source.hf_config, "architectures", None))
@@ -139,3 +142,11 @@ def blocks_for(source, config, device: torch.device, dtype: torch.dtype) -> Bloc
         return None
     source.weights.held = set(plan.held)
     return plan
+
+
+def _triton_reason(device: torch.device) -> str | None:
+    """Why the Triton GGUF kernels cannot run on `device` (the attention backend's probe: triton
+    importable, a compiler, a test kernel compiled), or None."""
+    from engine.attention import triton_unavailable_reason
+
+    return triton_unavailable_reason(device)
