@@ -23,6 +23,7 @@ from engine.kv.cache import allocate_kv_cache
 from engine.kv.events import KVEventSink
 from engine.lora.loading import make_registry
 from engine.models import batch_invariant
+from engine.models.moe import MoeCausalLM
 from engine.models.windows import layer_windows, uniform_window
 from engine.runner import startup
 from engine.runner.cuda_graphs import capture_graphs, graph_buckets, graphs_enabled
@@ -68,6 +69,8 @@ class Engine(StepLoop):
         self.weights = prepare_weights(model, config, self.device, self.dtype, ggml=blocks.weights if blocks else None,
                                        ggml_text=blocks.describe() if blocks else "gguf")
         self.packed_weights = self.weights.packed
+        if isinstance(model, MoeCausalLM):  # the experts' path on CUDA (Triton grouped GEMM or the loop)
+            log.info("MoE experts: %s", model.select_experts(self.device, self.dtype, cpu_kernels.required()))
         backend = select_backend(self.device, config.attention_backend, self.dtype)
         if config.deterministic and (reason := batch_invariant.unsupported(self.device, backend.name)):
             raise ValueError(f"deterministic {reason}")

@@ -19,6 +19,8 @@ order; CUDA's may use atomics (the order is not fixed there).
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +34,9 @@ from engine.models.layers import GatedMLP, silu_mul
 
 if TYPE_CHECKING:
     from engine.lora.batch import LayerLora
+
+log = logging.getLogger("tokenmill.engine")
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # triton_moe.DTYPES, without importing triton
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +125,7 @@ class MoeExperts(nn.Module):
         self.gate_up: nn.ModuleList | None = None  # per expert [2I, H] linears (replace_linears)
         self.down: nn.ModuleList | None = None  # per expert [H, I]
         self.fused_act = False  # every gate_up module computes silu(gate) * up itself (silu_mul)
+        self.path = "torch"  # "triton": triton_moe.fused_experts over the stacks (MoeCausalLM.select_experts)
 
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert e's SwiGLU over rows [n, H] -> [n, H]."""
@@ -174,7 +180,12 @@ class SparseMoeBlock(nn.Module):
         weights, ids = route(self.gate(x), self.top_k, self.normalize)
         if self.counts is not None:
             self.counts += torch.bincount(ids.reshape(-1), minlength=self.counts.shape[0]).to(self.counts.device)
-        out = grouped_experts(x, ids, weights, self.experts.expert, self.experts.num_experts)
+        if self.experts.path == "triton":
+            from engine.models.triton_moe import fused_experts
+
+            out = fused_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        else:
+            out = grouped_experts(x, ids, weights, self.experts.expert, self.experts.num_experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + self.shared_expert_gate(x) * self.shared_expert(x)
         return out
@@ -182,6 +193,24 @@ class SparseMoeBlock(nn.Module):
     def count_tokens(self) -> None:
         """Keep a running count of the tokens each expert receives (debugging: expert_counts)."""
         self.counts = torch.zeros(self.experts.num_experts, dtype=torch.int64)
+
+
+@functools.cache  # one answer per device and process: the probe is not repeated per layer or engine
+def triton_experts_reason(device: torch.device) -> str | None:
+    """None when triton_moe's grouped GEMMs can run on `device`, else why not: CUDA only (the CPU runs
+    its own linears; the interpreter would be far slower), triton imports, and builds and launches a
+    kernel there (the attention backend's probe)."""
+    if device.type != "cuda":
+        return f"the Triton experts run on CUDA only, not {device.type}"
+    from engine.attention import triton_unavailable_reason
+
+    reason = triton_unavailable_reason(device)
+    if reason is None:
+        try:
+            from engine.models import triton_moe  # noqa: F401
+        except Exception as exc:  # ImportError, or a broken install
+            reason = f"{type(exc).__name__}: {exc}"
+    return reason
 
 
 @dataclass(frozen=True)
@@ -279,6 +308,28 @@ class MoeCausalLM:
     def moe_blocks(self) -> list[SparseMoeBlock]:
         assert isinstance(self, nn.Module)
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+
+    def select_experts(self, device: torch.device, dtype: torch.dtype, required: bool) -> str:
+        """Put every sparse layer on the Triton grouped GEMMs (engine/models/triton_moe.py) where they can
+        run (CUDA, triton ready, the stacks kept: no linear replaced them), else keep the PyTorch loop over
+        experts; -> the path, for the start-up log. required (TOKENMILL_REQUIRE_KERNELS=1): on CUDA, the
+        loop is a RuntimeError instead."""
+        blocks = self.moe_blocks()
+        if any(b.experts.gate_up is not None for b in blocks):
+            return "per-expert linears (replace_linears)"
+        if any(type(b) is not SparseMoeBlock or type(b.experts) is not MoeExperts for b in blocks):
+            # a subclass may add biases or another activation (GPT-OSS): the kernels compute neither
+            return "torch loop over experts (experts with their own arithmetic)"
+        reason = triton_experts_reason(device) if dtype in TRITON_DTYPES else f"no Triton experts for {dtype}"
+        if reason is None:
+            for b in blocks:
+                b.experts.path = "triton"
+            return "triton grouped GEMM"
+        if required and device.type == "cuda":
+            raise RuntimeError(f"Triton MoE experts unavailable and TOKENMILL_REQUIRE_KERNELS=1: {reason}")
+        if device.type == "cuda":
+            log.warning("MoE experts: no Triton grouped GEMM (%s); the PyTorch loop over experts runs", reason)
+        return f"torch loop over experts ({reason})"
 
     def expert_counts(self) -> list[list[int]]:
         """Tokens each expert received so far, per sparse layer (after count_expert_tokens)."""
