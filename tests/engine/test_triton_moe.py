@@ -221,3 +221,50 @@ def test_require_kernels_turns_the_cuda_fallback_into_an_error(build_model, monk
     monkeypatch.setattr(moe, "triton_experts_reason", lambda device: None)
     assert model.select_experts(cuda, torch.bfloat16, required=True) == "triton grouped GEMM"
     assert all(b.experts.path == "triton" for b in model.moe_blocks())
+
+
+# ---- what only a GPU would compile ------------------------------------------------------------------
+
+_COMPILE = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.models import triton_moe as TM
+assert not TM.INTERPRETED
+t = TM.MoeTiles()
+for ty in ("bf16", "fp32"):
+    p = "*" + ty
+    common = dict(BM=t.block_m, BN=t.block_n, BK=t.block_k, F32=ty == "fp32", ROWWISE=False)
+    kernels = [
+        (TM._gate_up_kernel, dict(x_ptr=p, w_ptr=p, h_ptr=p, sorted_ptr="*i32", block_expert_ptr="*i32",
+                                  stride_xt="i32", stride_we="i32", stride_wr="i32", stride_ht="i32"),
+         dict(P=70, TOP_K=2, H=2048, INTER=768, **common)),
+        (TM._down_kernel, dict(h_ptr=p, w_ptr=p, y_ptr="*fp32", route_ptr="*fp32", sorted_ptr="*i32",
+                               block_expert_ptr="*i32", stride_ht="i32", stride_we="i32", stride_wr="i32",
+                               stride_yt="i32"),
+         dict(P=70, H=2048, INTER=768, **common)),
+        (TM._sum_kernel, dict(y_ptr="*fp32", out_ptr=p, korder_ptr="*i32", stride_yt="i32", stride_ot="i32"),
+         dict(TOP_K=2, H=2048, BN=t.block_n)),
+    ]
+    for kernel, types, consts in kernels:
+        sig = {n: "constexpr" if n in consts else types[n] for n in kernel.arg_names}
+        c = triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+        assert c.asm["cubin"], kernel.__name__
+        print(kernel.__name__, ty, "ok")
+"""
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the GPU run compiles them itself")
+def test_kernels_compile_for_hopper_without_a_gpu(tmp_path):
+    """The tl.dot paths the interpreter does not run, compiled for sm_90 (bf16 and float32) through
+    Triton's compiler and the ptxas in its wheel, in a fresh process without TRITON_INTERPRET."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count(" ok") == 6
