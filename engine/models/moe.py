@@ -190,6 +190,12 @@ class SparseMoeBlock(nn.Module):
             out = out + self.shared_expert_gate(x) * self.shared_expert(x)
         return out
 
+    def triton_experts_supported(self) -> bool:
+        """Whether forward's path "triton" computes this block's experts: plain SwiGLU without biases. A
+        subclass with biases or another activation (GPT-OSS) says so by overriding this once its forward
+        passes them to triton_moe.fused_experts (gate_up_bias, down_bias, ExpertAct)."""
+        return type(self) is SparseMoeBlock and type(self.experts) is MoeExperts
+
     def count_tokens(self) -> None:
         """Keep a running count of the tokens each expert receives (debugging: expert_counts)."""
         self.counts = torch.zeros(self.experts.num_experts, dtype=torch.int64)
@@ -317,8 +323,7 @@ class MoeCausalLM:
         blocks = self.moe_blocks()
         if any(b.experts.gate_up is not None for b in blocks):
             return "per-expert linears (replace_linears)"
-        if any(type(b) is not SparseMoeBlock or type(b.experts) is not MoeExperts for b in blocks):
-            # a subclass may add biases or another activation (GPT-OSS): the kernels compute neither
+        if not all(b.triton_experts_supported() for b in blocks):
             return "torch loop over experts (experts with their own arithmetic)"
         reason = triton_experts_reason(device) if dtype in TRITON_DTYPES else f"no Triton experts for {dtype}"
         if reason is None:

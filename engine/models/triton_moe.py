@@ -33,8 +33,10 @@ float32 here, rounded once to the model dtype for h and once for the output (the
 each product and after the weighting), so bf16 results differ by rounding only; float32 dots use
 input_precision="ieee" (no TF32).
 
-Not covered: biases and other activations (GPT-OSS's biased experts and clamped SwiGLU take the
-PyTorch loop), quantized experts. Tiles are not tuned on a GPU: the kernels have run only under the
+Biases and GPT-OSS's clamped SwiGLU with interleaved gate/up rows are parameters (ExpertAct,
+gate_up_bias, down_bias): the bias is added to the float32 accumulators before the activation and
+before the routing weight. SparseMoeBlock passes neither (its experts have none); a GPT-OSS block
+would pass its own. Not covered: quantized (MXFP4, INT8, GGUF) experts. Tiles are not tuned on a GPU: the kernels have run only under the
 Triton interpreter here (TRITON_INTERPRET=1 before this module is imported; CPU tensors), where, as
 in engine/attention/triton_kernels.py, every product takes float32 operands (the interpreter's tl.dot
 multiplies bf16's raw bits), and is a broadcast sum rather than tl.dot (_mm: numpy's matmul is not
@@ -78,12 +80,14 @@ def _mm(a, b, F32: tl.constexpr, ROWWISE: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
-    stride_xt, stride_we, stride_wr, stride_ht,
+    x_ptr, w_ptr, bias_ptr, h_ptr, sorted_ptr, block_expert_ptr,
+    stride_xt, stride_we, stride_wr, stride_ht, stride_be, alpha, limit,
     P: tl.constexpr, TOP_K: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+    ROW_STEP: tl.constexpr, UP_OFF: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, ROWWISE: tl.constexpr,
 ):
-    # grid: (blocks, cdiv(I, BN)). h[p, n] = silu(x[p // K] . gate_e[n]) * (x[p // K] . up_e[n])
+    # grid: (blocks, cdiv(I, BN)). h[p, n] = act(x[p // K] . gate_e[n] (+ b), x[p // K] . up_e[n] (+ b)),
+    # gate row n * ROW_STEP, up row n * ROW_STEP + UP_OFF (split halves: 1, I; interleaved: 2, 1)
     blk = tl.program_id(0)
     e = tl.load(block_expert_ptr + blk).to(tl.int64)
     if e >= 0:
@@ -93,8 +97,9 @@ def _gate_up_kernel(
         tok = tl.where(valid, pair // TOP_K, 0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_mask = n < INTER
-        w_gate = w_ptr + e * stride_we + n[None, :].to(tl.int64) * stride_wr  # [1, BN] rows n of gate
-        w_up = w_gate + INTER * stride_wr  # rows I + n
+        row_g = n[None, :].to(tl.int64) * ROW_STEP  # [1, BN]: gate rows
+        w_gate = w_ptr + e * stride_we + row_g * stride_wr
+        w_up = w_gate + UP_OFF * stride_wr
         acc_g = tl.zeros([BM, BN], tl.float32)
         acc_u = tl.zeros([BM, BN], tl.float32)
         for k0 in range(0, H, BK):
@@ -107,19 +112,28 @@ def _gate_up_kernel(
             u = tl.load(w_up + k[:, None], mask=wm, other=0.0)
             acc_g += _mm(a, g, F32, ROWWISE)
             acc_u += _mm(a, u, F32, ROWWISE)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, float32
+        if HAS_BIAS:
+            b_row = bias_ptr + e * stride_be + row_g
+            acc_g += tl.load(b_row, mask=n_mask[None, :], other=0.0).to(tl.float32)
+            acc_u += tl.load(b_row + UP_OFF, mask=n_mask[None, :], other=0.0).to(tl.float32)
+        if CLAMPED:  # GPT-OSS: gate <= limit, |up| <= limit, gate * sigmoid(alpha gate) * (up + 1)
+            acc_g = tl.minimum(acc_g, limit)
+            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+            h = acc_g / (1.0 + tl.exp(-alpha * acc_g)) * (acc_u + 1.0)
+        else:
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # silu(gate) * up, float32
         tl.store(h_ptr + pair[:, None] * stride_ht + n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=valid[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, y_ptr, route_ptr, sorted_ptr, block_expert_ptr,
-    stride_ht, stride_we, stride_wr, stride_yt,
-    P: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
+    h_ptr, w_ptr, bias_ptr, y_ptr, route_ptr, sorted_ptr, block_expert_ptr,
+    stride_ht, stride_we, stride_wr, stride_yt, stride_be,
+    P: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, HAS_BIAS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, ROWWISE: tl.constexpr,
 ):
-    # grid: (blocks, cdiv(H, BN)). y[p, n] = route[p] * (h[p] . down_e[n]), float32
+    # grid: (blocks, cdiv(H, BN)). y[p, n] = route[p] * (h[p] . down_e[n] (+ bias_e[n])), float32
     blk = tl.program_id(0)
     e = tl.load(block_expert_ptr + blk).to(tl.int64)
     if e >= 0:
@@ -138,6 +152,8 @@ def _down_kernel(
                         other=0.0)  # [BM, BK]
             b = tl.load(w + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
             acc += _mm(a, b, F32, ROWWISE)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + e * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         r = tl.load(route_ptr + safe, mask=valid, other=0.0).to(tl.float32)  # [BM]
         tl.store(y_ptr + pair[:, None] * stride_yt + n[None, :], acc * r[:, None],
                  mask=valid[:, None] & n_mask[None, :])
@@ -187,13 +203,30 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     return sorted_pairs, block_expert
 
 
+@dataclass(frozen=True)
+class ExpertAct:
+    """The experts' gated activation and gate_up's row layout. Default: silu(gate) * up, gate rows
+    then up rows (transformers' Qwen/OLMoE/Mixtral stacking). clamped (GPT-OSS's experts): gate
+    clamped above at limit, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + 1).
+    interleaved: gate row 2n, up row 2n + 1 (GPT-OSS's checkpoints)."""
+
+    clamped: bool = False
+    alpha: float = 1.702
+    limit: float = 7.0
+    interleaved: bool = False
+
+
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, tiles: MoeTiles = MoeTiles()) -> torch.Tensor:  # fmt: skip
-    """sum_k weights[t, k] * down_e(silu(gate_e x[t]) * up_e x[t]) with e = ids[t, k], summed in ascending
-    e: x [T, H], ids int64 [T, K] (a row's ids distinct), weights float32 [T, K], gate_up [E, 2I, H]
-    (gate rows, then up), down [E, H, I], in x's dtype -> [T, H] in x's dtype (moe.grouped_experts'
-    contract with stacked_expert). Ids are range-checked only on the CPU."""
+                  down: torch.Tensor, tiles: MoeTiles = MoeTiles(), *, gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None, act: ExpertAct = ExpertAct()) -> torch.Tensor:  # fmt: skip
+    """sum_k weights[t, k] * (down_e(act(gate_e x[t], up_e x[t])) + down_bias[e]) with e = ids[t, k],
+    summed in ascending e: x [T, H], ids int64 [T, K] (a row's ids distinct), weights float32 [T, K],
+    gate_up [E, 2I, H] (layout: act.interleaved), down [E, H, I], biases [E, 2I] and [E, H] (optional),
+    in x's dtype -> [T, H] in x's dtype (moe.grouped_experts' contract with stacked_expert, for the
+    default act). Ids are range-checked only on the CPU."""
     _check(x, ids, weights, gate_up, down)
+    _check_bias(gate_up_bias, gate_up.shape[:2], x)
+    _check_bias(down_bias, down.shape[:2], x)
     t, top_k = ids.shape
     e, inter, hidden = gate_up.shape[0], down.shape[2], x.shape[1]
     if t == 0:
@@ -206,18 +239,21 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     p = t * top_k
     f32 = INTERPRETED or x.dtype == torch.float32
     h = torch.empty((p, inter), dtype=x.dtype, device=x.device)  # [P, I]
+    gu_bias = x if gate_up_bias is None else gate_up_bias.contiguous()  # x: a placeholder, never read
+    d_bias = x if down_bias is None else down_bias.contiguous()
     _gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, tiles.block_n))](
-        x, gate_up, h, sorted_pairs, block_expert,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        P=p, TOP_K=top_k, H=hidden, INTER=inter,
+        x, gate_up, gu_bias, h, sorted_pairs, block_expert,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), gu_bias.stride(0), act.alpha, act.limit,
+        P=p, TOP_K=top_k, H=hidden, INTER=inter, ROW_STEP=2 if act.interleaved else 1,
+        UP_OFF=1 if act.interleaved else inter, HAS_BIAS=gate_up_bias is not None, CLAMPED=act.clamped,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, F32=f32, ROWWISE=INTERPRETED,
     )
     y = torch.empty((p, hidden), dtype=torch.float32, device=x.device)  # [P, H]
     route = weights.reshape(-1).float().contiguous()  # [P]
     _down_kernel[(block_expert.shape[0], triton.cdiv(hidden, tiles.block_n))](
-        h, down, y, route, sorted_pairs, block_expert,
-        h.stride(0), down.stride(0), down.stride(1), y.stride(0),
-        P=p, H=hidden, INTER=inter,
+        h, down, d_bias, y, route, sorted_pairs, block_expert,
+        h.stride(0), down.stride(0), down.stride(1), y.stride(0), d_bias.stride(0),
+        P=p, H=hidden, INTER=inter, HAS_BIAS=down_bias is not None,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, F32=f32, ROWWISE=INTERPRETED,
     )
     korder = torch.argsort(ids, dim=1).to(torch.int32).contiguous()  # [T, K]: each token's k by ascending id
@@ -226,6 +262,12 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         y, out, korder, y.stride(0), out.stride(0), TOP_K=top_k, H=hidden, BN=tiles.block_n,
     )
     return out
+
+
+def _check_bias(bias: torch.Tensor | None, shape: torch.Size, x: torch.Tensor) -> None:
+    if bias is not None and (bias.shape != shape or bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"fused_experts: a bias must be {list(shape)} in x's dtype and device, got "
+                         f"{list(bias.shape)} {bias.dtype}")  # fmt: skip
 
 
 def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,

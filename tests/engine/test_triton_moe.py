@@ -157,6 +157,49 @@ def test_a_tokens_output_does_not_depend_on_its_batch(dtype):
     assert torch.equal(shuffled, full[perm])
 
 
+def _gpt_oss_reference(x, ids, weights, gate_up, gu_bias, down, d_bias, alpha=1.702, limit=7.0):
+    """transformers' GptOssExperts arithmetic per token in float64 (gate and up interleaved, biases,
+    the clamped SwiGLU), summed in ascending expert id."""
+    x, gate_up, gu_bias, down, d_bias = (t.cpu().double() for t in (x, gate_up, gu_bias, down, d_bias))
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in sorted(range(ids.shape[1]), key=lambda j: int(ids[t, j])):
+            e = int(ids[t, j])
+            gu = gate_up[e] @ x[t] + gu_bias[e]  # [2I]
+            gate, up = gu[0::2].clamp(max=limit), gu[1::2].clamp(-limit, limit)
+            h = (up + 1) * gate * torch.sigmoid(gate * alpha)
+            out[t] += (down[e] @ h + d_bias[e]) * float(weights[t, j])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_biases_and_gpt_oss_clamped_swiglu(dtype):
+    gate_up, down = _weights(11, dtype)
+    gate_up = gate_up * 8  # pre-activations past the clamp limit
+    g = torch.Generator().manual_seed(11)
+    gu_bias = torch.randn(E, 2 * INTER, generator=g).to(DEVICE, dtype)
+    d_bias = torch.randn(E, H, generator=g).to(DEVICE, dtype)
+    x, weights, ids = _routed(19, 2, False, dtype, 11)
+    act = TM.ExpertAct(clamped=True, interleaved=True)
+    got = TM.fused_experts(x, ids, weights, gate_up, down, TILES, gate_up_bias=gu_bias, down_bias=d_bias, act=act)
+    want = _gpt_oss_reference(x, ids, weights, gate_up, gu_bias, down, d_bias)
+    assert (gate_up.cpu().double() @ x.cpu().double()[0]).abs().max() > 7  # the clamp is exercised
+    assert _rel_err(got, want) < TOL[dtype]
+    # biases on the default layout and activation: the loop's arithmetic plus the biases
+    plain = TM.fused_experts(x, ids, weights, gate_up, down, TILES, gate_up_bias=gu_bias, down_bias=d_bias)
+    gu64, b64, d64, db64 = (t.cpu().double() for t in (gate_up, gu_bias, down, d_bias))
+    want = torch.zeros(19, H, dtype=torch.float64)
+    for t in range(19):
+        for j in sorted(range(2), key=lambda j: int(ids[t, j])):
+            e = int(ids[t, j])
+            gu = gu64[e] @ x.cpu().double()[t] + b64[e]
+            h = torch.nn.functional.silu(gu[:INTER]) * gu[INTER:]
+            want[t] += (d64[e] @ h + db64[e]) * float(weights[t, j])
+    assert _rel_err(plain, want) < TOL[dtype]
+    with pytest.raises(ValueError, match="a bias must be"):
+        TM.fused_experts(x, ids, weights, gate_up, down, TILES, down_bias=gu_bias)
+
+
 def test_refuses_bad_operands():
     gate_up, down = _weights(1, torch.float32)
     x, weights, ids = _routed(3, 2, True, torch.float32, 1)
@@ -236,13 +279,18 @@ for ty in ("bf16", "fp32"):
     p = "*" + ty
     common = dict(BM=t.block_m, BN=t.block_n, BK=t.block_k, F32=ty == "fp32", ROWWISE=False)
     kernels = [
-        (TM._gate_up_kernel, dict(x_ptr=p, w_ptr=p, h_ptr=p, sorted_ptr="*i32", block_expert_ptr="*i32",
-                                  stride_xt="i32", stride_we="i32", stride_wr="i32", stride_ht="i32"),
-         dict(P=70, TOP_K=2, H=2048, INTER=768, **common)),
-        (TM._down_kernel, dict(h_ptr=p, w_ptr=p, y_ptr="*fp32", route_ptr="*fp32", sorted_ptr="*i32",
+        (TM._gate_up_kernel, dict(x_ptr=p, w_ptr=p, bias_ptr=p, h_ptr=p, sorted_ptr="*i32",
+                                  block_expert_ptr="*i32", stride_xt="i32", stride_we="i32", stride_wr="i32",
+                                  stride_ht="i32", stride_be="i32", alpha="fp32", limit="fp32"),
+         dict(P=70, TOP_K=2, H=2048, INTER=768, ROW_STEP=1, UP_OFF=768, HAS_BIAS=False, CLAMPED=False, **common)),
+        (TM._gate_up_kernel, dict(x_ptr=p, w_ptr=p, bias_ptr=p, h_ptr=p, sorted_ptr="*i32",
+                                  block_expert_ptr="*i32", stride_xt="i32", stride_we="i32", stride_wr="i32",
+                                  stride_ht="i32", stride_be="i32", alpha="fp32", limit="fp32"),
+         dict(P=70, TOP_K=4, H=2880, INTER=2880, ROW_STEP=2, UP_OFF=1, HAS_BIAS=True, CLAMPED=True, **common)),
+        (TM._down_kernel, dict(h_ptr=p, w_ptr=p, bias_ptr=p, y_ptr="*fp32", route_ptr="*fp32", sorted_ptr="*i32",
                                block_expert_ptr="*i32", stride_ht="i32", stride_we="i32", stride_wr="i32",
-                               stride_yt="i32"),
-         dict(P=70, H=2048, INTER=768, **common)),
+                               stride_yt="i32", stride_be="i32"),
+         dict(P=70, H=2048, INTER=768, HAS_BIAS=True, **common)),
         (TM._sum_kernel, dict(y_ptr="*fp32", out_ptr=p, korder_ptr="*i32", stride_yt="i32", stride_ot="i32"),
          dict(TOP_K=2, H=2048, BN=t.block_n)),
     ]
@@ -267,4 +315,20 @@ def test_kernels_compile_for_hopper_without_a_gpu(tmp_path):
     env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(root))
     run = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count(" ok") == 6
+    assert run.stdout.count(" ok") == 8
+
+
+def test_a_block_with_its_own_arithmetic_keeps_the_loop(build_model, monkeypatch):
+    from engine.weights.loader import load_model
+    from engine.weights.model_open import open_model_source
+
+    model = load_model(open_model_source(str(build_model("tiny-qwen3-moe"))), torch.float32, torch.device("cpu"),
+                       64, False, frozenset())  # fmt: skip
+    monkeypatch.setattr(moe, "triton_experts_reason", lambda device: None)
+    block = model.moe_blocks()[0]
+    block.__class__ = type("BiasedBlock", (moe.SparseMoeBlock,), {})  # as a GPT-OSS block would subclass it
+    cuda = torch.device("cuda")
+    assert model.select_experts(cuda, torch.bfloat16, required=True).endswith("(experts with their own arithmetic)")
+    assert all(b.experts.path == "torch" for b in model.moe_blocks())
+    block.__class__.triton_experts_supported = lambda self: True  # the subclass opts in
+    assert model.select_experts(cuda, torch.bfloat16, required=True) == "triton grouped GEMM"
