@@ -224,7 +224,7 @@ def test_cpu_engine_keeps_its_linears_and_never_takes_triton(build_model):
     assert moe.triton_experts_reason(torch.device("cpu")) is not None
 
 
-def test_engine_on_triton_experts_matches_the_pytorch_loop(build_model, monkeypatch):
+def test_engine_on_triton_experts_matches_the_pytorch_loop(build_model, monkeypatch, caplog):
     """Greedy tokens through the whole engine (float32, batched, 8-token chunked prefill) with every
     sparse layer on the kernels (on the CPU: the probe answered as on a GPU) against the PyTorch loop."""
     path = build_model("tiny-qwen3-moe")
@@ -240,7 +240,9 @@ def test_engine_on_triton_experts_matches_the_pytorch_loop(build_model, monkeypa
     assert all(b.experts.path == "torch" for b in reference.runner.model.moe_blocks())
     want = [r.token_ids for r in reference.generate(case.prompts, params)]
     monkeypatch.setattr(moe, "triton_experts_reason", (lambda device: None) if DEVICE == "cpu" else real_reason)
-    engine = make_engine(path, **kw)
+    with caplog.at_level("INFO", logger="tokenmill.engine"):
+        engine = make_engine(path, **kw)
+    assert "MoE experts: triton grouped GEMM" in caplog.text  # the start-up log names the path
     assert all(b.experts.path == "triton" for b in engine.runner.model.moe_blocks())
     calls = []
     real = TM.fused_experts
