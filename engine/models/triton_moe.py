@@ -188,7 +188,8 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     p, dev = flat.numel(), flat.device
     cap = p + num_experts * (block_m - 1)  # every expert's run padded: the most entries there can be
     blocks = triton.cdiv(cap, block_m)
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # [E]; not torch.bincount, which on CUDA reads the largest id back to the host to size its output
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = torch.div(counts + block_m - 1, block_m, rounding_mode="floor") * block_m  # [E]
     end_padded = torch.cumsum(padded, 0)  # [E]
     order = torch.argsort(flat, stable=True)  # [P]
