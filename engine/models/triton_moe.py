@@ -81,7 +81,7 @@ def _mm(a, b, F32: tl.constexpr, ROWWISE: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, bias_ptr, h_ptr, sorted_ptr, block_expert_ptr,
-    stride_xt, stride_we, stride_wr, stride_ht, stride_be, alpha, limit,
+    stride_xt, stride_we, stride_wr, stride_wk, stride_ht, stride_be, alpha, limit,
     P: tl.constexpr, TOP_K: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr,
     ROW_STEP: tl.constexpr, UP_OFF: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, ROWWISE: tl.constexpr,
@@ -108,8 +108,8 @@ def _gate_up_kernel(
             a = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :], mask=valid[:, None] & k_mask[None, :],
                         other=0.0)  # [BM, BK]
             wm = k_mask[:, None] & n_mask[None, :]
-            g = tl.load(w_gate + k[:, None], mask=wm, other=0.0)  # [BK, BN]: gate_e^T tile
-            u = tl.load(w_up + k[:, None], mask=wm, other=0.0)
+            g = tl.load(w_gate + k[:, None] * stride_wk, mask=wm, other=0.0)  # [BK, BN]: gate_e^T tile
+            u = tl.load(w_up + k[:, None] * stride_wk, mask=wm, other=0.0)
             acc_g += _mm(a, g, F32, ROWWISE)
             acc_u += _mm(a, u, F32, ROWWISE)
         if HAS_BIAS:
@@ -129,7 +129,7 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     h_ptr, w_ptr, bias_ptr, y_ptr, route_ptr, sorted_ptr, block_expert_ptr,
-    stride_ht, stride_we, stride_wr, stride_yt, stride_be,
+    stride_ht, stride_we, stride_wr, stride_wk, stride_yt, stride_be,
     P: tl.constexpr, H: tl.constexpr, INTER: tl.constexpr, HAS_BIAS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, ROWWISE: tl.constexpr,
 ):
@@ -150,7 +150,7 @@ def _down_kernel(
             k_mask = k < INTER
             a = tl.load(h_ptr + safe[:, None] * stride_ht + k[None, :], mask=valid[:, None] & k_mask[None, :],
                         other=0.0)  # [BM, BK]
-            b = tl.load(w + k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
+            b = tl.load(w + k[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
             acc += _mm(a, b, F32, ROWWISE)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + e * stride_be + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -223,7 +223,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     """sum_k weights[t, k] * (down_e(act(gate_e x[t], up_e x[t])) + down_bias[e]) with e = ids[t, k],
     summed in ascending e: x [T, H], ids int64 [T, K] (a row's ids distinct), weights float32 [T, K],
     gate_up [E, 2I, H] (layout: act.interleaved), down [E, H, I], biases [E, 2I] and [E, H] (optional),
-    in x's dtype -> [T, H] in x's dtype (moe.grouped_experts' contract with stacked_expert, for the
+    in x's dtype; the weights may be strided views (GPT-OSS's [E, H, 2I] / [E, I, H] stacks as
+    .transpose(1, 2): read in place, not copied) -> [T, H] in x's dtype (moe.grouped_experts' contract with stacked_expert, for the
     default act). Ids are range-checked only on the CPU."""
     _check(x, ids, weights, gate_up, down)
     _check_bias(gate_up_bias, gate_up.shape[:2], x)
@@ -235,7 +236,6 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     if ids.device.type == "cpu" and ((ids < 0) | (ids >= e)).any():
         raise ValueError(f"fused_experts: expert ids must lie in [0, {e})")
     x = x if x.stride(1) == 1 else x.contiguous()
-    gate_up, down = gate_up.contiguous(), down.contiguous()
     sorted_pairs, block_expert = align(ids, e, tiles.block_m)
     p = t * top_k
     f32 = INTERPRETED or x.dtype == torch.float32
@@ -244,7 +244,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     d_bias = x if down_bias is None else down_bias.contiguous()
     _gate_up_kernel[(block_expert.shape[0], triton.cdiv(inter, tiles.block_n))](
         x, gate_up, gu_bias, h, sorted_pairs, block_expert,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0), gu_bias.stride(0), act.alpha, act.limit,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), h.stride(0), gu_bias.stride(0),
+        act.alpha, act.limit,
         P=p, TOP_K=top_k, H=hidden, INTER=inter, ROW_STEP=2 if act.interleaved else 1,
         UP_OFF=1 if act.interleaved else inter, HAS_BIAS=gate_up_bias is not None, CLAMPED=act.clamped,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, F32=f32, ROWWISE=INTERPRETED,
@@ -253,7 +254,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     route = weights.reshape(-1).float().contiguous()  # [P]
     _down_kernel[(block_expert.shape[0], triton.cdiv(hidden, tiles.block_n))](
         h, down, d_bias, y, route, sorted_pairs, block_expert,
-        h.stride(0), down.stride(0), down.stride(1), y.stride(0), d_bias.stride(0),
+        h.stride(0), down.stride(0), down.stride(1), down.stride(2), y.stride(0), d_bias.stride(0),
         P=p, H=hidden, INTER=inter, HAS_BIAS=down_bias is not None,
         BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, F32=f32, ROWWISE=INTERPRETED,
     )

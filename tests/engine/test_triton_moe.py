@@ -181,7 +181,11 @@ def test_biases_and_gpt_oss_clamped_swiglu(dtype):
     d_bias = torch.randn(E, H, generator=g).to(DEVICE, dtype)
     x, weights, ids = _routed(19, 2, False, dtype, 11)
     act = TM.ExpertAct(clamped=True, interleaved=True)
-    got = TM.fused_experts(x, ids, weights, gate_up, down, TILES, gate_up_bias=gu_bias, down_bias=d_bias, act=act)
+    # GPT-OSS's stacks are [E, H, 2I] and [E, I, H] (x @ W): passed as transposed views, read in place
+    gu_t = gate_up.transpose(1, 2).contiguous().transpose(1, 2)
+    down_t = down.transpose(1, 2).contiguous().transpose(1, 2)
+    assert gu_t.stride(1) == 1 and down_t.stride(1) == 1
+    got = TM.fused_experts(x, ids, weights, gu_t, down_t, TILES, gate_up_bias=gu_bias, down_bias=d_bias, act=act)
     want = _gpt_oss_reference(x, ids, weights, gate_up, gu_bias, down, d_bias)
     assert (gate_up.cpu().double() @ x.cpu().double()[0]).abs().max() > 7  # the clamp is exercised
     assert _rel_err(got, want) < TOL[dtype]
@@ -283,15 +287,15 @@ for ty in ("bf16", "fp32"):
     kernels = [
         (TM._gate_up_kernel, dict(x_ptr=p, w_ptr=p, bias_ptr=p, h_ptr=p, sorted_ptr="*i32",
                                   block_expert_ptr="*i32", stride_xt="i32", stride_we="i32", stride_wr="i32",
-                                  stride_ht="i32", stride_be="i32", alpha="fp32", limit="fp32"),
+                                  stride_wk="i32", stride_ht="i32", stride_be="i32", alpha="fp32", limit="fp32"),
          dict(P=70, TOP_K=2, H=2048, INTER=768, ROW_STEP=1, UP_OFF=768, HAS_BIAS=False, CLAMPED=False, **common)),
         (TM._gate_up_kernel, dict(x_ptr=p, w_ptr=p, bias_ptr=p, h_ptr=p, sorted_ptr="*i32",
                                   block_expert_ptr="*i32", stride_xt="i32", stride_we="i32", stride_wr="i32",
-                                  stride_ht="i32", stride_be="i32", alpha="fp32", limit="fp32"),
+                                  stride_wk="i32", stride_ht="i32", stride_be="i32", alpha="fp32", limit="fp32"),
          dict(P=70, TOP_K=4, H=2880, INTER=2880, ROW_STEP=2, UP_OFF=1, HAS_BIAS=True, CLAMPED=True, **common)),
         (TM._down_kernel, dict(h_ptr=p, w_ptr=p, bias_ptr=p, y_ptr="*fp32", route_ptr="*fp32", sorted_ptr="*i32",
                                block_expert_ptr="*i32", stride_ht="i32", stride_we="i32", stride_wr="i32",
-                               stride_yt="i32", stride_be="i32"),
+                               stride_wk="i32", stride_yt="i32", stride_be="i32"),
          dict(P=70, H=2048, INTER=768, HAS_BIAS=True, **common)),
         (TM._sum_kernel, dict(y_ptr="*fp32", out_ptr=p, korder_ptr="*i32", stride_yt="i32", stride_ot="i32"),
          dict(TOP_K=2, H=2048, BN=t.block_n)),
