@@ -76,6 +76,8 @@ class Engine(StepLoop):
         self.packed_weights = self.weights.packed
         # a hybrid model's recurrent layers (LFM2's short convs: engine/state/); None: attention only
         state_spec = model.conv_state_spec(self.dtype)
+        if isinstance(model, MoeCausalLM):  # the experts' path on CUDA (Triton grouped GEMM or the loop)
+            log.info("MoE experts: %s", model.select_experts(self.device, self.dtype, cpu_kernels.required()))
         backend = select_backend(self.device, config.attention_backend, self.dtype)
         if model.attention_sinks:  # GPT-OSS: a backend without sinks is refused, never run
             backend = for_sinks(backend, config.attention_backend)

@@ -19,6 +19,8 @@ order; CUDA's may use atomics (the order is not fixed there).
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +34,9 @@ from engine.models.layers import GatedMLP, silu_mul
 
 if TYPE_CHECKING:
     from engine.lora.batch import LayerLora
+
+log = logging.getLogger("tokenmill.engine")
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # triton_moe.DTYPES, without importing triton
 
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +125,7 @@ class MoeExperts(nn.Module):
         self.gate_up: nn.ModuleList | None = None  # per expert [2I, H] linears (replace_linears)
         self.down: nn.ModuleList | None = None  # per expert [H, I]
         self.fused_act = False  # every gate_up module computes silu(gate) * up itself (silu_mul)
+        self.path = "torch"  # "triton": triton_moe.fused_experts over the stacks (MoeCausalLM.select_experts)
 
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert e's SwiGLU over rows [n, H] -> [n, H]."""
@@ -172,17 +178,47 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]. lora: unused (adapters on MLPs are refused for MoE models, engine/lora/shapes.py)."""
         weights, ids = route(self.gate(x), self.top_k, self.normalize)
-        if self.counts is not None:  # on ids' device: no host sync for it
-            self.counts += torch.bincount(ids.reshape(-1), minlength=self.counts.shape[0])
-        out = grouped_experts(x, ids, weights, self.experts.expert, self.experts.num_experts)
+        if self.counts is not None:  # on ids' device, no host sync (bincount on CUDA reads its max back)
+            flat = ids.reshape(-1)
+            self.counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=self.counts.dtype))
+        if self.experts.path == "triton":
+            from engine.models.triton_moe import fused_experts
+
+            out = fused_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        else:
+            out = grouped_experts(x, ids, weights, self.experts.expert, self.experts.num_experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + self.shared_expert_gate(x) * self.shared_expert(x)
         return out
+
+    def triton_experts_supported(self) -> bool:
+        """Whether forward's path "triton" computes this block's experts: plain SwiGLU without biases. A
+        subclass with biases or another activation (GPT-OSS) says so by overriding this once its forward
+        passes them to triton_moe.fused_experts (gate_up_bias, down_bias, ExpertAct)."""
+        return type(self) is SparseMoeBlock and type(self.experts) is MoeExperts
 
     def count_tokens(self, device: torch.device | str = "cpu") -> None:
         """Keep a running count of the tokens each expert receives (debugging: expert_counts), on the
         device the routing runs on."""
         self.counts = torch.zeros(self.experts.num_experts, dtype=torch.int64, device=device)
+
+
+@functools.cache  # one answer per device and process: the probe is not repeated per layer or engine
+def triton_experts_reason(device: torch.device) -> str | None:
+    """None when triton_moe's grouped GEMMs can run on `device`, else why not: CUDA only (the CPU runs
+    its own linears; the interpreter would be far slower), triton imports, and builds and launches a
+    kernel there (the attention backend's probe)."""
+    if device.type != "cuda":
+        return f"the Triton experts run on CUDA only, not {device.type}"
+    from engine.attention import triton_unavailable_reason
+
+    reason = triton_unavailable_reason(device)
+    if reason is None:
+        try:
+            from engine.models import triton_moe  # noqa: F401
+        except Exception as exc:  # ImportError, or a broken install
+            reason = f"{type(exc).__name__}: {exc}"
+    return reason
 
 
 @dataclass(frozen=True)
@@ -280,6 +316,27 @@ class MoeCausalLM:
     def moe_blocks(self) -> list[SparseMoeBlock]:
         assert isinstance(self, nn.Module)
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+
+    def select_experts(self, device: torch.device, dtype: torch.dtype, required: bool) -> str:
+        """Put every sparse layer on the Triton grouped GEMMs (engine/models/triton_moe.py) where they can
+        run (CUDA, triton ready, the stacks kept: no linear replaced them), else keep the PyTorch loop over
+        experts; -> the path, for the start-up log. required (TOKENMILL_REQUIRE_KERNELS=1): on CUDA, the
+        loop is a RuntimeError instead."""
+        blocks = self.moe_blocks()
+        if any(b.experts.gate_up is not None for b in blocks):
+            return "per-expert linears (replace_linears)"
+        if not all(b.triton_experts_supported() for b in blocks):
+            return "torch loop over experts (experts with their own arithmetic)"
+        reason = triton_experts_reason(device) if dtype in TRITON_DTYPES else f"no Triton experts for {dtype}"
+        if reason is None:
+            for b in blocks:
+                b.experts.path = "triton"
+            return "triton grouped GEMM"
+        if required and device.type == "cuda":
+            raise RuntimeError(f"Triton MoE experts unavailable and TOKENMILL_REQUIRE_KERNELS=1: {reason}")
+        if device.type == "cuda":
+            log.warning("MoE experts: no Triton grouped GEMM (%s); the PyTorch loop over experts runs", reason)
+        return f"torch loop over experts ({reason})"
 
     def expert_counts(self) -> list[list[int]]:
         """Tokens each expert received so far, per sparse layer (after count_expert_tokens)."""
