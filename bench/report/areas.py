@@ -48,6 +48,10 @@ AREAS: dict[str, Area] = {
     "peers": Area("Served throughput beside vLLM and llama.cpp", _served(
         col("done c1, c16, c32", "points.1.done", "points.16.done", "points.32.done", sep=", "))),
     "int8": Area("INT8 weights beside llama.cpp's Q8_0", _served()),
+    "gguf": Area("GGUF blocks (the default) beside dequantized bf16 and llama.cpp, same file", _served(
+        col("done c1, c16, c32", "points.1.done", "points.16.done", "points.32.done", sep=", "))),
+    "moe": Area("Mixture of experts (OLMoE-shaped, random weights) beside llama.cpp", _served(
+        col("done c1, c16, c32", "points.1.done", "points.16.done", "points.32.done", sep=", "))),
     "gemma3": Area("Gemma 3 270M (Q4_K_M GGUF) beside llama.cpp", _served(
         col("done c1, c16, c32", "points.1.done", "points.16.done", "points.32.done", sep=", "))),
     "int8-quality": Area("INT8 quality gate", (

@@ -66,7 +66,7 @@ def render_block(area: str, records: Sequence[Record], machine: str | None = Non
 
 def derived_line(area: str, rec: Record) -> str:
     """A sentence of ratios computed from the record's own rows (so it cannot disagree with them)."""
-    if area in ("peers", "int8"):
+    if area in ("peers", "int8", "gguf", "moe"):
         return _best_peer_line(rec)
     if area == "lora-served":
         return _lora_line(rec)
