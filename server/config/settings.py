@@ -79,10 +79,10 @@ class ServerSettings(BaseSettings):
     grammar_backend: Literal["xgrammar", "none"] = Field("xgrammar", description="structured outputs and enforced "
                                                          "tool calls; none: such requests get a 400")
     quantization: Literal["int8", "gguf", "none"] | None = Field(
-        None, description="default: a GGUF file served in bf16 on the CPU keeps its Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/"
-        "Q5_K/Q6_K weights as blocks (as gguf), anything else dequantized to --dtype; gguf: those blocks (CPU: "
-        "int8 activations; CUDA: Triton kernels, float), or an error where they cannot apply; none: every weight "
-        "dequantized to --dtype; int8: INT8 weight-only linears (CPU; half the weight bytes)")
+        None, description="default and none: every weight dequantized to --dtype; gguf: a GGUF file's Q4_0/Q4_1/"
+        "Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights stay as blocks (CPU: int8 activations; CUDA: Triton kernels, float; "
+        "a third of bf16's bytes, not yet faster served, docs/ENGINE.md), or an error where they cannot apply; "
+        "int8: INT8 weight-only linears (CPU; half the weight bytes)")
     gguf_activations: Literal["int8", "float"] = Field(
         "int8", description="with GGUF blocks: int8 (activations quantized per 32 values, integer dot "
         "products, as llama.cpp; faster, within a stated bound of the float product) or float (float32, the "

@@ -229,22 +229,21 @@ def test_kernels_compile_for_hopper_without_a_gpu(tmp_path):
 def test_gguf_on_cuda_without_triton_is_an_error_naming_why(build_model, tmp_path, monkeypatch):
     # blocks_for on a CUDA device asks the attention backend's Triton probe; where it says no, the
     # opt-in "gguf" is refused at start-up with the reason (no silent dequantized fallback)
+    from engine import EngineConfig
     from engine.weights.gguf import blocks
     from engine.weights.model_open import open_model_source
 
     from .gguf_helpers import gguf_path
 
-    from engine import EngineConfig
-
     path = str(gguf_path(build_model, tmp_path, "tiny-llama", "Q8_0"))
     source = open_model_source(path)
-    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    cuda = torch.device("cuda")
     asked, default = EngineConfig(model=path, quantization="gguf"), EngineConfig(model=path)
     monkeypatch.setattr(blocks, "_triton_reason", lambda device: "no C compiler")
     with pytest.raises(ValueError, match=r"'gguf' on cuda needs the Triton kernels \(no C compiler\); use 'none'"):
-        blocks.blocks_for(source, asked, cuda, bf16)
-    assert blocks.blocks_for(source, default, cuda, bf16) is None  # the default dequantizes on CUDA
+        blocks.blocks_for(source, asked, cuda)
+    assert blocks.blocks_for(source, default, cuda) is None  # the default dequantizes
     monkeypatch.setattr(blocks, "_triton_reason", lambda device: None)
-    assert blocks.blocks_for(source, default, cuda, bf16) is None  # (opt-in there even with Triton)
-    plan = blocks.blocks_for(source, asked, cuda, bf16)
+    assert blocks.blocks_for(source, default, cuda) is None  # (opt-in even with Triton)
+    plan = blocks.blocks_for(source, asked, cuda)
     assert plan is not None and plan.types == ["Q8_0"]
