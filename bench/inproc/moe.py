@@ -48,22 +48,22 @@ def _bytes(mod: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
 
 
-def active_bytes(model: nn.Module, total: int) -> tuple[int, int, int]:
-    """(active bytes, experts per sparse layer, top_k): `total` (every linear's bytes) less each sparse
-    layer's experts but top_k of them (the mean expert's bytes)."""
+def total_bytes(model: nn.Module, active: int) -> tuple[int, int, int]:
+    """(every linear's bytes, experts per sparse layer, top_k) from `active`, the bytes a token reads
+    (Engine.weights.weight_bytes: each sparse layer's experts at top_k / num_experts of their bytes)."""
     from engine.models.moe import SparseMoeBlock
 
-    active, experts, top_k = total, 0, 0
+    total, experts, top_k = active, 0, 0
     for block in [m for m in model.modules() if isinstance(m, SparseMoeBlock)]:
         ex = block.experts
         if ex.gate_up is None or ex.down is None:
             raise SystemExit("the experts are still stacked (not a CPU engine?)")
         layer = sum(_bytes(m) for m in ex.gate_up) + sum(_bytes(m) for m in ex.down)
         experts, top_k = ex.num_experts, block.top_k
-        active -= layer - layer * top_k // ex.num_experts
+        total += layer - layer * top_k // ex.num_experts
     if not experts:
         raise SystemExit("--model: not a mixture-of-experts model")
-    return active, experts, top_k
+    return total, experts, top_k
 
 
 def add_parser(subparsers) -> None:
@@ -91,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
         write_gguf(folder, args.gguf, "F16")
         print(f"wrote {args.gguf}")
     engine = decode_engine(str(folder), args.dtype, 1, args.context, args.steps + 8)
-    total = engine.weights.weight_bytes
-    active, experts, top_k = active_bytes(engine.runner.model, total)
+    active = engine.weights.weight_bytes  # (what one token reads: the experts at top_k / E)
+    total, experts, top_k = total_bytes(engine.runner.model, active)
     buf = read_buffer(active)
     time_read(buf)
     time_steps(engine, 2)  # warm-up

@@ -7,15 +7,15 @@ import json
 
 from bench.cli import main
 from bench.inproc.floor import decode_engine
-from bench.inproc.moe import active_bytes
+from bench.inproc.moe import total_bytes
 from engine.models.moe import SparseMoeBlock
 
 
-def test_active_bytes_keep_top_k_of_each_layers_experts(build_model):
+def test_active_bytes_are_top_k_of_each_layers_experts(build_model):
     engine = decode_engine(str(build_model("tiny-olmoe")), "bfloat16", batch=1, context=8, max_tokens=4)
     model = engine.runner.model
-    total = engine.weights.weight_bytes
-    active, experts, top_k = active_bytes(model, total)
+    active = engine.weights.weight_bytes
+    total, experts, top_k = total_bytes(model, active)
     assert (experts, top_k) == (8, 2)
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     per_expert = sum(m.weight.numel() * 2 for m in (blocks[0].experts.gate_up[0], blocks[0].experts.down[0]))
