@@ -4,7 +4,7 @@ Each subcommand lives in its own module with `add_parser(subparsers)`, which reg
 and sets `func(args) -> int`. In this process (bench/inproc/): `offline`, `floor`, `moe` (an MoE model's decode
 vs its active-weight floor), `quality`, `gemv`, `ggml-gemv`,
 `fused`, `lora` (what LoRA adapters cost), `spec`, `linear-ab`, `determinism` (batch-invariant mode
-on/off), `startup`. Against a served `python -m server` (bench/served/): `load` (HTTP load test),
+on/off), `startup`, `multiturn` (a hybrid model's turn-2 TTFT with state checkpoints vs without). Against a served `python -m server` (bench/served/): `load` (HTTP load test),
 `sweep`, `priority`, `long-prompt`, `spec-http`, `structured` (what structured outputs cost in
 throughput and TTFT), `swap` (model version swap under load, response cache latency), `contention`.
 Several replicas (bench/fleet/): `router` (replicas behind vllm-router, per policy), `fleet-sim` (the
@@ -29,6 +29,7 @@ from bench.inproc import (
     linear_ab,
     lora,
     moe,
+    multiturn,
     offline,
     quality,
     spec,
@@ -44,6 +45,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     offline.add_parser(subparsers)
     floor.add_parser(subparsers)
     moe.add_parser(subparsers)
+    multiturn.add_parser(subparsers)
     quality.add_parser(subparsers)
     gemv.add_parser(subparsers)
     ggml_gemv.add_parser(subparsers)

@@ -32,6 +32,8 @@ from engine.runner.model_runner import ModelRunner
 from engine.runner.profiling import activation_peak_bytes
 from engine.sample.sampler import Sampler
 from engine.sched.scheduler import SchedulerConfig
+from engine.state.checkpoint_store import CheckpointStore, checkpoint_slots
+from engine.state.checkpoints import CheckpointIndex
 from engine.state.conv_cache import allocate_conv_state, split_budget
 from engine.state.pool import StatePool
 from engine.structured import make_compiler
@@ -98,20 +100,31 @@ class Engine(StepLoop):
         num_blocks = config.num_kv_blocks
         budget_bytes: int | None = None  # the KV budget when sized from memory (None: a block count given)
         state_slots = config.max_num_seqs  # a hybrid model's state slots: one per seat (engine/state/conv_cache.py)
+        windows, groups = group_windows(self.hf_config), layer_groups(self.hf_config)
+        # a hybrid model reuses prefixes through state checkpoints (engine/state/checkpoints.py), with one KV
+        # group (no sliding windows) and prefix caching on
+        checkpointing = state_spec is not None and config.enable_prefix_caching and len(windows) == 1
+        num_checkpoints = 0
         if num_blocks is None:
             cuda_profile = self.device.type == "cuda" and config.kv_cache_memory is None
             peak = activation_peak_bytes(model, backend, spec, self.device, min(budget, self.max_model_len),
                                          config.max_num_seqs, buckets[-1] if use_graphs else 0) if cuda_profile else 0
             budget_bytes = startup.kv_budget_bytes(config, self.device, peak)
-            if state_spec is not None:  # the state pool first, the KV blocks get the rest
+            if state_spec is not None:  # the state pool first, then the checkpoints, the KV blocks get the rest
                 state_slots, budget_bytes = split_budget(state_spec, budget_bytes, config.max_num_seqs)
+                if checkpointing:
+                    num_checkpoints = checkpoint_slots(state_spec.bytes_per_slot, budget_bytes, spec.bytes_per_block,
+                                                       state_slots, config.num_state_checkpoints)  # fmt: skip
+                    budget_bytes -= num_checkpoints * state_spec.bytes_per_slot
             num_blocks = spec.num_blocks_for(budget_bytes)
+        elif checkpointing:  # a block count given: no budget to split
+            num_checkpoints = checkpoint_slots(0, None, 0, config.max_num_seqs, config.num_state_checkpoints)
+        checkpointing = num_checkpoints > 0
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small for one KV block")
         rows_kernel = backend.name == "cpu" and cpu_kernels.load("sampling") is None
         self.sampler = Sampler(config.seed, rows_kernel=rows_kernel)
         # KV-cache groups (engine/kv/groups.py): one per distinct layer window; block counts per group
-        windows, groups = group_windows(self.hf_config), layer_groups(self.hf_config)
         group_bytes = [dataclasses.replace(spec, num_layers=groups.count(g)).bytes_per_block
                        for g in range(len(windows))] if len(windows) > 1 else [spec.bytes_per_block]  # fmt: skip
         counts = group_block_counts(group_bytes, windows, num_blocks, budget_bytes, self.block_size,
@@ -121,15 +134,16 @@ class Engine(StepLoop):
         self.kv_cache_bytes = sum(n * b for n, b in zip(counts, group_bytes, strict=True))
         self.kv_group_blocks = counts
         num_blocks = counts[0]
-        # a hybrid model reuses no prefix: its attention KV would be reused without the conv state that
-        # goes with it (state checkpoints at prefix positions: issue 42, later)
-        blocks_kw = dict(enable_prefix_caching=config.enable_prefix_caching and state_spec is None,
+        # a hybrid model reuses a prefix only with a checkpoint of its state there: without checkpoints its
+        # attention KV would be reused without the recurrent state that goes with it
+        blocks_kw = dict(enable_prefix_caching=config.enable_prefix_caching and (state_spec is None or checkpointing),
                          record_events=kv_event_sink is not None,
                          event_hash_salt=secrets.randbits(64), rope_switch=getattr(model, "rope_switch", None))
         block_manager = (GroupedBlockManager(counts, self.block_size, windows, **blocks_kw) if len(windows) > 1
                          else BlockManager(num_blocks, self.block_size, sliding_window=windows[0], **blocks_kw))
         max_num_seqs, conv_state, state_pool = config.max_num_seqs, None, None
-        self.state_cache_bytes = 0
+        checkpoint_store, checkpoint_index = None, None
+        self.state_cache_bytes = self.checkpoint_bytes = 0
         if state_spec is not None:
             if state_slots < max_num_seqs:
                 log.warning("max_num_seqs lowered from %d to %d: the cache budget holds %d state slots",
@@ -138,12 +152,18 @@ class Engine(StepLoop):
             conv_state = allocate_conv_state(state_spec, state_slots, self.device)
             state_pool = StatePool(state_slots)
             self.state_cache_bytes = state_slots * state_spec.bytes_per_slot
+            if checkpointing:  # every state tensor [layers, slots, ...] of the model joins this list
+                checkpoint_store = CheckpointStore([conv_state], num_checkpoints)
+                checkpoint_index = CheckpointIndex(num_checkpoints, self.block_size)
+                self.checkpoint_bytes = checkpoint_store.bytes
+            reuse = (f"prefix reuse: {num_checkpoints} state checkpoints at block boundaries "
+                     f"({self.checkpoint_bytes / 2**20:.2f} MiB of the cache budget)" if checkpointing else
+                     "prefix caching off (no state checkpoints: a conv state cannot be cut at a prefix)")  # fmt: skip
             log.info("hybrid model: %d short-conv layers with a conv state (%d columns each) in %d slots "
                      "(%.1f KiB each, %.2f MiB), KV blocks for its %d attention layers; path: PyTorch layers "
-                     "with the torch reference conv (no fused decode, no CUDA graphs, no speculative decoding), "
-                     "prefix caching off (a conv state cannot be cut at a prefix)", state_spec.num_layers,
-                     state_spec.width, state_slots, state_spec.bytes_per_slot / 1024, self.state_cache_bytes / 2**20,
-                     model.num_kv_layers)  # fmt: skip
+                     "with the torch reference conv (no fused decode, no CUDA graphs, no speculative decoding); %s",
+                     state_spec.num_layers, state_spec.width, state_slots, state_spec.bytes_per_slot / 1024,
+                     self.state_cache_bytes / 2**20, model.num_kv_layers, reuse)  # fmt: skip
         graphs = capture_graphs(model, backend, kv, buckets, self.block_size, self.max_model_len,
                                 self.device) if use_graphs else None
         loras = make_registry(config.lora, self.hf_config, self.device, self.dtype) if config.lora else None
@@ -151,7 +171,8 @@ class Engine(StepLoop):
             model_name=source.name,
             tokenizer=source.tokenizer,
             runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs, loras,
-                               one_row_attention=config.deterministic, kv_groups=len(windows), conv_state=conv_state),
+                               one_row_attention=config.deterministic, kv_groups=len(windows), conv_state=conv_state,
+                               checkpoints=checkpoint_store),
             block_manager=block_manager,
             scheduler_config=SchedulerConfig(max_num_seqs, config.max_num_batched_tokens, config.aging_s,
                                              config.outranked_chunk_tokens, config.speculative,
@@ -167,6 +188,7 @@ class Engine(StepLoop):
             kv_event_sink=kv_event_sink,
             loras=loras,
             state_pool=state_pool,
+            checkpoints=checkpoint_index,
         )
         threads = torch.get_num_threads()
         setter = per_thread_setter() if self.device.type == "cpu" else None  # the stepping thread's count only

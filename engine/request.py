@@ -69,6 +69,8 @@ class Request:
     kv_groups: list[GroupTable] = field(default_factory=list)
     # -- the state pool's (engine/state/pool.py; hybrid models only) ---------------------------------------
     state_slot: int | None = None  # the slot of its recurrent state while it runs; None: it holds none
+    # -- the checkpoint index's (engine/state/checkpoints.py; hybrid models with prefix reuse) ---------------
+    checkpoint_slot: int | None = None  # the checkpoint slot its state is saved into; None: it holds none
     # -- the output processor's (token appends, text) ------------------------------------------------------
     output_token_ids: list[int] = field(default_factory=list)
     text: Any = None  # RequestTextState: detokenizer and stop-string filter, kept across preemptions

@@ -43,6 +43,9 @@ class EngineConfig:
     outranked_chunk_tokens: int | None = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # a hybrid model's state checkpoints, its prefix reuse (engine/state/checkpoint_store.py): None: sized from
+    # the cache budget (at most a tenth; 4 per seat with num_kv_blocks); 0: off (it then reuses no prefix)
+    num_state_checkpoints: int | None = None
     seed: int = 0  # seed of the engine's default generator (requests without a seed)
     show_progress: bool = True  # progress bar while loading weights
     attention_backend: str = "auto"  # auto: Triton kernels on CUDA, C++ kernels on CPU, when they run; else torch
@@ -100,6 +103,10 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _positive("max_num_seqs", self.max_num_seqs)
+        if self.num_state_checkpoints is not None and (isinstance(self.num_state_checkpoints, bool) or not
+                                                       isinstance(self.num_state_checkpoints, int) or
+                                                       self.num_state_checkpoints < 0):  # fmt: skip
+            raise ValueError(f"num_state_checkpoints must be an integer >= 0 or None, got {self.num_state_checkpoints!r}")
         if self.max_num_batched_tokens is not None:
             _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.outranked_chunk_tokens is not None:

@@ -36,6 +36,7 @@ from engine.lora.registry import LoraRegistry
 from engine.request import Request, RequestStatus
 from engine.sched.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, StepRunner
 from engine.sched.scheduler import Scheduler, SchedulerConfig
+from engine.state.checkpoints import CheckpointIndex
 from engine.state.pool import StatePool
 from engine.structured import GrammarCompiler, GrammarError
 from engine.text.tokenization import chat_prompt_ids, encode_prompt
@@ -80,10 +81,12 @@ class StepLoop:
         kv_event_sink: KVEventSink | None = None,
         loras: LoraRegistry | None = None,
         state_pool: StatePool | None = None,
+        checkpoints: CheckpointIndex | None = None,
     ) -> None:
         """`kv_event_sink`: where each step's prefix-cache changes go (the block manager must record
         them: BlockManager(record_events=True)); None: no events. `state_pool`: a hybrid model's
-        recurrent-state slots (engine/state/pool.py), admitted against by the scheduler; None: none."""
+        recurrent-state slots (engine/state/pool.py), admitted against by the scheduler; None: none.
+        `checkpoints`: its state checkpoints (engine/state/checkpoints.py); None: it reuses no prefix."""
         self.model_name = model_name
         self.tokenizer = tokenizer
         # Compiles GrammarSpecs for this tokenizer; the server uses it off this thread. None: no backend.
@@ -95,7 +98,8 @@ class StepLoop:
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.state_pool = state_pool
-        self.scheduler = Scheduler(scheduler_config, block_manager, clock, state_pool)
+        self.checkpoints = checkpoints
+        self.scheduler = Scheduler(scheduler_config, block_manager, clock, state_pool, checkpoints)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -456,10 +460,12 @@ class StepLoop:
                 "lora_loads": st.loads, "lora_load_s": st.load_s}
 
     def check_integrity(self) -> None:
-        """Block-manager (and state-pool) invariants against the live requests (tests; debug)."""
+        """Block-manager (and state-pool, checkpoint) invariants against the live requests (tests; debug)."""
         self.block_manager.check_integrity(self.scheduler.requests.values())
         if self.state_pool is not None:
             self.state_pool.check_integrity(self.scheduler.requests.values())
+        if self.checkpoints is not None:
+            self.checkpoints.check_integrity(self.scheduler.requests.values())
 
     # ---- offline convenience ------------------------------------------------------------------
     def generate(

@@ -148,9 +148,15 @@ class BlockManager:
 
         At most num_tokens - 1 tokens are matched: the last token must be computed to get logits.
         """
+        return self.find_cached_chain(request)[0]
+
+    def find_cached_chain(self, request: Request) -> tuple[list[int], list[int]]:
+        """find_cached_prefix's block ids, and the chained hash of each (hashes[i]: blocks 0..i; a hybrid
+        model's state checkpoints are keyed by them, engine/state/checkpoints.py)."""
         if not self.enable_prefix_caching:
-            return []
+            return [], []
         hits: list[int] = []
+        hashes: list[int] = []
         parent = root_hash(request, self.rope_switch)
         max_blocks = (request.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
@@ -160,8 +166,9 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             hits.append(block_id)
+            hashes.append(h)
             parent = h
-        return hits
+        return hits, hashes
 
     def acquire_cached_prefix(self, request: Request, block_ids: list[int], first: int = 0,
                               last_hash: int | None = None) -> None:

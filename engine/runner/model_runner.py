@@ -17,6 +17,7 @@ from engine.sample.sampler import Sampler
 from engine.sample.verify import verify_rows
 from engine.sched.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.state.batch import StateBatch
+from engine.state.checkpoint_store import CheckpointStore
 
 
 class ModelRunner:
@@ -25,7 +26,7 @@ class ModelRunner:
         device: torch.device, sampler: Sampler, graphs: DecodeGraphRunner | None = None,
         loras: LoraRegistry | None = None,
         one_row_attention: bool = False, kv_groups: int = 1,
-        conv_state: torch.Tensor | None = None,
+        conv_state: torch.Tensor | None = None, checkpoints: CheckpointStore | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -47,6 +48,9 @@ class ModelRunner:
         # A hybrid model's conv state [conv_layers, slots, channels, width] (engine/state/conv_cache.py): each
         # step hands the layers its sequences' rows and slots (StateBatch); None: a model without one
         self.conv_state = conv_state
+        # Its state checkpoints (engine/state/checkpoint_store.py): loaded into the state slots of requests
+        # that resume from one before the forward pass, saved after it; None: no checkpoints
+        self.checkpoints = checkpoints
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -55,8 +59,14 @@ class ModelRunner:
         items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1 and not s.draft_token_ids)
         input_ids, positions, layout = self._pack(items)
         rope_long = self._rope_long(items)
-        hidden = self._forward(input_ids, positions, layout, self._lora_batch(items), rope_long,
-                               self._state_batch(items))  # [T, hidden]
+        state = self._state_batch(items)
+        if self.checkpoints is not None:  # loads first: a save of this step may overwrite a slot loaded from
+            self.checkpoints.load([(s.state_load, s.request.state_slot) for s in items
+                                   if s.state_load is not None and s.request.state_slot is not None])  # fmt: skip
+        hidden = self._forward(input_ids, positions, layout, self._lora_batch(items), rope_long, state)  # [T, hidden]
+        if self.checkpoints is not None:
+            self.checkpoints.save([(s.request.state_slot, s.state_save) for s in items
+                                   if s.state_save is not None and s.request.state_slot is not None])  # fmt: skip
         prompt_lps = compute_prompt_logprobs(self.model, hidden, items)  # {} unless a request asked
         ends: list[int] = []  # rows of `hidden` whose logits are needed
         plain: list[int] = []  # of those, the rows sampled as usual (index into ends)

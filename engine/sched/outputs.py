@@ -20,6 +20,11 @@ class ScheduledRequest:
     # Draft tokens run after the known ones (speculative decoding; engine/spec/drafts.py): the runner
     # verifies them and the core settles the accepted ones (Scheduler.settle_drafts). [] : none.
     draft_token_ids: list[int] = field(default_factory=list)
+    # A hybrid model's state checkpoints (engine/state/checkpoints.py): the checkpoint slot copied into the
+    # request's state slot before the step (it resumes from a checkpointed prefix), and the one its state
+    # is copied into after the step (the step ends at a checkpoint position); None: no copy.
+    state_load: int | None = None
+    state_save: int | None = None
 
 
 @dataclass

@@ -9,7 +9,10 @@ cache) and it waits again with its original arrival, so it keeps its place in li
 
 A hybrid model (engine/state/) also needs a free state slot to start a request; the slot is taken with
 the seat and freed wherever the blocks are (finish, abort, preemption: its state is rebuilt by the
-recompute from position 0).
+recompute from position 0, or from a checkpoint). With state checkpoints (engine/state/checkpoints.py) a
+hybrid reuses a prefix only where both its KV blocks and a checkpoint of its state exist (the longest
+such prefix); a prompt chunk is cut at the last block boundary of the request's tokens, so the state
+there exists at a step's end and is saved.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from engine.sched.waiting_queue import WaitingQueue
 from engine.spec.drafts import Proposer, SpeculativeConfig, draft_length, may_speculate, update_acceptance
 from engine.spec.gate import SpecGate
 from engine.spec.proposers import BatchProposer, LearningProposer, make_proposer
+from engine.state.checkpoints import CheckpointIndex
 from engine.state.pool import StatePool
 
 
@@ -55,11 +59,15 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 clock: Callable[[], float] = time.monotonic, state_pool: StatePool | None = None) -> None:  # fmt: skip
-        """state_pool: a hybrid model's recurrent-state slots (engine/state/pool.py); None: none."""
+                 clock: Callable[[], float] = time.monotonic, state_pool: StatePool | None = None,
+                 checkpoints: CheckpointIndex | None = None) -> None:  # fmt: skip
+        """state_pool: a hybrid model's recurrent-state slots (engine/state/pool.py); None: none.
+        checkpoints: its state checkpoints (engine/state/checkpoints.py; the block manager caches
+        prefixes then); None: a hybrid reuses no prefix."""
         self.config = config
         self.blocks = block_manager
         self.state = state_pool
+        self.checkpoints = checkpoints
         self.fair = FairShare(dict(config.tenant_weights), max_seats=config.max_num_seqs if config.fair_seats else None)
         self.policy = PriorityPolicy(config.aging_s, self.fair)
         self.clock = clock  # the callers' clock: arrival times and deadlines are read on it
@@ -95,6 +103,8 @@ class Scheduler:
         self.blocks.free(request)
         if self.state is not None:
             self.state.free(request)
+        if self.checkpoints is not None:  # a failed step may have half-written its checkpoint slot
+            self.checkpoints.release(request, keep=reason is not FinishReason.ERROR)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         if self.requests.pop(request.request_id, None) is not None:
@@ -121,8 +131,10 @@ class Scheduler:
         self.running.remove(victim)
         self.fair.unseated(victim.tenant)
         self.blocks.free(victim)
-        if self.state is not None:  # recompute: the state is rebuilt from position 0 when it runs again
-            self.state.free(victim)
+        if self.state is not None:  # recompute: the state is rebuilt when it runs again (from position 0,
+            self.state.free(victim)  # or from the longest checkpoint, maybe its own)
+        if self.checkpoints is not None:
+            self.checkpoints.release(victim)
         victim.status = RequestStatus.WAITING
         victim.waiting_since = now
         self.count_preemption(victim, cause)
@@ -142,10 +154,27 @@ class Scheduler:
             req.num_computed_tokens = s.start + s.num_tokens - len(s.draft_token_ids)
             self.blocks.register_computed_blocks(req)
             self.blocks.release_out_of_window(req)
+            if s.state_save is not None:
+                self._register_checkpoint(req)
             # its tenant's service: prompt tokens computed for the first time, and the token sampled
             prompt = max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - req.num_charged_prompt_tokens)
             req.num_charged_prompt_tokens += prompt
             self.fair.charge(req.tenant, prompt, 1 if s.sample else 0)
+
+    def _register_checkpoint(self, req: Request) -> None:
+        """The step just run copied req's state at its computed tokens (a block boundary) into its
+        checkpoint slot: register it under the chained hash of the prefix's last block. A prompt's
+        checkpoint is let go at once; one past the prompt stays held, so the next boundary its answer
+        reaches overwrites it (engine/state/checkpoints.py)."""
+        assert self.checkpoints is not None
+        done = req.num_computed_tokens
+        if done % self.blocks.block_size or req.num_hashed_blocks * self.blocks.block_size != done \
+                or req.last_block_hash is None:  # fmt: skip
+            self.checkpoints.release(req, keep=False)  # no key for it (never: saves end at a hashed block)
+            return
+        self.checkpoints.register(req, req.last_block_hash, tuple(req.tokens(0, done)))
+        if done <= req.num_prompt_tokens:
+            self.checkpoints.release(req)
 
     def record_step_time(self, out: SchedulerOutput, elapsed_s: float, emitted_tokens: int) -> None:
         """Feed a finished step's time to the speculation gate, when every row of it was a decode."""
@@ -241,7 +270,7 @@ class _StepPlanner:
     def _continue(self, req: Request) -> None:
         """Schedule req's next chunk (a decode may carry draft tokens), preempting the least important
         running requests (maybe req itself) while KV blocks are short; drafts are dropped first."""
-        n = self._chunk(req, req.num_tokens - req.num_computed_tokens)
+        n = self._checkpoint_cut(req, req.num_computed_tokens, self._chunk(req, req.num_tokens - req.num_computed_tokens))
         drafts = self._drafts(req, n)
         while not self.s.blocks.allocate(req, n + len(drafts)):
             if drafts:
@@ -289,9 +318,9 @@ class _StepPlanner:
         while state is not None and not state.has_free():
             if not self._preempt_for(req, PreemptionCause.SLOTS):
                 return False
-        # A request that wants prompt log-probabilities runs its whole prompt: cached blocks have no logits.
-        cached = [] if req.needs_prompt_logprobs else self.s.blocks.find_cached_prefix(req)
-        n = self._chunk(req, req.num_tokens - len(cached) * self.s.blocks.block_size)
+        cached, resume = self._cached_prefix(req)
+        start = len(cached) * self.s.blocks.block_size
+        n = self._checkpoint_cut(req, start, self._chunk(req, req.num_tokens - start))
         while not self._fits(req, cached, n):
             if not self._preempt_for(req, PreemptionCause.KV):
                 return False
@@ -307,14 +336,37 @@ class _StepPlanner:
             raise RuntimeError("block allocation failed after _fits said yes")
         if state is not None:
             state.take(req)
+        if resume is not None and self.s.checkpoints is not None:
+            self.s.checkpoints.count_hit(start)
         req.status = RequestStatus.RUNNING
         self.s.running.append(req)
         self.s.fair.seated(req.tenant)
         if not req.started:
             req.started = True
             self.out.started.append(req)
-        self._schedule(req, n)
+        self._schedule(req, n, load=resume)
         return True
+
+    def _cached_prefix(self, req: Request) -> tuple[list[int], int | None]:
+        """The cached prefix blocks req starts from, and (a hybrid model) the checkpoint slot of its state
+        there: the longest prefix whose KV blocks and state checkpoint both exist (None: no checkpoint).
+        A request that wants prompt log-probabilities runs its whole prompt: cached blocks have no logits."""
+        if req.needs_prompt_logprobs:
+            return [], None
+        checkpoints = self.s.checkpoints
+        if checkpoints is None:  # (a hybrid without checkpoints: the block manager caches no prefix)
+            return self.s.blocks.find_cached_prefix(req), None
+        ids, hashes = self.s.blocks.find_cached_chain(req)
+        k, slot = checkpoints.longest(req, hashes)
+        return ids[:k], slot
+
+    def _checkpoint_cut(self, req: Request, start: int, n: int) -> int:
+        """n, or fewer so that a chunk from `start` ends at req's checkpoint position (the last block
+        boundary of its tokens) instead of running past it: the state there then exists at a step's end."""
+        if self.s.checkpoints is None or n <= 1:
+            return n
+        at = req.num_tokens // self.s.blocks.block_size * self.s.blocks.block_size
+        return at - start if start < at < start + n else n
 
     def _adapter_fits(self, req: Request) -> bool:
         """Whether req's adapter is running already or a step may hold one more (max_loras)."""
@@ -354,18 +406,28 @@ class _StepPlanner:
             return min(n, cap)
         return n
 
-    def _schedule(self, req: Request, n: int, drafts: list[int] | None = None) -> None:
+    def _schedule(self, req: Request, n: int, drafts: list[int] | None = None, load: int | None = None) -> None:
+        """Add req's next n tokens (and drafts) to the step; load: the checkpoint slot it resumes from."""
         start = req.num_computed_tokens
         ends = start + n == req.num_tokens
         drafts = drafts or []
         # max_tokens 0 (prompt log-probabilities only): the prompt runs, nothing is sampled
         sample = ends and req.params.max_tokens > 0
-        self.out.scheduled.append(ScheduledRequest(req, start, n + len(drafts), sample, drafts))
+        self.out.scheduled.append(ScheduledRequest(req, start, n + len(drafts), sample, drafts, load,
+                                                   self._checkpoint_save(req, start + n)))
         self.budget -= n + len(drafts)
         req.budget_deferred = False
         eff = self.policy.effective_priority(req, self.now)
         self.best = eff if self.best is None else min(self.best, eff)
         self.under_share_in_step = self.under_share_in_step or self.s.fair.under_share(req.tenant)
+
+    def _checkpoint_save(self, req: Request, end: int) -> int | None:
+        """The checkpoint slot req's state is saved into after a chunk ending at `end`, when that is its
+        checkpoint position (the last block boundary of its tokens); None: no save (or no slot free)."""
+        checkpoints, bs = self.s.checkpoints, self.s.blocks.block_size
+        if checkpoints is None or end == 0 or end != req.num_tokens // bs * bs:
+            return None
+        return checkpoints.take(req)
 
     def _preempt(self, victim: Request, cause: PreemptionCause) -> None:
         """Preempt victim; the tokens it was given in this step go back into the budget."""

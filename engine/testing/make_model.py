@@ -390,6 +390,27 @@ PRESETS: dict[str, Preset] = {
                       ("conv_L_cache", 3), ("block_multiple_of", 64), ("block_ffn_dim_multiplier", 1.0),
                       ("block_auto_adjust_ff_dim", True), ("norm_eps", 1e-5)),  # fmt: skip
     ),
+    # LFM2-350M's layer pattern (16 layers: 10 short convs, attention at 2, 5, 8, 10, 12, 14) at half its
+    # width (hidden 512, MLP 1536 by LFM2's rule, 8 query / 4 KV heads of 64): 56 M parameters, the
+    # multi-turn benchmark's model (python -m bench multiturn), a 2,000-token prefill in seconds on a CPU.
+    "bench-lfm2": Preset(
+        "Lfm2ForCausalLM",
+        tokenizer_vocab_size=TINY_VOCAB,
+        hidden_size=512,
+        intermediate_size=2304,
+        num_hidden_layers=16,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        tie_word_embeddings=True,
+        seed=350,
+        max_position_embeddings=4096,
+        initializer_range=0.05,
+        extra_config=(("layer_types", tuple("full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv"
+                                            for i in range(16))),
+                      ("conv_L_cache", 3), ("block_multiple_of", 256), ("block_ffn_dim_multiplier", 1.0),
+                      ("block_auto_adjust_ff_dim", True), ("norm_eps", 1e-5)),  # fmt: skip
+    ),
     # Every matrix row a multiple of 256 values, so K-quant GGUF files (engine/testing/make_gguf.py)
     # quantize all of them; tied, so the file has no output.weight.
     "tiny-llama-k": Preset(

@@ -1,8 +1,9 @@
 """LFM2, the hybrid of gated short convolutions and attention (engine/models/lfm2.py), over the state
 cache (engine/state/): greedy tokens equal transformers' in float32 under batching, chunked prefill cut
 anywhere (the conv window carries across chunks), KV-shortage and seat preemption (the state rebuilt by
-recompute), aborts (slots freed, reused with stale contents), the state pool bounding admission, prefix
-caching refused, and the options a hybrid cannot serve refused at start-up."""
+recompute), aborts (slots freed, reused with stale contents), the state pool bounding admission, no prefix
+reuse without state checkpoints (with them: test_lfm2_checkpoints.py), and the options a hybrid cannot
+serve refused at start-up."""
 
 from __future__ import annotations
 
@@ -149,12 +150,12 @@ def test_abort_frees_slots_and_reused_slots_start_clean(lfm2):
     assert_slots_free(engine)
 
 
-def test_prefix_caching_is_off_for_hybrids(lfm2, caplog):
-    """A conv state cannot be cut at a prefix: no attention KV is reused without it (0 hits), and the
-    shared-prefix prompts still match transformers."""
+def test_prefix_caching_is_off_for_hybrids_without_checkpoints(lfm2, caplog):
+    """A conv state cannot be cut at a prefix: without state checkpoints no attention KV is reused without
+    it (0 hits), and the shared-prefix prompts still match transformers."""
     path, case, ref = lfm2
     with caplog.at_level(logging.INFO, logger="tokenmill.engine"):
-        engine = make_engine(path, enable_prefix_caching=True)
+        engine = make_engine(path, enable_prefix_caching=True, num_state_checkpoints=0)
     assert not engine.block_manager.enable_prefix_caching
     assert "prefix caching off" in caplog.text and "hybrid model" in caplog.text
     first = next(i for i in range(0, len(case.prompts), 2) if len(case.prompts[i]) > SHARED_PREFIX)
@@ -187,7 +188,8 @@ def test_budget_split_bounds_seats_by_state_slots(lfm2):
     budget = 20 * kv_block  # half of it holds 40 slots (< 64 seats asked for)
     slots, rest = split_budget(spec, budget, max_num_seqs=64)
     assert (slots, rest) == (40, budget - 40 * 4096)
-    engine = make_engine(path, num_kv_blocks=None, kv_cache_memory=budget, block_size=16, max_num_seqs=64)
+    engine = make_engine(path, num_kv_blocks=None, kv_cache_memory=budget, block_size=16, max_num_seqs=64,
+                         num_state_checkpoints=0)  # the checkpoints' share: test_lfm2_checkpoints.py
     assert engine.state_pool.num_slots == 40 and engine.scheduler.config.max_num_seqs == 40
     assert engine.block_manager.num_blocks == rest // kv_block == 10  # only the attention layers' KV
     assert engine.state_cache_bytes == 40 * 4096
