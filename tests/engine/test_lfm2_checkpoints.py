@@ -329,3 +329,34 @@ def test_index_lru_eviction_order_and_integrity():
     idx.release(r3, keep=False)
     idx.check_integrity([])
     assert idx.num_registered == 1
+
+
+def test_seat_preemption_mid_prefill_of_resumed_turns(chats):
+    """Two seats, 16-token steps: batch-priority turn-2 requests resume from their checkpoints and are
+    preempted mid-prefill by interactive ones (their checkpoint slots let go); every answer exact, every
+    pool consistent after every step."""
+    from engine.api import PreemptionCause
+
+    path, turns, refs = chats
+    engine = make_engine(path, block_size=BS, max_num_seqs=2, max_num_batched_tokens=16)
+    run_turns(engine, turns[:1], refs[:1])
+    got: dict[str, list[int]] = {}
+    mid_prefill = 0
+    for i in (0, 2):
+        engine.add_request(f"b{i}", prompt_token_ids=turns[1][i], params=greedy(NEXT), priority=2)
+    engine.step()
+    for i in (1, 3):
+        engine.add_request(f"i{i}", prompt_token_ids=turns[1][i], params=greedy(NEXT), priority=0)
+    while engine.has_unfinished():
+        before = {r.request_id: r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running}
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        preempted = [rid for rid, prefilling in before.items() if prefilling
+                     and engine.scheduler.requests.get(rid) is not None
+                     and engine.scheduler.requests[rid].status.value == "waiting"]  # fmt: skip
+        mid_prefill += len(preempted)
+        engine.check_integrity()
+    assert engine.stats().preemptions_by.get((2, PreemptionCause.SLOTS), 0) > 0 and mid_prefill > 0
+    assert {rid: got[rid] for rid in got} == {f"b{i}" if i in (0, 2) else f"i{i}": refs[1].token_ids[i]
+                                              for i in range(4)}  # fmt: skip
+    assert_released(engine)
