@@ -1,4 +1,4 @@
-"""Qwen3.5 text model (transformers' Qwen3_5ForCausalLM, dense): a hybrid of Gated DeltaNet linear-attention
+"""Qwen3.5 text model (transformers' Qwen3_5ForCausalLM; its MoE variant Qwen3_5MoeForCausalLM below): a hybrid of Gated DeltaNet linear-attention
 layers and gated full-attention layers, `layer_types` naming each ("linear_attention" / "full_attention";
 transformers fills it from `full_attention_interval`, default 4: every 4th layer attends).
 
@@ -28,6 +28,8 @@ from engine.models.gated_deltanet import GatedDeltaNet
 from engine.models.gemma import GemmaRMSNorm
 from engine.models.layers import ForwardContext, GatedMLP
 from engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel, head_dim_of
+from engine.models.moe import MoeCausalLM, SparseMoeBlock, num_experts_of
+from engine.models.qwen_moe import check_moe_config
 from engine.models.rope import check_rope_supported, rotary_embedding
 from engine.state.conv_cache import ConvStateSpec
 from engine.state.delta_cache import DeltaStateSpec
@@ -90,7 +92,12 @@ class Qwen35DecoderLayer(nn.Module):
             self.self_attn = Qwen35Attention(cfg, layer_idx, kind_index)
         else:
             self.linear_attn = GatedDeltaNet(cfg, kind_index)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: GatedMLP | SparseMoeBlock
+        if num_experts_of(cfg):  # the MoE variant: experts on every layer, top-k renormalised, a shared expert
+            self.mlp = SparseMoeBlock(cfg.hidden_size, int(cfg.moe_intermediate_size), num_experts_of(cfg),
+                                      int(cfg.num_experts_per_tok), True, int(cfg.shared_expert_intermediate_size))  # fmt: skip
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -175,3 +182,17 @@ class Qwen35ForCausalLM(LlamaForCausalLM):
     @property
     def num_kv_layers(self) -> int:
         return sum(1 for layer in self.model.layers if layer.is_attention)
+
+
+class Qwen35MoeForCausalLM(MoeCausalLM, Qwen35ForCausalLM):
+    """Qwen3.5's MoE variant (transformers' Qwen3_5MoeForCausalLM): the same layers with a sparse MLP on every
+    layer (engine/models/moe.py): softmax routing over `num_experts`, the top `num_experts_per_tok`
+    renormalised, experts `moe_intermediate_size` wide, plus a shared expert
+    (`shared_expert_intermediate_size`) scaled by sigmoid(shared_expert_gate . x), as Qwen2-MoE's."""
+
+    def check_config(self, cfg) -> None:
+        check_moe_config(cfg)
+        super().check_config(cfg)
+
+    def fused_decode_unsupported(self) -> str | None:
+        return Qwen35ForCausalLM.fused_decode_unsupported(self)

@@ -407,6 +407,21 @@ PRESETS: dict[str, Preset] = {
                       ("linear_value_head_dim", 24), ("linear_num_key_heads", 2),
                       ("linear_num_value_heads", 4)),  # fmt: skip
     ),
+    # Qwen3.5's MoE variant: tiny-qwen35's layers with 8 experts (top 2, renormalised) and a shared expert
+    # on every layer.
+    "tiny-qwen35-moe": Preset(
+        "Qwen3_5MoeForCausalLM",
+        **{**_TINY, "initializer_range": 0.2},
+        num_hidden_layers=6,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        seed=62,
+        extra_config=(("full_attention_interval", 3), ("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 16),
+                      ("linear_value_head_dim", 24), ("linear_num_key_heads", 2), ("linear_num_value_heads", 4),
+                      ("num_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),
+                      ("shared_expert_intermediate_size", 96)),  # fmt: skip
+    ),
     # Every matrix row a multiple of 256 values, so K-quant GGUF files (engine/testing/make_gguf.py)
     # quantize all of them; tied, so the file has no output.weight.
     "tiny-llama-k": Preset(
