@@ -35,6 +35,7 @@ from engine.sched.scheduler import SchedulerConfig
 from engine.state.checkpoint_store import CheckpointStore, checkpoint_slots
 from engine.state.checkpoints import CheckpointIndex
 from engine.state.conv_cache import allocate_conv_state, split_budget
+from engine.state.delta_cache import HybridState, allocate_delta_state
 from engine.state.pool import StatePool
 from engine.structured import make_compiler
 from engine.weights.cpu_weights import prepare_weights
@@ -78,6 +79,9 @@ class Engine(StepLoop):
         self.packed_weights = self.weights.packed
         # a hybrid model's recurrent layers (LFM2's short convs: engine/state/); None: attention only
         state_spec = model.conv_state_spec(self.dtype)
+        # Qwen3.5's Gated DeltaNet layers also keep a recurrent matrix per sequence, in the same slots
+        delta_spec = model.delta_state_spec() if state_spec is not None else None
+        slot_spec = state_spec if delta_spec is None or state_spec is None else HybridState(state_spec, delta_spec)
         if isinstance(model, MoeCausalLM):  # the experts' path on CUDA (Triton grouped GEMM or the loop)
             log.info("MoE experts: %s", model.select_experts(self.device, self.dtype, cpu_kernels.required()))
         backend = select_backend(self.device, config.attention_backend, self.dtype)
@@ -111,11 +115,12 @@ class Engine(StepLoop):
                                          config.max_num_seqs, buckets[-1] if use_graphs else 0) if cuda_profile else 0
             budget_bytes = startup.kv_budget_bytes(config, self.device, peak)
             if state_spec is not None:  # the state pool first, then the checkpoints, the KV blocks get the rest
-                state_slots, budget_bytes = split_budget(state_spec, budget_bytes, config.max_num_seqs)
+                assert slot_spec is not None
+                state_slots, budget_bytes = split_budget(slot_spec, budget_bytes, config.max_num_seqs)
                 if checkpointing:
-                    num_checkpoints = checkpoint_slots(state_spec.bytes_per_slot, budget_bytes, spec.bytes_per_block,
+                    num_checkpoints = checkpoint_slots(slot_spec.bytes_per_slot, budget_bytes, spec.bytes_per_block,
                                                        state_slots, config.num_state_checkpoints)  # fmt: skip
-                    budget_bytes -= num_checkpoints * state_spec.bytes_per_slot
+                    budget_bytes -= num_checkpoints * slot_spec.bytes_per_slot
             num_blocks = spec.num_blocks_for(budget_bytes)
         elif checkpointing:  # a block count given: no budget to split
             num_checkpoints = checkpoint_slots(0, None, 0, config.max_num_seqs, config.num_state_checkpoints)
@@ -141,29 +146,33 @@ class Engine(StepLoop):
                          event_hash_salt=secrets.randbits(64), rope_switch=getattr(model, "rope_switch", None))
         block_manager = (GroupedBlockManager(counts, self.block_size, windows, **blocks_kw) if len(windows) > 1
                          else BlockManager(num_blocks, self.block_size, sliding_window=windows[0], **blocks_kw))
-        max_num_seqs, conv_state, state_pool = config.max_num_seqs, None, None
+        max_num_seqs, conv_state, delta_state, state_pool = config.max_num_seqs, None, None, None
         checkpoint_store, checkpoint_index = None, None
         self.state_cache_bytes = self.checkpoint_bytes = 0
-        if state_spec is not None:
+        if state_spec is not None and slot_spec is not None:
             if state_slots < max_num_seqs:
                 log.warning("max_num_seqs lowered from %d to %d: the cache budget holds %d state slots",
                             max_num_seqs, state_slots, state_slots)  # fmt: skip
             max_num_seqs = state_slots  # a seat needs a slot: the seats are bounded by the slots
             conv_state = allocate_conv_state(state_spec, state_slots, self.device)
+            delta_state = allocate_delta_state(delta_spec, state_slots, self.device) if delta_spec else None
             state_pool = StatePool(state_slots)
-            self.state_cache_bytes = state_slots * state_spec.bytes_per_slot
+            self.state_cache_bytes = state_slots * slot_spec.bytes_per_slot
             if checkpointing:  # every state tensor [layers, slots, ...] of the model joins this list
-                checkpoint_store = CheckpointStore([conv_state], num_checkpoints)
+                state = [conv_state] + ([delta_state] if delta_state is not None else [])
+                checkpoint_store = CheckpointStore(state, num_checkpoints)
                 checkpoint_index = CheckpointIndex(num_checkpoints, self.block_size)
                 self.checkpoint_bytes = checkpoint_store.bytes
             reuse = (f"prefix reuse: {num_checkpoints} state checkpoints at block boundaries "
                      f"({self.checkpoint_bytes / 2**20:.2f} MiB of the cache budget)" if checkpointing else
-                     "prefix caching off (no state checkpoints: a conv state cannot be cut at a prefix)")  # fmt: skip
-            log.info("hybrid model: %d short-conv layers with a conv state (%d columns each) in %d slots "
-                     "(%.1f KiB each, %.2f MiB), KV blocks for its %d attention layers; path: PyTorch layers "
-                     "with the torch reference conv (no fused decode, no CUDA graphs, no speculative decoding); %s",
-                     state_spec.num_layers, state_spec.width, state_slots, state_spec.bytes_per_slot / 1024,
-                     self.state_cache_bytes / 2**20, model.num_kv_layers, reuse)  # fmt: skip
+                     "prefix caching off (no state checkpoints: a recurrent state cannot be cut at a prefix)")  # fmt: skip
+            kind = ("Gated DeltaNet layers with a conv state (%d columns each) and float32 recurrent matrices "
+                    "(torch reference chunked scan and step)" if delta_spec else
+                    "short-conv layers with a conv state (%d columns each) (torch reference conv)")  # fmt: skip
+            log.info("hybrid model: %d " + kind + " in %d slots (%.1f KiB each, %.2f MiB), KV blocks for its %d "
+                     "attention layers; path: PyTorch layers (no fused decode, no CUDA graphs, no speculative "
+                     "decoding); %s", state_spec.num_layers, state_spec.width, state_slots,
+                     slot_spec.bytes_per_slot / 1024, self.state_cache_bytes / 2**20, model.num_kv_layers, reuse)  # fmt: skip
         graphs = capture_graphs(model, backend, kv, buckets, self.block_size, self.max_model_len,
                                 self.device) if use_graphs else None
         loras = make_registry(config.lora, self.hf_config, self.device, self.dtype) if config.lora else None
@@ -172,7 +181,7 @@ class Engine(StepLoop):
             tokenizer=source.tokenizer,
             runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs, loras,
                                one_row_attention=config.deterministic, kv_groups=len(windows), conv_state=conv_state,
-                               checkpoints=checkpoint_store),
+                               delta_state=delta_state, checkpoints=checkpoint_store),
             block_manager=block_manager,
             scheduler_config=SchedulerConfig(max_num_seqs, config.max_num_batched_tokens, config.aging_s,
                                              config.outranked_chunk_tokens, config.speculative,
@@ -258,13 +267,13 @@ class Engine(StepLoop):
 def _check_hybrid_config(config: EngineConfig) -> None:
     """ValueError naming an option a hybrid model (a recurrent state per sequence) cannot serve yet:
     drafts would advance the conv state past tokens that may be rejected (no rollback), LoRA has no
-    adapters for the conv layers, and GGUF blocks are planned under transformers' names, which LFM2's
-    differ from."""
+    adapters for the conv (or DeltaNet) layers, and GGUF blocks are planned under transformers' names, which
+    LFM2's differ from."""
     if config.speculative is not None:
         raise ValueError("speculative decoding is not supported for hybrid models (a conv state per sequence "
                          "cannot roll rejected drafts back)")
     if config.lora is not None:
-        raise ValueError("LoRA adapters are not supported for hybrid models (short-conv layers)")
+        raise ValueError("LoRA adapters are not supported for hybrid models (their short-conv or DeltaNet layers)")
     if config.quantization == "gguf":
         raise ValueError("quantization 'gguf' is not supported for hybrid models yet (their GGUF files load "
                          "dequantized: quantization 'none')")

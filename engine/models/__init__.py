@@ -13,6 +13,7 @@ from engine.models.olmoe import OlmoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen2 import Qwen2ForCausalLM
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.qwen35 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
 from engine.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from engine.models.smollm3 import SmolLM3ForCausalLM
 
@@ -35,6 +36,9 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,  # attention sinks, clamped-SwiGLU experts (engine/models/gpt_oss.py)
     # hybrid: short convolutions with a per-sequence state beside attention layers (engine/state/)
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    # Gated DeltaNet (a conv window and a recurrent matrix per sequence) beside gated attention (engine/state/)
+    "Qwen3_5ForCausalLM": Qwen35ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen35MoeForCausalLM,  # the same with experts on every layer (engine/models/moe.py)
 }
 
 

@@ -26,7 +26,8 @@ class ModelRunner:
         device: torch.device, sampler: Sampler, graphs: DecodeGraphRunner | None = None,
         loras: LoraRegistry | None = None,
         one_row_attention: bool = False, kv_groups: int = 1,
-        conv_state: torch.Tensor | None = None, checkpoints: CheckpointStore | None = None,
+        conv_state: torch.Tensor | None = None, delta_state: torch.Tensor | None = None,
+        checkpoints: CheckpointStore | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -48,6 +49,9 @@ class ModelRunner:
         # A hybrid model's conv state [conv_layers, slots, channels, width] (engine/state/conv_cache.py): each
         # step hands the layers its sequences' rows and slots (StateBatch); None: a model without one
         self.conv_state = conv_state
+        # Gated DeltaNet layers' recurrent matrices [delta_layers, slots, heads, k_dim, v_dim] in the same slots
+        # (engine/state/delta_cache.py; Qwen3.5); None: a model without them
+        self.delta_state = delta_state
         # Its state checkpoints (engine/state/checkpoint_store.py): loaded into the state slots of requests
         # that resume from one before the forward pass, saved after it; None: no checkpoints
         self.checkpoints = checkpoints
@@ -114,7 +118,8 @@ class ModelRunner:
             if s.request.state_slot is None:
                 raise RuntimeError(f"request {s.request.request_id!r} runs without a state slot")
             slots.append(s.request.state_slot)
-        return StateBatch.build(self.conv_state, [s.num_tokens for s in items], slots, [s.start == 0 for s in items])
+        return StateBatch.build(self.conv_state, [s.num_tokens for s in items], slots, [s.start == 0 for s in items],
+                                self.delta_state)  # fmt: skip
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
                  lora: LoraBatch | None = None, rope_long: torch.Tensor | None = None,

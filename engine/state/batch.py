@@ -14,7 +14,8 @@ class StateBatch:
     """The step's sequences in packing order, each a run of consecutive rows of the packed [T, ...] batch.
 
     conv: the whole conv-state tensor [conv_layers, slots, channels, width] (engine/state/conv_cache.py);
-    a layer reads and writes its own conv[layer_index].
+    a layer reads and writes its own conv[layer_index]. delta: Gated DeltaNet layers' recurrent matrices
+    [delta_layers, slots, heads, k_dim, v_dim] (engine/state/delta_cache.py), same slots; None: no such layer.
     """
 
     conv: torch.Tensor
@@ -26,13 +27,15 @@ class StateBatch:
     # slot (the vectorised path: one gather, one scatter per layer)
     slot_index: torch.Tensor | None = None
     all_decode: bool = False
+    delta: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, conv: torch.Tensor, lengths: list[int], slots: list[int], fresh: list[bool]) -> StateBatch:
+    def build(cls, conv: torch.Tensor, lengths: list[int], slots: list[int], fresh: list[bool],
+              delta: torch.Tensor | None = None) -> StateBatch:  # fmt: skip
         offsets, at = [], 0
         for n in lengths:
             offsets.append(at)
             at += n
         all_decode = all(n == 1 for n in lengths) and not any(fresh)
         index = torch.tensor(slots, dtype=torch.long, device=conv.device) if all_decode else None
-        return cls(conv, offsets, lengths, slots, fresh, index, all_decode)
+        return cls(conv, offsets, lengths, slots, fresh, index, all_decode, delta)

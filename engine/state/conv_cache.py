@@ -15,6 +15,7 @@ count to the slots it holds (logged). With num_kv_blocks set, the slots are max_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -32,7 +33,15 @@ class ConvStateSpec:
         return self.num_layers * self.channels * self.width * elem
 
 
-def split_budget(spec: ConvStateSpec, budget_bytes: int, max_num_seqs: int) -> tuple[int, int]:
+class SlotBytes(Protocol):
+    """What split_budget reads of a state spec (ConvStateSpec, or delta_cache.HybridState: conv windows and
+    DeltaNet matrices together)."""
+
+    @property
+    def bytes_per_slot(self) -> int: ...
+
+
+def split_budget(spec: SlotBytes, budget_bytes: int, max_num_seqs: int) -> tuple[int, int]:
     """(state slots, bytes left for KV blocks) out of `budget_bytes` (see the module docstring)."""
     slots = min(max_num_seqs, (budget_bytes // 2) // max(1, spec.bytes_per_slot))
     if slots < 1:

@@ -411,6 +411,38 @@ PRESETS: dict[str, Preset] = {
                       ("conv_L_cache", 3), ("block_multiple_of", 256), ("block_ffn_dim_multiplier", 1.0),
                       ("block_auto_adjust_ff_dim", True), ("norm_eps", 1e-5)),  # fmt: skip
     ),
+    # Qwen3.5 text model (engine/models/qwen35.py): Gated DeltaNet layers (a 4-tap conv over q/k/v, the
+    # delta rule with a [heads, k_dim, v_dim] state) and gated attention layers with Q/K norms and RoPE on
+    # a quarter of each head (transformers' default partial_rotary_factor), (1 + w) norms. Two attention
+    # layers after every two DeltaNet ones (full_attention_interval 3: transformers fills layer_types);
+    # 4 value heads on 2 key heads and k_dim != v_dim, so a broadcast or transpose bug shows.
+    "tiny-qwen35": Preset(
+        "Qwen3_5ForCausalLM",
+        **{**_TINY, "initializer_range": 0.2},
+        num_hidden_layers=6,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        seed=61,
+        extra_config=(("full_attention_interval", 3), ("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 16),
+                      ("linear_value_head_dim", 24), ("linear_num_key_heads", 2),
+                      ("linear_num_value_heads", 4)),  # fmt: skip
+    ),
+    # Qwen3.5's MoE variant: tiny-qwen35's layers with 8 experts (top 2, renormalised) and a shared expert
+    # on every layer.
+    "tiny-qwen35-moe": Preset(
+        "Qwen3_5MoeForCausalLM",
+        **{**_TINY, "initializer_range": 0.2},
+        num_hidden_layers=6,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        seed=62,
+        extra_config=(("full_attention_interval", 3), ("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 16),
+                      ("linear_value_head_dim", 24), ("linear_num_key_heads", 2), ("linear_num_value_heads", 4),
+                      ("num_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),
+                      ("shared_expert_intermediate_size", 96)),  # fmt: skip
+    ),
     # Every matrix row a multiple of 256 values, so K-quant GGUF files (engine/testing/make_gguf.py)
     # quantize all of them; tied, so the file has no output.weight.
     "tiny-llama-k": Preset(
