@@ -17,7 +17,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")  # engine.attention.select_backend
 GRAMMAR_BACKENDS = ("xgrammar", "none")  # engine.structured.make_compiler
 QUANTIZATIONS = (None, "int8", "gguf", "none")  # engine/models/quantization.py, gguf_linear.py
-GGUF_ACTIVATIONS = ("int8", "float")  # engine/models/gguf_linear.py
+GGUF_ACTIVATIONS = ("mixed", "int8", "float")  # engine/models/gguf_linear.py, engine/weights/cpu_weights.py
 CPU_GEMV = ("auto", "on", "off")  # engine/weights/cpu_weights.py
 
 
@@ -57,13 +57,17 @@ class EngineConfig:
     # compile grammars in worker processes, so a compile past its budget is killed (the server does);
     # False: on the caller's thread (offline use, tests)
     grammar_compile_processes: bool = False
-    # None or "none": every weight in dtype (GGUF dequantized); "gguf" (opt-in): a GGUF file's Q4_0 / Q4_1 /
-    # Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices kept quantized (CPU kernels; CUDA: Triton), or an error
-    # where it cannot apply; "int8": INT8 weight-only linears (CPU; half the weight bytes)
+    # "gguf": a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices kept quantized
+    # (CPU kernels; CUDA: Triton), or an error where it cannot apply; None (default): the same where it
+    # applies (bf16 on the CPU, the kernels built, not deterministic: engine/weights/gguf/blocks.py
+    # blocks_for), else dequantized; "none": every weight in dtype (GGUF dequantized); "int8": INT8
+    # weight-only linears (CPU; half the weight bytes)
     quantization: str | None = None
-    # "gguf" blocks: the kernel's activations, "int8" (quantized per 32 values, integer dot products, as
-    # llama.cpp: faster, within a stated bound of the float product) or "float" (float32, bit-exact reference)
-    gguf_activations: str = "int8"
+    # "gguf" blocks: the kernels' activations, "int8" (quantized per 32 values, integer dot products, as
+    # llama.cpp: faster, within a stated bound of the float product), "float" (float32, bit-exact reference)
+    # or "mixed" (int8, but float for the MLP's down projection, whose input, the gated product, carries the
+    # outliers that int8 units lose: measured closer to the float model, docs/ENGINE.md)
+    gguf_activations: str = "mixed"
     # INT8 input columns per scale of an output row; None, or a weight whose K it does not divide: one scale per row.
     quantization_group_size: int | None = 64
     cpu_gemv: str = "auto"  # CPU small-batch linear kernels: auto (bf16/INT8: where measured faster at start-up; float32: up to 32 rows), on, off

@@ -6,11 +6,14 @@ file's byte layout, engine/kernels/csrc/kernels/ggml.h), so its memory is the fi
 fused weight whose shards the file stores in different types (q/k/v of a Q4_K_M file: Q5_0, Q5_0, Q8_0)
 is a `GGMLStack` of them. `GGMLLinear` runs the C++ GEMV from the blocks (each block read once per tile
 of rows and decoded in registers) up to `max_rows` rows, measured per shape at start-up against the
-other path (cpu_linear.measure_max_rows): the weight dequantized to x's dtype for the call
-(ggml_dequantize) and multiplied by PyTorch. Without the kernels every call takes the latter.
-The kernel's activations (EngineConfig.gguf_activations): "int8" (ggml_gemv_q8: x quantized per 32
-values, integer dot products, llama.cpp's vec_dot; within kernels/ggml.h's bound of the float product)
-or "float" (ggml_gemv: float32, bit-exact to the dequantized weight's product in its summation order).
+other path (cpu_linear.measure_max_rows): the weight dequantized for the call (ggml_dequantize, ~0.3 ns
+a value on AVX2) and multiplied by PyTorch, in float32 where the CPU has no bf16 instructions (PyTorch's
+bf16 products there run ~4x slower than its float32 ones: measured on Zen 3) and the result rounded to
+x's dtype. Without the kernels every call takes the latter.
+The kernel's activations, per linear (engine/weights/cpu_weights.py picks them from
+EngineConfig.gguf_activations): "int8" (ggml_gemv_q8: x quantized per 32 values, integer dot products,
+llama.cpp's vec_dot; within kernels/ggml.h's bound of the float product) or "float" (ggml_gemv: float32,
+bit-exact to the dequantized weight's product in its summation order).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu_kernels
+from engine.kernels.cpu_kernels import cpu_has_bf16
 from engine.models.layers import silu_mul
 
 # ggml type id -> (name, values per block, bytes per block): the types the kernels take.
@@ -166,8 +170,9 @@ class GGMLLinear(nn.Module):
         return silu_mul(self(x))
 
     def _dequantized_linear(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.weight_q.dequantize(x.dtype), bias)
+        dtype = x.dtype if x.dtype != torch.bfloat16 or cpu_has_bf16() else torch.float32
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x.to(dtype), self.weight_q.dequantize(dtype), bias).to(x.dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the dequantized weight: [len(ids), in_features] (an embedding lookup)."""

@@ -9,6 +9,7 @@ import logging
 import torch
 
 from engine.config import EngineConfig
+from engine.kernels.cpu_kernels import cpu_has_bf16
 from engine.kv.cache import KVCacheSpec
 
 log = logging.getLogger("tokenmill.engine")
@@ -53,13 +54,6 @@ def cpu_bf16_fast() -> bool:
     from engine.kernels import cpu_kernels
 
     return cpu_kernels.linear_path("bf16") != "none"
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16)."""
-    cpu = getattr(torch, "cpu", None)
-    checks = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return any(check() for check in checks if check is not None)
 
 
 def apply_cpu_threads(threads: int | None, device: torch.device) -> None:

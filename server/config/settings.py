@@ -83,10 +83,10 @@ class ServerSettings(BaseSettings):
         "Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights stay as blocks (CPU: int8 activations; CUDA: Triton kernels, float; "
         "a third of bf16's bytes, not yet faster served, docs/ENGINE.md), or an error where they cannot apply; "
         "int8: INT8 weight-only linears (CPU; half the weight bytes)")
-    gguf_activations: Literal["int8", "float"] = Field(
-        "int8", description="with GGUF blocks: int8 (activations quantized per 32 values, integer dot "
-        "products, as llama.cpp; faster, within a stated bound of the float product) or float (float32, the "
-        "bit-exact reference)")
+    gguf_activations: Literal["mixed", "int8", "float"] = Field(
+        "mixed", description="with GGUF blocks: int8 (activations quantized per 32 values, integer dot "
+        "products, as llama.cpp; faster, within a stated bound of the float product), float (float32, the "
+        "bit-exact reference) or mixed (int8, float for the MLP down projection's input: closer to float)")
     speculative_config: dict[str, Any] | None = Field(
         None, description="speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; methods ngram, suffix, draft_model (with \"model\": PATH) "

@@ -81,7 +81,7 @@ def test_fused_decode_matches_the_python_layers(build_model, preset, variant):
 # mix's q/k/v shards hold two types (a stack: several calls), so its steps keep the Python layers.
 GGUF_CASES = [("tiny-llama", "Q4_1", "bfloat16", "int8"), ("tiny-llama", "Q8_0", "float32", "float"),
               ("tiny-llama", "Q5_0", "bfloat16", "float"), ("tiny-llama-k", "Q4_K", "float32", "int8"),
-              ("tiny-llama-k", "Q6_K", "bfloat16", "int8")]  # fmt: skip
+              ("tiny-llama-k", "Q6_K", "bfloat16", "int8"), ("tiny-llama", "Q4_0", "bfloat16", "mixed")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("preset", "qtype", "dtype", "activations"), GGUF_CASES,

@@ -83,6 +83,25 @@ def test_dequantize_is_the_gguf_package_bit_for_bit(qtype):
         assert torch.equal(got16.view(torch.int16), ref.bfloat16().view(torch.int16))
 
 
+def test_dequantize_rounds_to_bf16_as_torch_does_at_the_edges():
+    # Q8_0 blocks whose fp16 scale is NaN, +inf, the largest half, a subnormal: float32 values as gguf's,
+    # bf16 as torch rounds float32 (ties to even, overflow to inf; a NaN stays a NaN, its payload aside:
+    # the kernel writes c10::BFloat16's 0x7FC0); ties occur among the products of the subnormal and the
+    # largest scales with the int8 values
+    scales = np.array([np.nan, np.inf, 65504.0, 6e-8, -3.5, 0.0], dtype=np.float16)
+    blocks = np.zeros((len(scales), 34), dtype=np.uint8)
+    blocks[:, 0:2] = scales.view(np.uint8).reshape(-1, 2)
+    blocks[:, 2:] = np.arange(-128, 127, 8, dtype=np.int8)[:32].view(np.uint8)
+    ref = torch.from_numpy(dequantize(blocks, Q.Q8_0))
+    w = torch.from_numpy(blocks)
+    f32 = ops.ggml_dequantize(w, int(Q.Q8_0), len(scales), 32, torch.float32)
+    assert torch.equal(f32.view(torch.int32), ref.view(torch.int32))
+    got16 = ops.ggml_dequantize(w, int(Q.Q8_0), len(scales), 32, torch.bfloat16)
+    nan = ref.isnan()  # the NaN scale's row, and inf * 0
+    assert int(nan.sum()) == 33 and bool((got16.view(torch.int16)[nan] == 0x7FC0).all())
+    assert torch.equal(got16.view(torch.int16)[~nan], ref.bfloat16().view(torch.int16)[~nan])
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 def test_gemv_within_the_float32_summation_bound(qtype):
     g = torch.Generator().manual_seed(1)
@@ -205,6 +224,8 @@ for t in (2, 3, 6, 7, 8, 12, 13, 14):
             x = torch.randn(rows, k, generator=g)
             out[f"{t} {n}x{k} {rows}"] = ops.ggml_gemv(x, blocks, t, n, k, b)
             out[f"{t} {n}x{k} {rows} q8"] = ops.ggml_gemv_q8(x, blocks, t, n, k, b)
+        out[f"{t} {n}x{k} f32"] = ops.ggml_dequantize(blocks, t, n, k, torch.float32)
+        out[f"{t} {n}x{k} bf16"] = ops.ggml_dequantize(blocks, t, n, k, torch.bfloat16).view(torch.int16).int()
 torch.save(out, sys.argv[1])
 """
 
@@ -222,6 +243,6 @@ def test_portable_and_this_cpus_path_agree_bit_for_bit(tmp_path):
     best, base = _outputs("", tmp_path), _outputs("base", tmp_path)
     assert base.pop("path") == "portable"
     assert best.pop("path") == ops.ggml_path()
-    assert best.keys() == base.keys() and len(best) == 8 * 2 * 4 * 2
+    assert best.keys() == base.keys() and len(best) == 8 * 2 * (4 * 2 + 2)
     for key in best:
         assert torch.equal(best[key].view(torch.int32), base[key].view(torch.int32)), key

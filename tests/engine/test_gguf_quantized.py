@@ -1,4 +1,4 @@
-"""GGUF files served with their quantized matrices kept quantized (opt-in on the CPU,
+"""GGUF files served with their quantized matrices kept quantized (the default in bf16 on the CPU,
 `quantization="gguf"`; engine/weights/gguf/blocks.py, engine/models/gguf_linear.py) against the same
 file served dequantized (`quantization="none"`, the parity suite's engine, transformers-exact), for
 every kernel type and a Q4_K_M-like mix (engine/testing/make_gguf.py's MIX: q/k/gate/up Q5_0, v Q8_0,
@@ -81,7 +81,12 @@ def test_quantized_bf16_serves_and_reads_fewer_bytes(build_model, gguf_dir):
     params = [greedy(m) for m in case.max_tokens]
     q = make_engine(path, dtype="bfloat16", quantization="gguf")
     d = make_engine(path, dtype="bfloat16", quantization="none")
-    assert make_engine(path, dtype="bfloat16").weights.quantization is None  # the default dequantizes (opt-in)
+    # the default keeps blocks where it applies (bf16 on the CPU), else dequantizes: float32 (the exact
+    # reference), the batch-invariant mode, no small-batch kernels
+    assert make_engine(path, dtype="bfloat16").weights.quantization == q.weights.quantization
+    for kw in ({"dtype": "float32"}, {"dtype": "bfloat16", "deterministic": True},
+               {"dtype": "bfloat16", "cpu_gemv": "off"}):  # fmt: skip
+        assert make_engine(path, **kw).weights.quantization is None, kw
     assert q.weights.quantization.startswith("gguf (Q4_0")
     assert d.weights.quantization is None
     assert q.weights.weight_bytes < 0.4 * d.weights.weight_bytes  # ~4.5 bits a weight against 16
@@ -138,7 +143,7 @@ TIE = 0.25  # nats: the int8 activations' largest logprob gap measured on these 
 @pytest.mark.parametrize(("preset", "qtype"), [("tiny-llama", "Q4_1"), ("tiny-llama-k", "MIX")],
                          ids=["tiny-llama-Q4_1", "tiny-llama-k-MIX"])
 def test_int8_activations_follow_the_dequantized_model_up_to_near_ties(build_model, gguf_dir, preset, qtype):
-    """The default activations (int8, per 32 values): the engine names them and every block linear takes
+    """int8 activations (per 32 values) everywhere: the engine names them and every block linear takes
     ggml_gemv_q8 (prefill included: cpu_gemv="on"). Against the dequantized float32 engine, per prompt
     and while the two agree: the chosen token's logprob within TIE of the reference's; where they first
     part, the int8 engine's token is among the reference's top 5 within TIE of its best (a near tie). The seeded models' logits are close together (ties within 0.01 nats
@@ -147,7 +152,7 @@ def test_int8_activations_follow_the_dequantized_model_up_to_near_ties(build_mod
     case = small_case(seed=8)
     params = [greedy(m, logprobs=5) for m in case.max_tokens]
     ref = make_engine(path, quantization="none").generate(case.prompts, params)
-    engine = make_engine(path, cpu_gemv="on", quantization="gguf")
+    engine = make_engine(path, cpu_gemv="on", quantization="gguf", gguf_activations="int8")
     assert engine.weights.quantization.endswith("; int8 activations")
     assert all(lin.activations == "int8" and lin._op == torch.ops.tokenmill.ggml_gemv_q8 for lin in _linears(engine))
     agreed = 0
@@ -160,3 +165,38 @@ def test_int8_activations_follow_the_dequantized_model_up_to_near_ties(build_mod
             assert abs(mine.logprob - theirs.logprob) <= TIE
             agreed += 1
     assert agreed >= 20
+
+
+def test_mixed_activations_are_the_default_and_keep_the_down_projection_float(build_model, gguf_dir):
+    """The default ("mixed"): int8 for every block linear but each MLP's down projection, which takes
+    float32 activations (ggml_gemv); named on the engine-ready line's quantization text."""
+    path = gguf_path(build_model, gguf_dir, "tiny-llama", "Q4_1")
+    engine = make_engine(path, cpu_gemv="on", quantization="gguf")
+    assert engine.weights.quantization.endswith("; mixed activations (int8, float for the MLP down projection)")
+    model = engine.runner.model
+    down = {id(layer.mlp.down_proj) for layer in model.model.layers}
+    linears = _linears(engine)
+    assert len(down) == len(model.model.layers) and down <= {id(lin) for lin in linears}
+    for lin in linears:
+        want = ("float", torch.ops.tokenmill.ggml_gemv) if id(lin) in down else ("int8", torch.ops.tokenmill.ggml_gemv_q8)
+        assert (lin.activations, lin._op) == want
+    case = small_case(seed=9)
+    res = engine.generate(case.prompts, [greedy(m) for m in case.max_tokens])
+    assert [len(r.token_ids) for r in res] == case.max_tokens
+
+
+def test_large_batches_multiply_the_dequantized_weight_in_float32_without_bf16_instructions(build_model, gguf_dir,
+                                                                                          monkeypatch):
+    """Above a linear's kernel rows, bf16 activations are multiplied in float32 by the weight dequantized
+    to float32 where the CPU has no bf16 instructions (PyTorch's bf16 products are slow there), and
+    rounded once to bf16; with them, in bf16."""
+    from engine.models import gguf_linear
+
+    path = gguf_path(build_model, gguf_dir, "tiny-llama", "Q4_1")
+    lin = make_engine(path, dtype="bfloat16", quantization="gguf").runner.model.model.layers[0].self_attn.o_proj
+    x = torch.randn(40, lin.in_features).bfloat16()
+    w = lin.weight_q.dequantize(torch.float32)
+    monkeypatch.setattr(gguf_linear, "cpu_has_bf16", lambda: False)
+    assert torch.equal(lin._dequantized_linear(x), torch.nn.functional.linear(x.float(), w).bfloat16())
+    monkeypatch.setattr(gguf_linear, "cpu_has_bf16", lambda: True)
+    assert torch.equal(lin._dequantized_linear(x), torch.nn.functional.linear(x, w.bfloat16()))

@@ -96,21 +96,12 @@ at::Tensor ggml_dequantize(const at::Tensor& w, int64_t type, int64_t n, int64_t
   check_weight(w, type, n, k);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "ggml_dequantize: dtype must be float32 or bfloat16");
   at::Tensor out = at::empty({n, k}, w.options().dtype(dtype));
-  const int t = static_cast<int>(type);
-  const int64_t units = k / gg::QK, row_bytes = w.size(1);
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
-    float vals[gg::QK];
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < units; ++b) {
-        gg::decode_values(t, src + r * row_bytes, b, vals);
-        if (dtype == at::kFloat) {
-          std::copy(vals, vals + gg::QK, out.data_ptr<float>() + r * k + b * gg::QK);
-        } else {
-          c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + r * k + b * gg::QK;
-          for (int64_t c = 0; c < gg::QK; ++c) o[c] = c10::BFloat16(vals[c]);  // round to nearest even
-        }
-      }
+  const auto rows = avx2() ? gg::avx2::dequantize_rows : gg::portable::dequantize_rows;
+  float* f32 = dtype == at::kFloat ? out.data_ptr<float>() : nullptr;
+  uint16_t* bf16 = dtype == at::kFloat ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  // ~64 KiB of output per task
+  at::parallel_for(0, n, std::max<int64_t>(1, (64 << 10) / (k * out.element_size())), [&](int64_t r0, int64_t r1) {
+    rows(static_cast<int>(type), w.data_ptr<uint8_t>(), w.size(1), k, r0, r1, f32, bf16);
   });
   return out;
 }

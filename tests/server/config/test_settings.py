@@ -93,7 +93,7 @@ def test_quantization_and_engine_threads(monkeypatch):
     cfg = parse_settings(["--quantization", "int8", "--engine-threads", "3"]).engine_config("/m")
     assert (cfg.quantization, cfg.cpu_threads) == ("int8", 3)
     assert parse_settings([]).engine_config("/m").quantization is None
-    assert parse_settings([]).engine_config("/m").gguf_activations == "int8"
+    assert parse_settings([]).engine_config("/m").gguf_activations == "mixed"
     assert parse_settings(["--gguf-activations", "float"]).engine_config("/m").gguf_activations == "float"
     assert [parse_settings(["--quantization", q]).engine_config("/m").quantization for q in ("gguf", "none")] == [
         "gguf", "none"]

@@ -236,16 +236,22 @@ struct Job {
 inline float reduce8(const float* s) { return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])); }
 
 // Output rows [n0, n1) of a call, every row of x: float activations (run_rows) or int8 (run_rows_q8);
-// quantize_rows fills qx / dx / xs for rows [r0, r1) of x.
+// quantize_rows fills qx / dx / xs for rows [r0, r1) of x; dequantize_rows writes rows [r0, r1) of a
+// weight [n, k] (row_bytes a row) as float32 (f32 [n, k]) or, where f32 is null, bfloat16 bits (bf16
+// [n, k], rounded to nearest even), the values decode_values gives.
 namespace portable {
 void run_rows(const Job& j, int64_t n0, int64_t n1);
 void run_rows_q8(const Job& j, int64_t n0, int64_t n1);
 void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int8_t* qx, float* dx, float* xs);
+void dequantize_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t r0, int64_t r1, float* f32,
+                     uint16_t* bf16);
 }  // namespace portable
 namespace avx2 {  // AVX2 + FMA + F16C
 void run_rows(const Job& j, int64_t n0, int64_t n1);
 void run_rows_q8(const Job& j, int64_t n0, int64_t n1);
 void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int8_t* qx, float* dx, float* xs);
+void dequantize_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t r0, int64_t r1, float* f32,
+                     uint16_t* bf16);
 }  // namespace avx2
 
 }  // namespace tokenmill::ggml

@@ -13,19 +13,6 @@ namespace tokenmill::ggml::avx2 {
 
 namespace {
 
-// Unit `sub` of block b into w[0..3] (columns 0-7, 8-15, 16-23, 24-31).
-template <int T>
-TM_AVX2 inline void values(const uint8_t* b, int sub, __m256* w) {
-  Scales sc;
-  const __m256i q = decode<T>(b, sub, sc);
-  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-  for (int v = 0; v < 4; ++v) {
-    const __m256 p = _mm256_mul_ps(_mm256_set1_ps(sc.s[v / 2]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[v])));
-    w[v] = has_min(T) ? _mm256_add_ps(p, _mm256_set1_ps(sc.c)) : p;
-  }
-}
-
 // Output rows n..n+NR-1 for rows r..r+MR-1 of x.
 template <int T, int NR, int MR>
 TM_AVX2 __attribute__((noinline)) void tile(const Job& j, int64_t n, int64_t r) {

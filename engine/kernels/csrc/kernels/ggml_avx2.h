@@ -1,6 +1,7 @@
 // The GGUF block decode on AVX2 + F16C (kernels/ggml.h's units): a unit's 32 integers in one register,
 // in value order, and its scales, as decode_unit computes them. Shared by the float-activation tiles
-// (ggml_avx2.cpp) and the int8-activation ones (ggml_q8_avx2.cpp). Torch-free.
+// (ggml_avx2.cpp), the int8-activation ones (ggml_q8_avx2.cpp) and the row decoder
+// (ggml_dequant_avx2.cpp). Torch-free.
 #pragma once
 
 #include <immintrin.h>
@@ -78,6 +79,19 @@ TM_AVX2 inline __m256i decode(const uint8_t* b, int u, Scales& sc) {
     const __m256i l4 = _mm256_and_si256(_mm256_srl_epi16(lo, _mm_cvtsi32_si128((jj / 2) * 4)), low4);
     const __m256i h2 = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * jj)), _mm256_set1_epi8(3));
     return _mm256_sub_epi8(_mm256_or_si256(l4, _mm256_slli_epi16(h2, 4)), _mm256_set1_epi8(32));
+  }
+}
+
+// Unit `sub` of block b into w[0..3] (columns 0-7, 8-15, 16-23, 24-31).
+template <int T>
+TM_AVX2 inline void values(const uint8_t* b, int sub, __m256* w) {
+  Scales sc;
+  const __m256i q = decode<T>(b, sub, sc);
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int v = 0; v < 4; ++v) {
+    const __m256 p = _mm256_mul_ps(_mm256_set1_ps(sc.s[v / 2]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part[v])));
+    w[v] = has_min(T) ? _mm256_add_ps(p, _mm256_set1_ps(sc.c)) : p;
   }
 }
 

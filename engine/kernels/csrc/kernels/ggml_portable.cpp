@@ -58,4 +58,28 @@ void quantize_rows(const float* x, int64_t k, int64_t r0, int64_t r1, int8_t* qx
       quantize_unit(x + r * k + u * QK, qx + r * k + u * QK, dx[r * units + u], xs[r * units + u]);
 }
 
+// bfloat16 bits of f, rounded to nearest even (c10::BFloat16's rounding; NaN -> 0x7FC0).
+static uint16_t to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return static_cast<uint16_t>((bits + ((bits >> 16) & 1u) + 0x7FFFu) >> 16);
+}
+
+void dequantize_rows(int type, const uint8_t* w, int64_t row_bytes, int64_t k, int64_t r0, int64_t r1, float* f32,
+                     uint16_t* bf16) {
+  float vals[QK];
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t u = 0; u < k / QK; ++u) {
+      decode_values(type, w + r * row_bytes, u, vals);
+      for (int64_t c = 0; c < QK; ++c) {
+        if (f32 != nullptr) {
+          f32[r * k + u * QK + c] = vals[c];
+        } else {
+          bf16[r * k + u * QK + c] = to_bf16(vals[c]);
+        }
+      }
+    }
+}
+
 }  // namespace tokenmill::ggml::portable
