@@ -8,6 +8,12 @@ included, in float32 and bf16: the same tokenmill::lora_add_ calls the Python la
 to decode-only steps on the `cpu` attention backend whose linears all run as one kernel each at the
 step's row count (an INT8 or GGUF-block weight past its kernel's rows is dequantized in Python, and a
 GGUF weight whose shards hold several types is several calls: those steps keep the Python layers). What each linear runs is decided per row count, once (`_plan`).
+
+Gemma 2/3 layers (engine/models/gemma.py) run the same loop with their own layer shape (`gemma`): (1 + weight)
+RMSNorms in float32 before and after attention and the MLP (and on Q/K heads: Gemma 3), GeGLU, the
+attention-logit soft-cap (Gemma 2), and the local layers' own RoPE tables (Gemma 3); each norm's 1 + weight is
+added once here in float32 (what GemmaRMSNorm adds at each call: the same bits). The embedding scale and the
+final soft-cap stay outside the layers (the model's embed and compute_logits).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from engine.models.packed_linear import PackedLinear
 # cpu_decode.cpp Kind and Slot: how a linear runs; per layer, the optional tensors in this order.
 PLAIN, ONEDNN, GEMV, GEMV_SILU, GEMV_F32, GEMV_BLOCKED, GEMV_SPLIT, GGML, GGML_Q8 = 0, 1, 2, 3, 4, 5, 6, 7, 8
 LAYER_SLOTS = ("in_norm", "post_norm", "q_norm", "k_norm", "qkv_w", "qkv_scales", "qkv_bias", "o_w", "o_scales",
-               "o_bias", "gu_w", "gu_scales", "gu_bias", "down_w", "down_scales", "down_bias")  # fmt: skip
+               "o_bias", "gu_w", "gu_scales", "gu_bias", "down_w", "down_scales", "down_bias",
+               "pre_ff_norm", "post_ff_norm")  # fmt: skip
 LORA_MODULES = ("qkv", "o", "gate_up", "down")  # the adapted linears of a layer, in cpu_decode.cpp's order
 
 
@@ -61,9 +68,15 @@ class FusedDecode:
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale = attn.scale
         self.qk_norm = attn.qk_norm
-        # per layer, its sliding window (0: full attention); soft-capped layers never get here
-        # (LlamaForCausalLM.fused_decode_unsupported)
+        # per layer, its sliding window (0: full attention)
         self.windows = [layer.self_attn.window or 0 for layer in layers]
+        # Gemma 2/3 layers (four (1 + weight) norms, GeGLU); the attention-logit soft-cap, one for every layer
+        # (0.0: none; LlamaForCausalLM.fused_decode_unsupported declines other soft-capped models)
+        self.gemma = hasattr(layers[0], "pre_feedforward_layernorm")
+        self.softcap = attn.softcap or 0.0
+        # per layer, 1 where it takes the local RoPE tables (Gemma 3's sliding layers, ctx.rope_local)
+        self.local_rope = [int(getattr(layer.self_attn, "local_rope", False)) for layer in layers]
+        self._norms: dict[int, torch.Tensor] = {}  # id of a Gemma norm's weight -> its 1 + weight in float32
         self.groups = [layer.self_attn.kv_group for layer in layers]  # per layer, its KV-cache group
         self.eps = layers[0].input_layernorm.eps
         self.fused_norm = layers[0].input_layernorm.fused
@@ -105,6 +118,7 @@ class FusedDecode:
             meta.decode_lens, meta.block_size, meta.decode_ctx, self.scale, plan.weights, plan.kinds, plan.shapes,
             self.heads, self.kv_heads, self.head_dim, self.eps, self.fused_norm, self.qk_norm,
             lora_set, None if lora is None else lora.slots, self.windows, plan.ggml_types,
+            self.gemma, self.softcap, *(ctx.rope_local or (None, None)), self.local_rope,
         )  # fmt: skip
         return out[0], out[1]
 
@@ -154,15 +168,32 @@ class FusedDecode:
                        _linear(mlp.down_proj, rows, False)]  # fmt: skip
             if any(lin is None for lin in linears):
                 return None
-            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                     attn.q_norm.weight if self.qk_norm else None, attn.k_norm.weight if self.qk_norm else None]
-            weights += norms
+            norms = [layer.input_layernorm, layer.post_attention_layernorm,
+                     attn.q_norm if self.qk_norm else None, attn.k_norm if self.qk_norm else None]
+            weights += [self._norm_weight(n) for n in norms]
             for lin in linears:
                 weights += [lin.weight, lin.scales, lin.bias]
                 kinds.append(lin.kind)
                 shapes += [lin.n, lin.k]
                 ggml_types.append(lin.ggml_type)
+            if self.gemma:
+                weights += [self._norm_weight(layer.pre_feedforward_layernorm),
+                            self._norm_weight(layer.post_feedforward_layernorm)]  # fmt: skip
+            else:
+                weights += [None, None]
         return _Plan(weights, kinds, shapes, ggml_types)
+
+    def _norm_weight(self, norm: nn.Module | None) -> torch.Tensor | None:
+        """A norm's weight as the C++ loop takes it: Gemma's as 1 + weight in float32 (GemmaRMSNorm.forward's
+        `1.0 + self.weight.float()`, computed once), anyone else's as it is."""
+        if norm is None:
+            return None
+        if not self.gemma:
+            return norm.weight
+        w1 = self._norms.get(id(norm.weight))
+        if w1 is None:
+            w1 = self._norms[id(norm.weight)] = 1.0 + norm.weight.detach().float()
+        return w1
 
 
 def _linear(mod: nn.Module, rows: int, silu: bool) -> _Linear | None:

@@ -137,7 +137,17 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return torch.tanh(logits / self.final_softcap) * self.final_softcap  # transformers' order of ops
 
     def fused_decode_unsupported(self) -> str | None:
-        return "norms before and after attention and MLP scaling by (1 + weight), GeGLU, scaled embeddings"
+        """The C++ loop runs Gemma's layer shape (engine/models/fused_decode.py: four (1 + weight) norms,
+        GeGLU, the attention-logit soft-cap, local RoPE tables) when every layer has the same cap."""
+        caps = {layer.self_attn.softcap for layer in self.model.layers}
+        if len(caps) > 1:
+            return "attention-logit soft-caps differing between layers"
+        attn = self.model.layers[0].self_attn
+        if attn.rotary_dim < attn.head_dim:
+            return f"partial rotary ({attn.rotary_dim} of {attn.head_dim} dims)"
+        if self.attention_sinks:
+            return "attention sinks"
+        return None
 
     def after_load(self, dtype: torch.dtype, device: torch.device) -> None:
         super().after_load(dtype, device)

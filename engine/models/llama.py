@@ -264,14 +264,26 @@ class LlamaForCausalLM(nn.Module):
                 mod.fused_rotary = True
             elif isinstance(mod, RMSNorm):
                 mod.fused = norms and mod.fusable
-        if not fused_decode or not FusedDecode.available():
+        if not fused_decode:
             return
         why_not = self.fused_decode_unsupported()
         if why_not is not None:
             log.info("fused decode: off for %s (%s): decode steps run the Python layers",
                      type(self).__name__, why_not)  # fmt: skip
             return
+        if not FusedDecode.available():
+            # a model the loop implements, without its kernels: TOKENMILL_REQUIRE_KERNELS=1 refuses the fallback
+            from engine.kernels import cpu_kernels
+
+            if cpu_kernels.required():
+                raise cpu_kernels.KernelsUnavailable(
+                    f"fused decode unavailable for {type(self).__name__} (its kernel groups did not load) "
+                    "and TOKENMILL_REQUIRE_KERNELS=1")
+            log.info("fused decode: off for %s (kernels not loaded): decode steps run the Python layers",
+                     type(self).__name__)  # fmt: skip
+            return
         self.model.fused_decode = FusedDecode(self.model.layers)
+        log.info("fused decode: on for %s (decode steps run the C++ layer loop)", type(self).__name__)
 
     def pack_weights(self, batch_hint: int) -> int:
         """Every linear, the logits projection included, to oneDNN's packed layout (CPU bf16; see

@@ -27,6 +27,10 @@ from .helpers import (
 
 require_cpu_kernels()
 
+# Gemma 2/3 run the loop with their own layer shape (fused_decode.py `gemma`): (1 + weight) norms around
+# attention and the MLP, GeGLU, Gemma 2's attention soft-cap, Gemma 3's Q/K norms and local RoPE tables.
+GEMMA_PRESETS = ["tiny-gemma2", "tiny-gemma3"]
+
 # (dtype, engine overrides): each linear kind the plan can pick at some row count.
 VARIANTS = {
     "f32-plain": ("float32", {"cpu_gemv": "off"}),
@@ -60,7 +64,7 @@ def _run(path, fused: bool, dtype: str, overrides: dict, case):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("preset", TINY_PRESETS + WINDOW_PRESETS)
+@pytest.mark.parametrize("preset", TINY_PRESETS + WINDOW_PRESETS + GEMMA_PRESETS)
 def test_fused_decode_matches_the_python_layers(build_model, preset, variant):
     if variant == "int8" and cpu_linear.kernels_unavailable("int8") is not None:
         # the C++ loop runs INT8 linears only on the small-batch kernels (AVX-512 VNNI); without them the
@@ -81,7 +85,8 @@ def test_fused_decode_matches_the_python_layers(build_model, preset, variant):
 # mix's q/k/v shards hold two types (a stack: several calls), so its steps keep the Python layers.
 GGUF_CASES = [("tiny-llama", "Q4_1", "bfloat16", "int8"), ("tiny-llama", "Q8_0", "float32", "float"),
               ("tiny-llama", "Q5_0", "bfloat16", "float"), ("tiny-llama-k", "Q4_K", "float32", "int8"),
-              ("tiny-llama-k", "Q6_K", "bfloat16", "int8"), ("tiny-llama", "Q4_0", "bfloat16", "mixed")]  # fmt: skip
+              ("tiny-llama-k", "Q6_K", "bfloat16", "int8"), ("tiny-gemma3", "Q8_0", "bfloat16", "int8"),
+              ("tiny-gemma2", "Q8_0", "float32", "float"), ("tiny-llama", "Q4_0", "bfloat16", "mixed")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("preset", "qtype", "dtype", "activations"), GGUF_CASES,
@@ -117,7 +122,7 @@ def test_fused_decode_can_be_turned_off():
     assert FusedDecode.available()
 
 
-@pytest.mark.parametrize("preset", FAMILY_PRESETS + MOE_PRESETS)
+@pytest.mark.parametrize("preset", [p for p in FAMILY_PRESETS if p not in GEMMA_PRESETS] + MOE_PRESETS)
 def test_models_the_loop_does_not_implement_keep_the_python_layers(build_model, preset, caplog):
     """OLMo 2's post-norms, Granite's residual multiplier, SmolLM3's NoPE layers, Phi-4-mini's partial
     rotary, the mixture-of-experts MLPs: the C++ loop does none of them, so the model declines it (a log
@@ -148,3 +153,28 @@ def test_phi3_with_full_rotary_takes_the_loop(build_model, tmp_path):
     got_tokens, got_lps, fused_steps = _run(path, True, "float32", {}, case)
     assert got_tokens == want_tokens and got_lps == want_lps
     assert fused_steps >= 4
+
+
+@pytest.mark.parametrize("preset", GEMMA_PRESETS)
+def test_gemma_takes_the_loop_and_says_so(build_model, preset, caplog):
+    """Gemma's layers are the loop's: the model does not decline it, and the start-up log names the path."""
+    with caplog.at_level("INFO", logger="tokenmill.engine"):
+        engine = make_engine(build_model(preset), fused_decode=True)
+    model = engine.runner.model
+    assert model.fused_decode_unsupported() is None
+    assert model.model.fused_decode is not None and model.model.fused_decode.gemma
+    assert any("fused decode: on for Gemma" in r.getMessage() for r in caplog.records)
+
+
+def test_a_declined_loop_is_an_error_when_kernels_are_required(build_model, monkeypatch):
+    """TOKENMILL_REQUIRE_KERNELS=1: a model the loop implements that cannot have it (its kernels missing)
+    stops the start instead of running the Python layers; without the variable it falls back."""
+    from engine.kernels.cpu_kernels import KernelsUnavailable
+
+    path = build_model("tiny-gemma3")
+    monkeypatch.setattr(FusedDecode, "available", staticmethod(lambda: False))
+    monkeypatch.setenv("TOKENMILL_REQUIRE_KERNELS", "1")
+    with pytest.raises(KernelsUnavailable, match="fused decode unavailable for Gemma3ForCausalLM"):
+        make_engine(path, fused_decode=True)
+    monkeypatch.setenv("TOKENMILL_REQUIRE_KERNELS", "0")
+    assert make_engine(path, fused_decode=True).runner.model.model.fused_decode is None

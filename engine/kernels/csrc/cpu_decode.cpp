@@ -32,13 +32,15 @@ enum Kind : int64_t {
   GGML_Q8 = 8,     // tokenmill::ggml_gemv_q8: GGUF blocks, int8 activations (engine/models/gguf_linear.py)
 };
 
-// Per layer, SLOTS optional tensors in this order (fused_decode.py LAYER_SLOTS):
+// Per layer, SLOTS optional tensors in this order (fused_decode.py LAYER_SLOTS). A Gemma layer's norms are
+// its input, post-attention, Q, K, pre- and post-feedforward ones, each as (1 + weight) in float32.
 enum Slot : int64_t {
   IN_NORM = 0, POST_NORM, Q_NORM, K_NORM,
   QKV_W, QKV_SCALES, QKV_BIAS,
   O_W, O_SCALES, O_BIAS,
   GU_W, GU_SCALES, GU_BIAS,
   DOWN_W, DOWN_SCALES, DOWN_BIAS,
+  PRE_FF_NORM, POST_FF_NORM,  // Gemma only
   SLOTS,
 };
 // Per layer, LINEARS kinds, LINEARS (n, k) pairs and LINEARS ggml type ids (GGML kinds; 0 otherwise):
@@ -126,9 +128,22 @@ at::Tensor norm(const at::Tensor& x, const at::Tensor& w, double eps, bool fused
   return w * xf.to(dtype);
 }
 
+// Gemma's RMSNorm as engine/models/gemma.py GemmaRMSNorm computes it: normalised and scaled in float32,
+// then cast; w1 is its (1 + weight) in float32 (fused_decode.py adds the 1 once: the same bits).
+at::Tensor gemma_norm(const at::Tensor& x, const at::Tensor& w1, double eps) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean({-1}, true) + eps);
+  return (normed * w1).to(x.scalar_type());
+}
+
 // The residual stream after adding x and its norm (layers.py RMSNorm.add_norm): (norm, stream).
+// gemma: the norm is gemma_norm (never the fused kernel: it scales by weight).
 std::pair<at::Tensor, at::Tensor> add_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w,
-                                           double eps, bool fused) {
+                                           double eps, bool fused, bool gemma = false) {
+  if (gemma) {
+    const at::Tensor stream = residual.defined() ? residual + x : x;
+    return {gemma_norm(stream, w, eps), stream};
+  }
   if (!residual.defined()) return {norm(x, w, eps, fused), x};
   if (fused) return {call1(add_rms_norm_op(), {x, residual, w, eps}), residual};
   const at::Tensor stream = residual + x;
@@ -171,6 +186,12 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   if (kernel_silu(gu)) return call1(*silu_mul_op(), {gu});
   auto gate_up = gu.chunk(2, -1);
   return at::silu(gate_up[0]) * gate_up[1];
+}
+
+// gelu(gate, tanh approximation) * up of [T, 2I] = [gate | up] (gemma.py gelu_tanh_mul: Gemma's GeGLU).
+at::Tensor gelu_tanh_mul(const at::Tensor& gu) {
+  auto gate_up = gu.chunk(2, -1);
+  return at::gelu(gate_up[0], "tanh") * gate_up[1];
 }
 
 // A set of adapters' operands for the loop (torch.classes.tokenmill.LoraSet, made by
@@ -232,6 +253,9 @@ struct Lora {
 
 // x: [B, hidden] (embeddings of B decoding sequences); cos, sin: [B, 1, D]. Returns (x, residual) after
 // the last layer, as LlamaModel's loop leaves them (the final norm is the caller's).
+// gemma: Gemma 2/3 layers (engine/models/gemma.py Gemma2DecoderLayer): (1 + weight) norms in float32 before
+// and after attention and the MLP, GeGLU; softcap: the attention-logit cap (0: none); cos_local, sin_local:
+// the local layers' RoPE tables (Gemma 3), taken by each layer whose local_rope entry is 1.
 std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                                       const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
                                       const std::vector<at::Tensor>& slot_mappings,
@@ -241,7 +265,9 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
                                       int64_t head_dim, double eps, bool fused_norm, bool qk_norm,
                                       const c10::optional<c10::intrusive_ptr<LoraSet>>& lora_set,
                                       const c10::optional<at::Tensor>& lora_slots, c10::IntArrayRef windows,
-                                      c10::IntArrayRef ggml_types) {
+                                      c10::IntArrayRef ggml_types, bool gemma, double softcap,
+                                      const c10::optional<at::Tensor>& cos_local,
+                                      const c10::optional<at::Tensor>& sin_local, c10::IntArrayRef local_rope) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(static_cast<int64_t>(v_caches.size()) == layers &&
                   static_cast<int64_t>(weights.size()) == layers * SLOTS &&
@@ -250,8 +276,11 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
                   static_cast<int64_t>(windows.size()) == layers &&
                   static_cast<int64_t>(ggml_types.size()) == layers * LINEARS &&
                   static_cast<int64_t>(slot_mappings.size()) == layers &&
-                  static_cast<int64_t>(tables.size()) == layers,
-              "decode_layers: one set of caches, weights, kinds, shapes, ggml types, windows, slots and tables per layer");
+                  static_cast<int64_t>(tables.size()) == layers &&
+                  static_cast<int64_t>(local_rope.size()) == layers,
+              "decode_layers: one set of caches, weights, kinds, shapes, ggml types, windows, slots, tables and "
+              "local-rope flags per layer");
+  TORCH_CHECK(cos_local.has_value() == sin_local.has_value(), "decode_layers: both local RoPE tables or neither");
   TORCH_CHECK(!lora_set.has_value() || (lora_slots.has_value() && (*lora_set)->layers() == layers),
               "decode_layers: LoRA operands for every layer, and the rows' slots");
   const Lora lora{lora_set.has_value() ? lora_set->get() : nullptr, lora_slots};
@@ -261,7 +290,7 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
     const int64_t* kind = kinds.data() + l * LINEARS;
     const int64_t* nk = shapes.data() + l * LINEARS * 2;
     const int64_t* gt = ggml_types.data() + l * LINEARS;
-    auto [h, stream] = add_norm(x, residual, get(weights, l, IN_NORM), eps, fused_norm);
+    auto [h, stream] = add_norm(x, residual, get(weights, l, IN_NORM), eps, fused_norm, gemma);
     residual = stream;
     // Attention (llama.py LlamaAttention.forward).
     const at::Tensor qkv = linear(h, weights, l, QKV_W, kind[0], nk[0], nk[1], gt[0]);  // [B, (H + 2 Hkv) D]
@@ -269,11 +298,21 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
     const at::Tensor v = qkv.slice(1, q_size + kv_size).view({b, kv_heads, head_dim});
     at::Tensor q, k;
     if (qk_norm) {
-      q = norm(qkv.slice(1, 0, q_size).view({b, heads, head_dim}), get(weights, l, Q_NORM), eps, fused_norm);
-      k = norm(qkv.slice(1, q_size, q_size + kv_size).view({b, kv_heads, head_dim}), get(weights, l, K_NORM), eps,
-               fused_norm);
-      q = rotate(q, cos, sin);
-      k = rotate(k, cos, sin);
+      const at::Tensor qv = qkv.slice(1, 0, q_size).view({b, heads, head_dim});
+      const at::Tensor kv = qkv.slice(1, q_size, q_size + kv_size).view({b, kv_heads, head_dim});
+      if (gemma) {
+        q = gemma_norm(qv, get(weights, l, Q_NORM), eps);
+        k = gemma_norm(kv, get(weights, l, K_NORM), eps);
+      } else {
+        q = norm(qv, get(weights, l, Q_NORM), eps, fused_norm);
+        k = norm(kv, get(weights, l, K_NORM), eps, fused_norm);
+      }
+      // Gemma 3's local layers: their own RoPE base (gemma.py Gemma3Attention.rotate)
+      const bool local = local_rope[l] != 0 && cos_local.has_value();
+      const at::Tensor& c = local ? *cos_local : cos;
+      const at::Tensor& s = local ? *sin_local : sin;
+      q = rotate(q, c, s);
+      k = rotate(k, c, s);
     } else {  // q and k side by side: one RoPE in place over [B, H + Hkv, D]
       at::Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({b, -1, head_dim});
       call1(rotary_op(), {qk, cos, sin});
@@ -285,10 +324,22 @@ std::vector<at::Tensor> decode_layers(at::Tensor x, const at::Tensor& cos, const
     call1(store_op(), {k, v, k_cache, v_cache, slot_mappings[l], block_size});
     const at::Tensor attn =
         call1(attention_op(), {q, k_cache, v_cache, tables[l], lens, block_size, max_context, scale, windows[l],
-                               0.0});  // [B, H, D]; windows[l]: the layer's sliding window (0: none), no softcap
+                               softcap});  // [B, H, D]; windows[l]: the layer's sliding window (0: none)
     const at::Tensor attn2d = attn.reshape({b, -1});
     h = linear(attn2d, weights, l, O_W, kind[1], nk[2], nk[3], gt[1]);
     lora.add(h, attn2d, l, 1);
+    if (gemma) {  // gemma.py Gemma2DecoderLayer.forward: the norms after attention and around the MLP
+      h = gemma_norm(h, get(weights, l, POST_NORM), eps);
+      auto [h2, stream2] = add_norm(h, residual, get(weights, l, PRE_FF_NORM), eps, false, true);
+      residual = stream2;
+      const at::Tensor gu = linear(h2, weights, l, GU_W, kind[2], nk[4], nk[5], gt[2]);
+      lora.add(gu, h2, l, 2);
+      const at::Tensor act = gelu_tanh_mul(gu);
+      at::Tensor down = linear(act, weights, l, DOWN_W, kind[3], nk[6], nk[7], gt[3]);
+      lora.add(down, act, l, 3);
+      x = gemma_norm(down, get(weights, l, POST_FF_NORM), eps);
+      continue;
+    }
     // MLP (layers.py GatedMLP.forward) after the post-attention norm.
     auto [h2, stream2] = add_norm(h, residual, get(weights, l, POST_NORM), eps, fused_norm);
     residual = stream2;
@@ -316,7 +367,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] k_caches, Tensor[] v_caches, "
         "Tensor[] slot_mappings, Tensor[] block_tables, Tensor context_lens, int block_size, int max_context, float scale, Tensor?[] weights, "
         "int[] kinds, int[] shapes, int heads, int kv_heads, int head_dim, float eps, bool fused_norm, "
-        "bool qk_norm, __torch__.torch.classes.tokenmill.LoraSet? lora, Tensor? lora_slots, int[] windows, int[] ggml_types) -> Tensor[]");
+        "bool qk_norm, __torch__.torch.classes.tokenmill.LoraSet? lora, Tensor? lora_slots, int[] windows, int[] ggml_types, bool gemma, float softcap, Tensor? cos_local, Tensor? sin_local, "
+        "int[] local_rope) -> Tensor[]");
   m.impl("decode_layers", c10::DispatchKey::CPU, TORCH_FN(decode_layers));
   // oneDNN-packed weights among the arguments make the dispatcher pick MkldnnCPU: the same function.
   m.impl("decode_layers", c10::DispatchKey::MkldnnCPU, TORCH_FN(decode_layers));
