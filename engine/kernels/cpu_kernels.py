@@ -9,6 +9,7 @@ compile (or load) leaves the others in use, and says why.
 | lora | the LoRA delta of a step's rows | cpu_lora.cpp, kernels/lora_* |
 | sampling | greedy and unfiltered sampling of whole rows | cpu_sampling.cpp, kernels/sampling_* |
 | ggml | GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights multiplied from their blocks | cpu_ggml.cpp, kernels/ggml_* |
+| moe | an MoE layer's routed experts in one call: tokens grouped by expert, (expert, chunk) work items | cpu_moe.cpp, kernels/gemv_* (the linear group's arithmetic, built in again) |
 | decode | the decoder stack of a decode step in one call (runs the others' kernels) | cpu_decode.cpp |
 
 Each group is built once per machine with the system C++ compiler into one library, with the same
@@ -67,6 +68,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "ggml": ("cpu_ggml.cpp", "kernels/ggml_portable.cpp", "kernels/ggml_avx2.cpp", "kernels/ggml_q8_avx2.cpp",
              "kernels/ggml_dequant_avx2.cpp"),
     "decode": ("cpu_decode.cpp",),
+    # the linear group's kernels compiled into this library too (a library cannot call into another's)
+    "moe": ("cpu_moe.cpp", "kernels/gemv_amx.cpp", "kernels/gemv_avx512.cpp", "kernels/gemv_avx2.cpp",
+            "kernels/gemv_f32_avx2.cpp"),
 }
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 # The same for every file on every machine: the baseline of the architecture (the paths above it are
@@ -269,16 +273,17 @@ def load(group: str) -> str | None:
 
 def paths() -> dict[str, str]:
     """Each group's path in this process: "AMX", "AVX-512", "AVX2", "portable" (CPUs without AVX2), or
-    "off (why)"; linear as "bf16 <path>, int8 <path>" where the two differ; decode "on" (it runs the
+    "off (why)"; linear and moe as "bf16 <path>, int8 <path>" where the two differ; decode "on" (it runs the
     other groups' kernels). Under TOKENMILL_REQUIRE_KERNELS=1 a group that is off, or the linear
     group without a path on this CPU, raises KernelsUnavailable."""
     out: dict[str, str] = {}
     for g in GROUPS:
         reason = load(g)
         out[g] = f"off ({reason})" if reason is not None else _path(g)
-    if required() and "none" in out["linear"]:
-        raise KernelsUnavailable(f"the linear kernels have no path on this CPU ({out['linear']}; they need AVX2 and "
-                                 "FMA at least) and TOKENMILL_REQUIRE_KERNELS=1")
+    for g in ("linear", "moe"):
+        if required() and "none" in out[g]:
+            raise KernelsUnavailable(f"the {g} kernels have no path on this CPU ({out[g]}; they need AVX2 and "
+                                     "FMA at least) and TOKENMILL_REQUIRE_KERNELS=1")
     return out
 
 
@@ -286,8 +291,9 @@ def _path(group: str) -> str:
     ops = torch.ops.tokenmill
     if group == "decode":
         return "on"
-    if group == "linear":
-        bf16, int8 = ops.gemv_path("bf16"), ops.gemv_path("int8")
+    if group in ("linear", "moe"):
+        path = ops.gemv_path if group == "linear" else ops.moe_path
+        bf16, int8 = path("bf16"), path("int8")
         return bf16 if bf16 == int8 else f"bf16 {bf16}, int8 {int8}"
     return getattr(ops, f"{group}_path")()
 

@@ -15,6 +15,11 @@ The weighted expert outputs are summed back into their tokens with index_add_ ov
 expert id (a stable sort): each token's contributions are added in ascending expert order, the order
 transformers' per-expert loop adds them, whatever the batch. On the CPU index_add_ runs its rows in
 order; CUDA's may use atomics (the order is not fixed there).
+
+On the CPU, once replace_linears has made each expert two of the engine's linear modules, the routed
+experts of a step run in one C++ call (engine/models/cpu_moe.py: the same arithmetic and the same sum
+back, so the same bits as the loop here), up to the rows the modules' kernels take; the loop is the
+fallback (MoeCausalLM.select_experts says which runs).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.cpu_moe import CpuExperts, cpu_experts
 from engine.models.layers import GatedMLP, silu_mul
 
 if TYPE_CHECKING:
@@ -126,6 +132,7 @@ class MoeExperts(nn.Module):
         self.down: nn.ModuleList | None = None  # per expert [H, I]
         self.fused_act = False  # every gate_up module computes silu(gate) * up itself (silu_mul)
         self.path = "torch"  # "triton": triton_moe.fused_experts over the stacks (MoeCausalLM.select_experts)
+        self.cpu: CpuExperts | None = None  # the C++ grouped experts over the replaced linears (use_cpu_kernel)
 
     def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """Expert e's SwiGLU over rows [n, H] -> [n, H]."""
@@ -144,6 +151,18 @@ class MoeExperts(nn.Module):
         # the stacks' memory goes where no module kept a view of it (a packed, quantized or kernel copy)
         self.gate_up_proj = nn.Parameter(torch.empty(0), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.cpu = None
+
+    def use_cpu_kernel(self) -> str | None:
+        """Run the replaced linears through the C++ grouped experts (engine/models/cpu_moe.py) where they
+        can; -> None, or why not (the loop over experts stays)."""
+        if self.gate_up is None or self.down is None:
+            return "the experts are not replaced by the engine's linears"
+        found = cpu_experts(list(self.gate_up), list(self.down))
+        if isinstance(found, str):
+            return found
+        self.cpu = found
+        return None
 
 
 class SharedExpertGate(nn.Module):
@@ -185,6 +204,8 @@ class SparseMoeBlock(nn.Module):
             from engine.models.triton_moe import fused_experts
 
             out = fused_experts(x, ids, weights, self.experts.gate_up_proj, self.experts.down_proj)
+        elif self.experts.cpu is not None and self.experts.cpu.applies(x):
+            out = self.experts.cpu(x, ids, weights)
         else:
             out = grouped_experts(x, ids, weights, self.experts.expert, self.experts.num_experts)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
@@ -195,6 +216,10 @@ class SparseMoeBlock(nn.Module):
         """Whether forward's path "triton" computes this block's experts: plain SwiGLU without biases. A
         subclass with biases or another activation (GPT-OSS) says so by overriding this once its forward
         passes them to triton_moe.fused_experts (gate_up_bias, down_bias, ExpertAct)."""
+        return type(self) is SparseMoeBlock and type(self.experts) is MoeExperts
+
+    def cpu_experts_supported(self) -> bool:
+        """Whether forward runs the C++ grouped experts (plain SwiGLU, this class's forward), as above."""
         return type(self) is SparseMoeBlock and type(self.experts) is MoeExperts
 
     def count_tokens(self, device: torch.device | str = "cpu") -> None:
@@ -324,7 +349,7 @@ class MoeCausalLM:
         loop is a RuntimeError instead."""
         blocks = self.moe_blocks()
         if any(b.experts.gate_up is not None for b in blocks):
-            return "per-expert linears (replace_linears)"
+            return self._select_cpu_experts(blocks)
         if not all(b.triton_experts_supported() for b in blocks):
             return "torch loop over experts (experts with their own arithmetic)"
         reason = triton_experts_reason(device) if dtype in TRITON_DTYPES else f"no Triton experts for {dtype}"
@@ -337,6 +362,24 @@ class MoeCausalLM:
         if device.type == "cuda":
             log.warning("MoE experts: no Triton grouped GEMM (%s); the PyTorch loop over experts runs", reason)
         return f"torch loop over experts ({reason})"
+
+    @staticmethod
+    def _select_cpu_experts(blocks: list[SparseMoeBlock]) -> str:
+        """The replaced linears' path: the C++ grouped experts in every block that can take them, else the
+        loop over per-expert linears (the first reason). A moe group that does not load is
+        KernelsUnavailable under TOKENMILL_REQUIRE_KERNELS=1 (cpu_kernels.load)."""
+        reasons = [b.experts.use_cpu_kernel() if b.cpu_experts_supported() else "experts with their own arithmetic"
+                   for b in blocks]
+        used = [b.experts.cpu for b in blocks if b.experts.cpu is not None]
+        if not used:
+            return f"per-expert linears, a loop over experts ({reasons[0]})"
+        path = torch.ops.tokenmill.moe_path(used[0].kind)
+        rows = min(c.max_rows for c in used)
+        limit = "every step" if rows >= 1 << 62 else f"steps of up to {rows} rows, per-expert linears above"
+        text = f"C++ grouped experts (cpu_moe.cpp, {used[0].kind} {path}) for {limit}"
+        if len(used) < len(blocks):
+            text += f"; {len(blocks) - len(used)} layer(s) loop over per-expert linears ({next(r for r in reasons if r)})"
+        return text
 
     def expert_counts(self) -> list[list[int]]:
         """Tokens each expert received so far, per sparse layer (after count_expert_tokens)."""
