@@ -70,7 +70,7 @@ class Engine(StepLoop):
         self.block_size = startup.resolve_block_size(config.block_size, self.device)
         if model_class(getattr(self.hf_config, "architectures", None)).hybrid:
             _check_hybrid_config(config)  # before any weight is read
-        blocks = blocks_for(source, config, self.device, self.dtype)  # GGUF matrices kept quantized
+        blocks = blocks_for(source, config, self.device)  # GGUF matrices kept quantized
         model = load_model(source, self.dtype, self.device, self.max_model_len, config.show_progress,
                            frozenset(blocks.held) if blocks else frozenset())
         # packing, kernels, INT8, GGUF blocks

@@ -57,11 +57,9 @@ class EngineConfig:
     # compile grammars in worker processes, so a compile past its budget is killed (the server does);
     # False: on the caller's thread (offline use, tests)
     grammar_compile_processes: bool = False
-    # "gguf": a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices kept quantized
-    # (CPU kernels; CUDA: Triton), or an error where it cannot apply; None (default): the same where it
-    # applies (bf16 on the CPU, the kernels built, not deterministic: engine/weights/gguf/blocks.py
-    # blocks_for), else dequantized; "none": every weight in dtype (GGUF dequantized); "int8": INT8
-    # weight-only linears (CPU; half the weight bytes)
+    # None or "none": every weight in dtype (GGUF dequantized); "gguf" (opt-in): a GGUF file's Q4_0 / Q4_1 /
+    # Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices kept quantized (CPU kernels; CUDA: Triton), or an error
+    # where it cannot apply; "int8": INT8 weight-only linears (CPU; half the weight bytes)
     quantization: str | None = None
     # "gguf" blocks: the kernels' activations, "int8" (quantized per 32 values, integer dot products, as
     # llama.cpp: faster, within a stated bound of the float product), "float" (float32, bit-exact reference)

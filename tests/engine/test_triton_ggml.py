@@ -237,13 +237,13 @@ def test_gguf_on_cuda_without_triton_is_an_error_naming_why(build_model, tmp_pat
 
     path = str(gguf_path(build_model, tmp_path, "tiny-llama", "Q8_0"))
     source = open_model_source(path)
-    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    cuda = torch.device("cuda")
     asked, default = EngineConfig(model=path, quantization="gguf"), EngineConfig(model=path)
     monkeypatch.setattr(blocks, "_triton_reason", lambda device: "no C compiler")
     with pytest.raises(ValueError, match=r"'gguf' on cuda needs the Triton kernels \(no C compiler\); use 'none'"):
-        blocks.blocks_for(source, asked, cuda, bf16)
-    assert blocks.blocks_for(source, default, cuda, bf16) is None  # the default dequantizes on CUDA
+        blocks.blocks_for(source, asked, cuda)
+    assert blocks.blocks_for(source, default, cuda) is None  # the default dequantizes
     monkeypatch.setattr(blocks, "_triton_reason", lambda device: None)
-    assert blocks.blocks_for(source, default, cuda, bf16) is None  # (opt-in there even with Triton)
-    plan = blocks.blocks_for(source, asked, cuda, bf16)
+    assert blocks.blocks_for(source, default, cuda) is None  # (opt-in even with Triton)
+    plan = blocks.blocks_for(source, asked, cuda)
     assert plan is not None and plan.types == ["Q8_0"]

@@ -1,5 +1,5 @@
-"""Which tensors of a GGUF file the engine keeps quantized (`quantization="gguf"`, and the default on the
-CPU where it applies: `blocks_for`): the matrices of a
+"""Which tensors of a GGUF file the engine keeps quantized (`quantization="gguf"`, opt-in: `blocks_for`):
+the matrices of a
 type the block kernels take (engine/models/gguf_linear.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
 Q6_K), as the file stores them, Q/K rows unpermuted (a block never spans two rows). The loader skips
 them (no float copy is made), and engine/weights/cpu_weights.py builds their linears and embedding
@@ -13,19 +13,15 @@ are dequantized into the serving dtype as before; the engine-ready line names th
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from engine.kernels import cpu_kernels
 from engine.models.gguf_linear import KERNEL_TYPES, GGMLStack, GGMLWeight, concat_rows
 from engine.weights.gguf.dequant import QUANTIZED_TYPES
 from engine.weights.gguf.tensors import ROUTERS, unpermute
 from engine.weights.gguf.weights import GGUFWeights
-
-log = logging.getLogger("tokenmill.engine")
 
 
 @dataclass
@@ -100,46 +96,29 @@ def _blocks(weights: GGUFWeights, name: str) -> GGMLWeight:
 
 
 
-def blocks_for(source, config, device: torch.device, dtype: torch.dtype) -> BlockPlan | None:
-    """The block plan of a model source under config.quantization (an EngineConfig), or None when every
-    weight loads into the serving dtype. "gguf": asked for (ValueError where it cannot apply; on CUDA the
-    blocks take the Triton kernels, engine/models/triton_ggml.py); None (the default): the same where it
-    applies (a GGUF file holding kernel types, served in bf16 on the CPU, the `ggml` kernels built and
-    `cpu_gemv` not "off", not the batch-invariant mode), else dequantized (float32 keeps the dequantized
-    values exact: the reference; CUDA: opt-in); "none" / "int8": dequantized. Sets the source's held
-    names (the loader skips them)."""
+def blocks_for(source, config, device: torch.device) -> BlockPlan | None:
+    """The block plan of a model source under config.quantization (an EngineConfig): "gguf" asks for it
+    (ValueError where it cannot apply; on CUDA the blocks take the Triton kernels,
+    engine/models/triton_ggml.py); anything else, the default included, dequantizes (None). Opt-in: served
+    side by side on an AVX2 CPU the blocks were slower than the dequantized bf16 model (docs/ENGINE.md,
+    "GGUF quantized weights"). Sets the source's held names (the loader skips them)."""
     from engine.models import model_class
 
-    explicit = config.quantization == "gguf"
-    if config.quantization is not None and not explicit:
+    if config.quantization != "gguf":
         return None
     if source.format != "gguf" or not isinstance(source.weights, GGUFWeights):
-        if explicit:
-            raise ValueError(f"quantization 'gguf' needs a GGUF file; {source.path.name} is {source.format}")
-        return None
-    if device.type != "cpu":
-        if not explicit:
-            return None  # CUDA: opt-in (the Triton kernels are not measured against bf16 on a GPU yet)
-        if (reason := _triton_reason(device)) is not None:
-            raise ValueError(f"quantization 'gguf' on {device} needs the Triton kernels ({reason}); use 'none'")
-    elif not explicit and (dtype != torch.bfloat16 or config.deterministic or config.cpu_gemv == "off"):
-        return None  # exact float32, the mode's own products, no small-batch kernels: dequantized
-    elif not explicit and (why := cpu_kernels.load("ggml")) is not None:  # (an error under TOKENMILL_REQUIRE_KERNELS=1)
-        log.warning("GGUF block kernels unavailable (%s): the file's matrices are dequantized", why)
-        return None
+        raise ValueError(f"quantization 'gguf' needs a GGUF file; {source.path.name} is {source.format}")
+    if device.type != "cpu" and (reason := _triton_reason(device)) is not None:
+        raise ValueError(f"quantization 'gguf' on {device} needs the Triton kernels ({reason}); use 'none'")
     cls = model_class(getattr(source.hf_config, "architectures", None))
-    if cls.hybrid:  # (asked for: refused before this, engine/engine.py _check_hybrid_config)
-        return None  # planned under transformers' names, which a hybrid's differ from: dequantized
     shards: dict[str, int] = {}
     for fused, _ in cls.packed.values():
         shards[fused] = shards.get(fused, 0) + 1
     tied = bool(getattr(source.hf_config, "tie_word_embeddings", False))
     plan = plan_blocks(source.weights, cls.packed, shards, tied)
     if not plan.weights:
-        if explicit:
-            raise ValueError("quantization 'gguf': the file holds no Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / "
-                             "Q6_K matrix (those types have kernels; the others are dequantized)")
-        return None
+        raise ValueError("quantization 'gguf': the file holds no Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / "
+                         "Q6_K matrix (those types have kernels; the others are dequantized)")
     source.weights.held = set(plan.held)
     return plan
 
