@@ -34,6 +34,7 @@ from engine.sample.sampler import Sampler
 from engine.sched.scheduler import SchedulerConfig
 from engine.state.conv_cache import allocate_conv_state, split_budget
 from engine.state.pool import StatePool
+from engine.state.ssm_cache import HybridSlotSpec, allocate_ssm_state
 from engine.structured import make_compiler
 from engine.weights.cpu_weights import prepare_weights
 from engine.weights.gguf.blocks import blocks_for
@@ -76,6 +77,8 @@ class Engine(StepLoop):
         self.packed_weights = self.weights.packed
         # a hybrid model's recurrent layers (LFM2's short convs: engine/state/); None: attention only
         state_spec = model.conv_state_spec(self.dtype)
+        ssm_spec = model.ssm_state_spec()  # Granite 4's Mamba2 layers: SSM matrices in the same slots
+        slot_spec = HybridSlotSpec(state_spec, ssm_spec) if state_spec is not None and ssm_spec is not None else state_spec
         if isinstance(model, MoeCausalLM):  # the experts' path on CUDA (Triton grouped GEMM or the loop)
             log.info("MoE experts: %s", model.select_experts(self.device, self.dtype, cpu_kernels.required()))
         backend = select_backend(self.device, config.attention_backend, self.dtype)
@@ -103,8 +106,8 @@ class Engine(StepLoop):
             peak = activation_peak_bytes(model, backend, spec, self.device, min(budget, self.max_model_len),
                                          config.max_num_seqs, buckets[-1] if use_graphs else 0) if cuda_profile else 0
             budget_bytes = startup.kv_budget_bytes(config, self.device, peak)
-            if state_spec is not None:  # the state pool first, the KV blocks get the rest
-                state_slots, budget_bytes = split_budget(state_spec, budget_bytes, config.max_num_seqs)
+            if slot_spec is not None:  # the state pool first, the KV blocks get the rest
+                state_slots, budget_bytes = split_budget(slot_spec, budget_bytes, config.max_num_seqs)
             num_blocks = spec.num_blocks_for(budget_bytes)
         if num_blocks < 1:
             raise ValueError("kv_cache_memory is too small for one KV block")
@@ -128,22 +131,26 @@ class Engine(StepLoop):
                          event_hash_salt=secrets.randbits(64), rope_switch=getattr(model, "rope_switch", None))
         block_manager = (GroupedBlockManager(counts, self.block_size, windows, **blocks_kw) if len(windows) > 1
                          else BlockManager(num_blocks, self.block_size, sliding_window=windows[0], **blocks_kw))
-        max_num_seqs, conv_state, state_pool = config.max_num_seqs, None, None
+        max_num_seqs, conv_state, ssm_state, state_pool = config.max_num_seqs, None, None, None
         self.state_cache_bytes = 0
-        if state_spec is not None:
+        if state_spec is not None and slot_spec is not None:
             if state_slots < max_num_seqs:
                 log.warning("max_num_seqs lowered from %d to %d: the cache budget holds %d state slots",
                             max_num_seqs, state_slots, state_slots)  # fmt: skip
             max_num_seqs = state_slots  # a seat needs a slot: the seats are bounded by the slots
             conv_state = allocate_conv_state(state_spec, state_slots, self.device)
+            ssm_state = allocate_ssm_state(ssm_spec, state_slots, self.device) if ssm_spec is not None else None
             state_pool = StatePool(state_slots)
-            self.state_cache_bytes = state_slots * state_spec.bytes_per_slot
-            log.info("hybrid model: %d short-conv layers with a conv state (%d columns each) in %d slots "
-                     "(%.1f KiB each, %.2f MiB), KV blocks for its %d attention layers; path: PyTorch layers "
-                     "with the torch reference conv (no fused decode, no CUDA graphs, no speculative decoding), "
-                     "prefix caching off (a conv state cannot be cut at a prefix)", state_spec.num_layers,
-                     state_spec.width, state_slots, state_spec.bytes_per_slot / 1024, self.state_cache_bytes / 2**20,
-                     model.num_kv_layers)  # fmt: skip
+            self.state_cache_bytes = state_slots * slot_spec.bytes_per_slot
+            layers = (f"{ssm_spec.num_layers} Mamba2 layers with a conv state ({state_spec.width} columns each) and "
+                      f"an SSM state ([{ssm_spec.heads}, {ssm_spec.head_dim}, {ssm_spec.state_size}] float32 each)"
+                      if ssm_spec is not None else
+                      f"{state_spec.num_layers} short-conv layers with a conv state ({state_spec.width} columns each)")
+            log.info("hybrid model: %s in %d slots (%.1f KiB each, %.2f MiB), KV blocks for its %d attention "
+                     "layers; path: PyTorch layers with the torch reference %s (no fused decode, no CUDA graphs, "
+                     "no speculative decoding), prefix caching off (a recurrent state cannot be cut at a prefix)",
+                     layers, state_slots, slot_spec.bytes_per_slot / 1024, self.state_cache_bytes / 2**20,
+                     model.num_kv_layers, "conv and scan" if ssm_spec is not None else "conv")  # fmt: skip
         graphs = capture_graphs(model, backend, kv, buckets, self.block_size, self.max_model_len,
                                 self.device) if use_graphs else None
         loras = make_registry(config.lora, self.hf_config, self.device, self.dtype) if config.lora else None
@@ -151,7 +158,8 @@ class Engine(StepLoop):
             model_name=source.name,
             tokenizer=source.tokenizer,
             runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs, loras,
-                               one_row_attention=config.deterministic, kv_groups=len(windows), conv_state=conv_state),
+                               one_row_attention=config.deterministic, kv_groups=len(windows), conv_state=conv_state,
+                               ssm_state=ssm_state),
             block_manager=block_manager,
             scheduler_config=SchedulerConfig(max_num_seqs, config.max_num_batched_tokens, config.aging_s,
                                              config.outranked_chunk_tokens, config.speculative,
@@ -242,7 +250,7 @@ def _check_hybrid_config(config: EngineConfig) -> None:
         raise ValueError("speculative decoding is not supported for hybrid models (a conv state per sequence "
                          "cannot roll rejected drafts back)")
     if config.lora is not None:
-        raise ValueError("LoRA adapters are not supported for hybrid models (short-conv layers)")
+        raise ValueError("LoRA adapters are not supported for hybrid models (short-conv and Mamba2 layers)")
     if config.quantization == "gguf":
         raise ValueError("quantization 'gguf' is not supported for hybrid models yet (their GGUF files load "
                          "dequantized: quantization 'none')")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
+from engine.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from engine.models.lfm2 import Lfm2ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -35,6 +36,7 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,  # attention sinks, clamped-SwiGLU experts (engine/models/gpt_oss.py)
     # hybrid: short convolutions with a per-sequence state beside attention layers (engine/state/)
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # Mamba2 + attention (engine/models/mamba2.py)
 }
 
 

@@ -24,6 +24,7 @@ from engine.models.packed_linear import PackedLinear, pack_linears
 from engine.models.rope import check_rope_supported, rotary_dim_of, rotary_embedding
 from engine.models.windows import layer_groups, layer_windows
 from engine.state.conv_cache import ConvStateSpec
+from engine.state.ssm_cache import SsmStateSpec
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -239,6 +240,11 @@ class LlamaForCausalLM(nn.Module):
     def conv_state_spec(self, dtype: torch.dtype) -> ConvStateSpec | None:
         """The per-sequence conv state of this model's recurrent layers (engine/state/); None: every layer
         is attention, the model keeps nothing but KV blocks."""
+        return None
+
+    def ssm_state_spec(self) -> SsmStateSpec | None:
+        """The per-sequence SSM matrices of this model's Mamba2 layers (engine/state/ssm_cache.py, Granite 4),
+        in the same slots as its conv windows; None: no such layers."""
         return None
 
     @property

@@ -25,7 +25,7 @@ class ModelRunner:
         device: torch.device, sampler: Sampler, graphs: DecodeGraphRunner | None = None,
         loras: LoraRegistry | None = None,
         one_row_attention: bool = False, kv_groups: int = 1,
-        conv_state: torch.Tensor | None = None,
+        conv_state: torch.Tensor | None = None, ssm_state: torch.Tensor | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -47,6 +47,9 @@ class ModelRunner:
         # A hybrid model's conv state [conv_layers, slots, channels, width] (engine/state/conv_cache.py): each
         # step hands the layers its sequences' rows and slots (StateBatch); None: a model without one
         self.conv_state = conv_state
+        # and its Mamba2 layers' SSM states [mamba_layers, slots, heads, head_dim, d_state] (engine/state/ssm_cache.py,
+        # Granite 4) in the same slots; None: no Mamba2 layers
+        self.ssm_state = ssm_state
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -104,7 +107,8 @@ class ModelRunner:
             if s.request.state_slot is None:
                 raise RuntimeError(f"request {s.request.request_id!r} runs without a state slot")
             slots.append(s.request.state_slot)
-        return StateBatch.build(self.conv_state, [s.num_tokens for s in items], slots, [s.start == 0 for s in items])
+        return StateBatch.build(self.conv_state, [s.num_tokens for s in items], slots, [s.start == 0 for s in items],
+                                self.ssm_state)  # fmt: skip
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
                  lora: LoraBatch | None = None, rope_long: torch.Tensor | None = None,

@@ -26,13 +26,17 @@ class StateBatch:
     # slot (the vectorised path: one gather, one scatter per layer)
     slot_index: torch.Tensor | None = None
     all_decode: bool = False
+    # Mamba2 layers' SSM states [mamba_layers, slots, heads, head_dim, d_state] (engine/state/ssm_cache.py),
+    # the same slots as conv; None: a model without them (LFM2)
+    ssm: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, conv: torch.Tensor, lengths: list[int], slots: list[int], fresh: list[bool]) -> StateBatch:
+    def build(cls, conv: torch.Tensor, lengths: list[int], slots: list[int], fresh: list[bool],
+              ssm: torch.Tensor | None = None) -> StateBatch:  # fmt: skip
         offsets, at = [], 0
         for n in lengths:
             offsets.append(at)
             at += n
         all_decode = all(n == 1 for n in lengths) and not any(fresh)
         index = torch.tensor(slots, dtype=torch.long, device=conv.device) if all_decode else None
-        return cls(conv, offsets, lengths, slots, fresh, index, all_decode)
+        return cls(conv, offsets, lengths, slots, fresh, index, all_decode, ssm)

@@ -15,6 +15,7 @@ count to the slots it holds (logged). With num_kv_blocks set, the slots are max_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -32,12 +33,19 @@ class ConvStateSpec:
         return self.num_layers * self.channels * self.width * elem
 
 
-def split_budget(spec: ConvStateSpec, budget_bytes: int, max_num_seqs: int) -> tuple[int, int]:
+class SlotSized(Protocol):
+    """What a state slot holds, by its size (ConvStateSpec; with Mamba2 layers ssm_cache.HybridSlotSpec)."""
+
+    @property
+    def bytes_per_slot(self) -> int: ...
+
+
+def split_budget(spec: SlotSized, budget_bytes: int, max_num_seqs: int) -> tuple[int, int]:
     """(state slots, bytes left for KV blocks) out of `budget_bytes` (see the module docstring)."""
     slots = min(max_num_seqs, (budget_bytes // 2) // max(1, spec.bytes_per_slot))
     if slots < 1:
         raise ValueError(f"the cache budget ({budget_bytes} bytes) cannot hold one sequence's conv state "
-                         f"({spec.bytes_per_slot} bytes) beside the KV blocks")  # fmt: skip
+                         f"(with any SSM state: {spec.bytes_per_slot} bytes) beside the KV blocks")  # fmt: skip
     return slots, budget_bytes - slots * spec.bytes_per_slot
 
 
