@@ -34,9 +34,10 @@ from engine.sample.sampler import Sampler
 from engine.sched.scheduler import SchedulerConfig
 from engine.state.checkpoint_store import CheckpointStore, checkpoint_slots
 from engine.state.checkpoints import CheckpointIndex
-from engine.state.conv_cache import allocate_conv_state, split_budget
-from engine.state.delta_cache import HybridState, allocate_delta_state
+from engine.state.conv_cache import HybridSlot, allocate_conv_state, split_budget
+from engine.state.delta_cache import allocate_delta_state
 from engine.state.pool import StatePool
+from engine.state.ssm_cache import allocate_ssm_state
 from engine.structured import make_compiler
 from engine.weights.cpu_weights import prepare_weights
 from engine.weights.gguf.blocks import blocks_for
@@ -79,9 +80,12 @@ class Engine(StepLoop):
         self.packed_weights = self.weights.packed
         # a hybrid model's recurrent layers (LFM2's short convs: engine/state/); None: attention only
         state_spec = model.conv_state_spec(self.dtype)
-        # Qwen3.5's Gated DeltaNet layers also keep a recurrent matrix per sequence, in the same slots
+        # Qwen3.5's Gated DeltaNet layers keep a recurrent matrix per sequence, Granite 4's Mamba2 layers an SSM
+        # matrix, in the same slots as the conv windows; a slot's bytes count every such tensor
         delta_spec = model.delta_state_spec() if state_spec is not None else None
-        slot_spec = state_spec if delta_spec is None or state_spec is None else HybridState(state_spec, delta_spec)
+        ssm_spec = model.ssm_state_spec() if state_spec is not None else None
+        slot_spec = (HybridSlot(state_spec, tuple(r for r in (delta_spec, ssm_spec) if r is not None))
+                     if state_spec is not None else None)  # fmt: skip
         if isinstance(model, MoeCausalLM):  # the experts' path on CUDA (Triton grouped GEMM or the loop)
             log.info("MoE experts: %s", model.select_experts(self.device, self.dtype, cpu_kernels.required()))
         backend = select_backend(self.device, config.attention_backend, self.dtype)
@@ -146,7 +150,7 @@ class Engine(StepLoop):
                          event_hash_salt=secrets.randbits(64), rope_switch=getattr(model, "rope_switch", None))
         block_manager = (GroupedBlockManager(counts, self.block_size, windows, **blocks_kw) if len(windows) > 1
                          else BlockManager(num_blocks, self.block_size, sliding_window=windows[0], **blocks_kw))
-        max_num_seqs, conv_state, delta_state, state_pool = config.max_num_seqs, None, None, None
+        max_num_seqs, conv_state, delta_state, ssm_state, state_pool = config.max_num_seqs, None, None, None, None
         checkpoint_store, checkpoint_index = None, None
         self.state_cache_bytes = self.checkpoint_bytes = 0
         if state_spec is not None and slot_spec is not None:
@@ -156,23 +160,31 @@ class Engine(StepLoop):
             max_num_seqs = state_slots  # a seat needs a slot: the seats are bounded by the slots
             conv_state = allocate_conv_state(state_spec, state_slots, self.device)
             delta_state = allocate_delta_state(delta_spec, state_slots, self.device) if delta_spec else None
+            ssm_state = allocate_ssm_state(ssm_spec, state_slots, self.device) if ssm_spec else None
             state_pool = StatePool(state_slots)
             self.state_cache_bytes = state_slots * slot_spec.bytes_per_slot
             if checkpointing:  # every state tensor [layers, slots, ...] of the model joins this list
-                state = [conv_state] + ([delta_state] if delta_state is not None else [])
+                state = [conv_state] + [t for t in (delta_state, ssm_state) if t is not None]
                 checkpoint_store = CheckpointStore(state, num_checkpoints)
                 checkpoint_index = CheckpointIndex(num_checkpoints, self.block_size)
                 self.checkpoint_bytes = checkpoint_store.bytes
             reuse = (f"prefix reuse: {num_checkpoints} state checkpoints at block boundaries "
                      f"({self.checkpoint_bytes / 2**20:.2f} MiB of the cache budget)" if checkpointing else
                      "prefix caching off (no state checkpoints: a recurrent state cannot be cut at a prefix)")  # fmt: skip
-            kind = ("Gated DeltaNet layers with a conv state (%d columns each) and float32 recurrent matrices "
-                    "(torch reference chunked scan and step)" if delta_spec else
-                    "short-conv layers with a conv state (%d columns each) (torch reference conv)")  # fmt: skip
-            log.info("hybrid model: %d " + kind + " in %d slots (%.1f KiB each, %.2f MiB), KV blocks for its %d "
-                     "attention layers; path: PyTorch layers (no fused decode, no CUDA graphs, no speculative "
-                     "decoding); %s", state_spec.num_layers, state_spec.width, state_slots,
-                     slot_spec.bytes_per_slot / 1024, self.state_cache_bytes / 2**20, model.num_kv_layers, reuse)  # fmt: skip
+            if delta_spec is not None:
+                layers = (f"{state_spec.num_layers} Gated DeltaNet layers with a conv state ({state_spec.width} "
+                          "columns each) and float32 recurrent matrices (torch reference chunked scan and step)")
+            elif ssm_spec is not None:
+                layers = (f"{ssm_spec.num_layers} Mamba2 layers with a conv state ({state_spec.width} columns each) "
+                          f"and an SSM state ([{ssm_spec.heads}, {ssm_spec.head_dim}, {ssm_spec.state_size}] float32 "
+                          "each) (torch reference conv and scan)")
+            else:
+                layers = (f"{state_spec.num_layers} short-conv layers with a conv state ({state_spec.width} columns "
+                          "each) (torch reference conv)")
+            log.info("hybrid model: %s in %d slots (%.1f KiB each, %.2f MiB), KV blocks for its %d attention layers; "
+                     "path: PyTorch layers (no fused decode, no CUDA graphs, no speculative decoding); %s", layers,
+                     state_slots, slot_spec.bytes_per_slot / 1024, self.state_cache_bytes / 2**20,
+                     model.num_kv_layers, reuse)  # fmt: skip
         graphs = capture_graphs(model, backend, kv, buckets, self.block_size, self.max_model_len,
                                 self.device) if use_graphs else None
         loras = make_registry(config.lora, self.hf_config, self.device, self.dtype) if config.lora else None
@@ -181,7 +193,7 @@ class Engine(StepLoop):
             tokenizer=source.tokenizer,
             runner=ModelRunner(model, kv, backend, self.block_size, self.device, self.sampler, graphs, loras,
                                one_row_attention=config.deterministic, kv_groups=len(windows), conv_state=conv_state,
-                               delta_state=delta_state, checkpoints=checkpoint_store),
+                               delta_state=delta_state, ssm_state=ssm_state, checkpoints=checkpoint_store),
             block_manager=block_manager,
             scheduler_config=SchedulerConfig(max_num_seqs, config.max_num_batched_tokens, config.aging_s,
                                              config.outranked_chunk_tokens, config.speculative,
@@ -273,7 +285,8 @@ def _check_hybrid_config(config: EngineConfig) -> None:
         raise ValueError("speculative decoding is not supported for hybrid models (a conv state per sequence "
                          "cannot roll rejected drafts back)")
     if config.lora is not None:
-        raise ValueError("LoRA adapters are not supported for hybrid models (their short-conv or DeltaNet layers)")
+        raise ValueError("LoRA adapters are not supported for hybrid models (their short-conv, DeltaNet or Mamba2 "
+                         "layers)")
     if config.quantization == "gguf":
         raise ValueError("quantization 'gguf' is not supported for hybrid models yet (their GGUF files load "
                          "dequantized: quantization 'none')")

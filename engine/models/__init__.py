@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.granite import GraniteForCausalLM
+from engine.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from engine.models.lfm2 import Lfm2ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
@@ -39,6 +40,7 @@ ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     # Gated DeltaNet (a conv window and a recurrent matrix per sequence) beside gated attention (engine/state/)
     "Qwen3_5ForCausalLM": Qwen35ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen35MoeForCausalLM,  # the same with experts on every layer (engine/models/moe.py)
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # Mamba2 + attention (engine/models/mamba2.py)
 }
 
 

@@ -25,6 +25,7 @@ from engine.models.rope import check_rope_supported, rotary_dim_of, rotary_embed
 from engine.models.windows import layer_groups, layer_windows
 from engine.state.conv_cache import ConvStateSpec
 from engine.state.delta_cache import DeltaStateSpec
+from engine.state.ssm_cache import SsmStateSpec
 
 log = logging.getLogger("tokenmill.engine")
 
@@ -245,6 +246,11 @@ class LlamaForCausalLM(nn.Module):
     def delta_state_spec(self) -> DeltaStateSpec | None:
         """The per-sequence recurrent matrices of this model's Gated DeltaNet layers (Qwen3.5:
         engine/models/qwen35.py; engine/state/delta_cache.py), in the same slots as the conv state; None: none."""
+        return None
+
+    def ssm_state_spec(self) -> SsmStateSpec | None:
+        """The per-sequence SSM matrices of this model's Mamba2 layers (engine/state/ssm_cache.py, Granite 4),
+        in the same slots as its conv windows; None: no such layers."""
         return None
 
     @property

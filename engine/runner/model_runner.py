@@ -27,7 +27,7 @@ class ModelRunner:
         loras: LoraRegistry | None = None,
         one_row_attention: bool = False, kv_groups: int = 1,
         conv_state: torch.Tensor | None = None, delta_state: torch.Tensor | None = None,
-        checkpoints: CheckpointStore | None = None,
+        ssm_state: torch.Tensor | None = None, checkpoints: CheckpointStore | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -52,6 +52,9 @@ class ModelRunner:
         # Gated DeltaNet layers' recurrent matrices [delta_layers, slots, heads, k_dim, v_dim] in the same slots
         # (engine/state/delta_cache.py; Qwen3.5); None: a model without them
         self.delta_state = delta_state
+        # Mamba2 layers' SSM states [mamba_layers, slots, heads, head_dim, d_state] in the same slots
+        # (engine/state/ssm_cache.py; Granite 4); None: a model without them
+        self.ssm_state = ssm_state
         # Its state checkpoints (engine/state/checkpoint_store.py): loaded into the state slots of requests
         # that resume from one before the forward pass, saved after it; None: no checkpoints
         self.checkpoints = checkpoints
@@ -119,7 +122,7 @@ class ModelRunner:
                 raise RuntimeError(f"request {s.request.request_id!r} runs without a state slot")
             slots.append(s.request.state_slot)
         return StateBatch.build(self.conv_state, [s.num_tokens for s in items], slots, [s.start == 0 for s in items],
-                                self.delta_state)  # fmt: skip
+                                self.delta_state, self.ssm_state)  # fmt: skip
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, layout: BatchLayout,
                  lora: LoraBatch | None = None, rope_long: torch.Tensor | None = None,

@@ -28,14 +28,17 @@ class StateBatch:
     slot_index: torch.Tensor | None = None
     all_decode: bool = False
     delta: torch.Tensor | None = None
+    # Mamba2 layers' SSM states [mamba_layers, slots, heads, head_dim, d_state] (engine/state/ssm_cache.py),
+    # the same slots as conv; None: a model without them (LFM2, Qwen3.5)
+    ssm: torch.Tensor | None = None
 
     @classmethod
     def build(cls, conv: torch.Tensor, lengths: list[int], slots: list[int], fresh: list[bool],
-              delta: torch.Tensor | None = None) -> StateBatch:  # fmt: skip
+              delta: torch.Tensor | None = None, ssm: torch.Tensor | None = None) -> StateBatch:  # fmt: skip
         offsets, at = [], 0
         for n in lengths:
             offsets.append(at)
             at += n
         all_decode = all(n == 1 for n in lengths) and not any(fresh)
         index = torch.tensor(slots, dtype=torch.long, device=conv.device) if all_decode else None
-        return cls(conv, offsets, lengths, slots, fresh, index, all_decode, delta)
+        return cls(conv, offsets, lengths, slots, fresh, index, all_decode, delta, ssm)

@@ -34,11 +34,25 @@ class ConvStateSpec:
 
 
 class SlotBytes(Protocol):
-    """What split_budget reads of a state spec (ConvStateSpec, or delta_cache.HybridState: conv windows and
-    DeltaNet matrices together)."""
+    """What split_budget and the checkpoints read of a state spec: ConvStateSpec, DeltaStateSpec
+    (delta_cache.py), SsmStateSpec (ssm_cache.py), or HybridSlot (all of a slot's tensors)."""
 
     @property
     def bytes_per_slot(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class HybridSlot:
+    """What one state slot holds: a hybrid model's conv windows and every other per-sequence tensor of its
+    recurrent layers, in the same slot (Qwen3.5's DeltaNet matrices: delta_cache.DeltaStateSpec; Granite 4's
+    Mamba2 SSM matrices: ssm_cache.SsmStateSpec; LFM2: none). The pool and the checkpoints are sized by the sum."""
+
+    conv: ConvStateSpec
+    recurrent: tuple[SlotBytes, ...] = ()
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.conv.bytes_per_slot + sum(r.bytes_per_slot for r in self.recurrent)
 
 
 def split_budget(spec: SlotBytes, budget_bytes: int, max_num_seqs: int) -> tuple[int, int]:
@@ -46,7 +60,7 @@ def split_budget(spec: SlotBytes, budget_bytes: int, max_num_seqs: int) -> tuple
     slots = min(max_num_seqs, (budget_bytes // 2) // max(1, spec.bytes_per_slot))
     if slots < 1:
         raise ValueError(f"the cache budget ({budget_bytes} bytes) cannot hold one sequence's conv state "
-                         f"({spec.bytes_per_slot} bytes) beside the KV blocks")  # fmt: skip
+                         f"(with any SSM state: {spec.bytes_per_slot} bytes) beside the KV blocks")  # fmt: skip
     return slots, budget_bytes - slots * spec.bytes_per_slot
 
 

@@ -8,7 +8,7 @@ slot holds a sequence's conv windows and recurrent matrices together.
 
 For a shape with 18 DeltaNet layers of 16 heads of 128 x 128: 18 MiB a sequence (its bf16 conv windows,
 18 x 6,144 channels x 3 columns: 0.6 MiB), so the state pool takes a real share of the budget: split_budget (conv_cache.py) gives it at most half, with the bytes of both tensors per slot
-(HybridState below).
+(conv_cache.HybridSlot).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from engine.state.conv_cache import ConvStateSpec
 
 DELTA_DTYPE = torch.float32
 
@@ -34,17 +32,6 @@ class DeltaStateSpec:
         elem = torch.empty(0, dtype=DELTA_DTYPE).element_size()
         return self.num_layers * self.heads * self.k_dim * self.v_dim * elem
 
-
-@dataclass(frozen=True)
-class HybridState:
-    """A slot's conv windows and recurrent matrices together: what split_budget sizes the pool by."""
-
-    conv: ConvStateSpec
-    delta: DeltaStateSpec
-
-    @property
-    def bytes_per_slot(self) -> int:
-        return self.conv.bytes_per_slot + self.delta.bytes_per_slot
 
 
 def allocate_delta_state(spec: DeltaStateSpec, num_slots: int, device: torch.device) -> torch.Tensor:

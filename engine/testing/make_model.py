@@ -443,6 +443,42 @@ PRESETS: dict[str, Preset] = {
                       ("num_experts", 8), ("num_experts_per_tok", 2), ("moe_intermediate_size", 64),
                       ("shared_expert_intermediate_size", 96)),  # fmt: skip
     ),
+    # Granite 4 (engine/models/granite_hybrid.py): Mamba2 layers (8 heads of 32 in 2 groups, d_state 16, a
+    # 4-tap conv, scan blocks of 32 tokens, so prompts span several) mixed with NoPE GQA attention layers, the
+    # hub's "mamba" / "attention" names; every Granite multiplier away from 1; Granite 4.0-H-tiny's MLP: a
+    # shared SwiGLU plus 4 experts, top 2.
+    "tiny-granite4": Preset(
+        "GraniteMoeHybridForCausalLM",
+        **{**_TINY, "intermediate_size": 64},
+        num_hidden_layers=6,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+        seed=61,
+        extra_config=(("layer_types", ("mamba", "mamba", "attention", "mamba", "attention", "mamba")),
+                      ("mamba_n_heads", 8), ("mamba_n_groups", 2), ("mamba_d_state", 16), ("mamba_d_conv", 4),
+                      ("mamba_expand", 2), ("mamba_chunk_size", 32), ("position_embedding_type", "nope"),
+                      ("num_local_experts", 4), ("num_experts_per_tok", 2), ("shared_intermediate_size", 128),
+                      ("embedding_multiplier", 6.0), ("residual_multiplier", 0.5), ("attention_multiplier", 0.1),
+                      ("logits_scaling", 4.0)),  # fmt: skip
+    ),
+    # Granite 4 dense (num_local_experts 0: the shared MLP alone) with RoPE on its attention layers, one
+    # group of 4 Mamba2 heads of 64 and scan blocks of 16 tokens; init std 0.2 (at 0.12 greedy repeats).
+    "tiny-granite4-dense": Preset(
+        "GraniteMoeHybridForCausalLM",
+        **{**_TINY, "initializer_range": 0.2},
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+        seed=62,
+        extra_config=(("layer_types", ("attention", "mamba", "mamba", "attention")),
+                      ("mamba_n_heads", 4), ("mamba_n_groups", 1), ("mamba_d_state", 16), ("mamba_d_conv", 4),
+                      ("mamba_expand", 2), ("mamba_chunk_size", 16), ("position_embedding_type", "rope"),
+                      ("num_local_experts", 0), ("shared_intermediate_size", 256),
+                      ("embedding_multiplier", 6.0), ("residual_multiplier", 0.5), ("attention_multiplier", 0.1),
+                      ("logits_scaling", 4.0)),  # fmt: skip
+    ),
     # Every matrix row a multiple of 256 values, so K-quant GGUF files (engine/testing/make_gguf.py)
     # quantize all of them; tied, so the file has no output.weight.
     "tiny-llama-k": Preset(

@@ -19,8 +19,8 @@ from engine.config.lora import LoraConfig
 from engine.config.speculative import SpeculativeConfig
 from engine.models.delta_rule import decode_step, prefill_scan, prepare
 from engine.models.qwen35 import qwen35_layer_types
-from engine.state.conv_cache import ConvStateSpec, split_budget
-from engine.state.delta_cache import DeltaStateSpec, HybridState
+from engine.state.conv_cache import ConvStateSpec, HybridSlot, split_budget
+from engine.state.delta_cache import DeltaStateSpec
 
 from .helpers import Reference, assert_idle, greedy, hf_reference, make_case, make_engine, mismatches, run_all
 
@@ -171,12 +171,13 @@ def test_abort_frees_slots_and_reused_slots_start_clean(qwen35):
     assert_slots_free(engine)
 
 
-def test_prefix_caching_is_off(qwen35, caplog):
-    """A recurrent state cannot be cut at a prefix: no attention KV is reused without it (0 hits), and the
-    shared-prefix prompts still match transformers."""
+def test_prefix_caching_is_off_without_checkpoints(qwen35, caplog):
+    """A recurrent state cannot be cut at a prefix: without state checkpoints (num_state_checkpoints=0) no
+    attention KV is reused without it (0 hits), and the shared-prefix prompts still match transformers (with
+    them: test_qwen35_checkpoints.py)."""
     path, case, ref = qwen35
     with caplog.at_level(logging.INFO, logger="tokenmill.engine"):
-        engine = make_engine(path, enable_prefix_caching=True)
+        engine = make_engine(path, enable_prefix_caching=True, num_state_checkpoints=0)
     assert not engine.block_manager.enable_prefix_caching
     assert "prefix caching off" in caplog.text and "Gated DeltaNet layers" in caplog.text
     shared = [i for i in range(0, len(case.prompts), 2) if len(case.prompts[i]) > SHARED_PREFIX][:6]
@@ -203,7 +204,7 @@ def test_budget_split_counts_both_state_tensors(qwen35):
     first (at most half the budget), the attention layers' KV blocks the rest; max_num_seqs drops to the
     slots it holds."""
     path, case, ref = qwen35
-    spec = HybridState(ConvStateSpec(4, 160, 3, torch.float32), DeltaStateSpec(4, 4, 16, 24))
+    spec = HybridSlot(ConvStateSpec(4, 160, 3, torch.float32), (DeltaStateSpec(4, 4, 16, 24),))
     assert spec.bytes_per_slot == CONV_SLOT + DELTA_SLOT == 7680 + 24576
     kv_block = 2 * 2 * 16 * 2 * 32 * 4  # K and V, 2 attention layers, 16 tokens, 2 heads x 32, float32
     budget = 32 * kv_block  # half of it holds 8 slots (< 16 seats asked for)

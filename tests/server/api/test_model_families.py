@@ -1,6 +1,7 @@
 """The other Llama-like families (OLMo 2, Granite 3, SmolLM3, Phi-3, Gemma 2, Gemma 3), the
-mixture-of-experts ones (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral) and the hybrids LFM2 and Qwen3.5 served over HTTP: /generate's greedy
-tokens, several requests at once (batched in the engine), equal to transformers' generate in float32."""
+mixture-of-experts ones (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral) and the hybrids LFM2, Qwen3.5 and Granite 4
+served over HTTP: /generate's greedy tokens, several requests at once (batched in the engine), equal to
+transformers' generate in float32."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from ..helpers import build_real_engine, make_settings, run_server
 PRESETS = ["tiny-olmo2", "tiny-granite", "tiny-smollm3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3",
            "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-olmoe", "tiny-mixtral",  # mixtures of experts
            "tiny-lfm2",  # hybrid: short convolutions with a state per sequence (engine/state/)
-           "tiny-qwen35"]  # hybrid: Gated DeltaNet (conv window + recurrent matrix per sequence) and gated attention
+           "tiny-qwen35",  # hybrid: Gated DeltaNet (conv window + recurrent matrix per sequence) and gated attention
+           "tiny-granite4", "tiny-granite4-dense"]  # hybrid: Mamba2 with a conv and SSM state per sequence
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Foo:\n    def __init__(self):", "print('hello')"]
 N = 16
 
