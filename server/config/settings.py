@@ -80,8 +80,8 @@ class ServerSettings(BaseSettings):
                                                          "tool calls; none: such requests get a 400")
     quantization: Literal["int8", "gguf", "none"] | None = Field(
         None, description="default and none: every weight dequantized to --dtype; gguf: a GGUF file's Q4_0/Q4_1/"
-        "Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights stay as blocks (CPU: int8 activations; CUDA: Triton kernels, float; "
-        "a third of bf16's bytes, not yet faster served, docs/ENGINE.md), or an error where they cannot apply; "
+        "Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights stay as blocks (CPU: --gguf-activations; CUDA: Triton kernels, float; "
+        "a third of bf16's bytes; served faster at one request, not yet batched: docs/ENGINE.md), or an error where they cannot apply; "
         "int8: INT8 weight-only linears (CPU; half the weight bytes)")
     gguf_activations: Literal["mixed", "int8", "float"] = Field(
         "mixed", description="with GGUF blocks: int8 (activations quantized per 32 values, integer dot "
