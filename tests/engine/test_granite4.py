@@ -3,7 +3,7 @@ over the state cache (engine/state/: conv windows and SSM matrices in one slot):
 transformers' (its Mamba2 torch fallback: no CUDA kernels here) in float32 under batching, chunked prefill
 cut anywhere (the conv window and the scan state carry across chunks), KV and seat preemption (the state
 rebuilt by recompute), aborts (slots freed and reused with stale contents), the state budget, prefix
-caching off without state checkpoints (with them: test_granite4_checkpoints.py), the options a hybrid
+caching off without state checkpoints (with them: test_recurrent_checkpoints.py), the options a hybrid
 cannot serve refused; and the scan itself against transformers'."""
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def test_abort_frees_slots_and_reused_slots_start_clean(granite4):
 
 def test_prefix_caching_is_off_without_checkpoints(granite4, caplog):
     """Without state checkpoints (num_state_checkpoints=0) no attention KV is reused without the Mamba2 state
-    that goes with it (0 hits); with them, turn 2 resumes (tests/engine/test_granite4_checkpoints.py)."""
+    that goes with it (0 hits); with them, turn 2 resumes (tests/engine/test_recurrent_checkpoints.py)."""
     path, case, ref = granite4
     with caplog.at_level(logging.INFO, logger="tokenmill.engine"):
         engine = make_engine(path, enable_prefix_caching=True, num_state_checkpoints=0)

@@ -174,7 +174,7 @@ def test_abort_frees_slots_and_reused_slots_start_clean(qwen35):
 def test_prefix_caching_is_off_without_checkpoints(qwen35, caplog):
     """A recurrent state cannot be cut at a prefix: without state checkpoints (num_state_checkpoints=0) no
     attention KV is reused without it (0 hits), and the shared-prefix prompts still match transformers (with
-    them: test_qwen35_checkpoints.py)."""
+    them: test_recurrent_checkpoints.py)."""
     path, case, ref = qwen35
     with caplog.at_level(logging.INFO, logger="tokenmill.engine"):
         engine = make_engine(path, enable_prefix_caching=True, num_state_checkpoints=0)

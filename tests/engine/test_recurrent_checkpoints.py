@@ -1,8 +1,8 @@
-"""State checkpoints (engine/state/checkpoint_store.py) with Granite 4's two state tensors: the Mamba2
-layers' conv windows and their float32 SSM matrices are both copied into a checkpoint and back, so turn 2
-of a chat resumes from the end of turn 1 (cached tokens reported) with transformers' greedy tokens; a
-checkpoint store that copied only the conv windows would resume from the wrong SSM state (log-probabilities
-off, then tokens)."""
+"""State checkpoints (engine/state/checkpoint_store.py) with two state tensors a slot: Qwen3.5's conv
+windows and Gated DeltaNet matrices, Granite 4's Mamba2 conv windows and float32 SSM matrices. Both are
+copied into a checkpoint and back, so turn 2 of a chat resumes from the end of turn 1 (cached tokens
+reported) with transformers' greedy tokens; a store that copied only the conv windows would resume from
+the wrong matrices (log-probabilities off, then tokens). LFM2's one tensor: test_lfm2_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import torch
 from .helpers import Case, greedy, hf_reference, make_engine
 from .test_lfm2_checkpoints import BS, assert_released, expected_resume
 
-PRESET = "tiny-granite4-dense"
+PRESETS = ["tiny-qwen35", "tiny-granite4-dense"]  # conv + DeltaNet matrices; conv + SSM matrices
 FIRST = [150, 37, 201]
 ANSWER = [20, 40, 3]
 USER2 = [37, 5, 16]
 NEXT = 10
 
 
-@pytest.fixture(scope="module")
-def chats(build_model):
-    path = build_model(PRESET)
+@pytest.fixture(scope="module", params=PRESETS)
+def chats(build_model, request):
+    path = build_model(request.param)
     g = torch.Generator().manual_seed(7)
     first = [torch.randint(10, 2048, (n,), generator=g).tolist() for n in FIRST]
     ref1 = hf_reference(path, Case(first, ANSWER))
@@ -34,7 +34,7 @@ def chats(build_model):
 def test_turn_two_resumes_both_state_tensors_from_checkpoints(chats):
     path, turns, refs = chats
     engine = make_engine(path, block_size=BS, max_num_batched_tokens=64)
-    assert engine.checkpoints is not None and len(engine.runner.checkpoints.state) == 2  # conv + ssm
+    assert engine.checkpoints is not None and len(engine.runner.checkpoints.state) == 2  # conv + delta / ssm
     results = []
     for t, prompts in enumerate(turns):
         width = ANSWER if t == 0 else [NEXT] * len(prompts)
