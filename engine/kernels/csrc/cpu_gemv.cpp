@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <string>
 
+#include "int16_rows.h"
 #include "isa.h"
 #include "kernels/gemv.h"
 
@@ -197,21 +198,6 @@ at::Tensor gemv_unpack(const at::Tensor& packed, const c10::optional<at::Tensor>
 
 // ---- calls ---------------------------------------------------------------------------------------
 
-// Row r of x: q[r] = round(x[r] / scale[r]) with scale[r] = max |x[r]| / 32767 (1 for a zero row).
-template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int64_t k2, int16_t* q, float* scale) {
-  at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * k;
-      float amax = 0.f;
-      for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(static_cast<float>(xr[c])));
-      const float s = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / s;
-      for (int64_t c = 0; c < k; ++c) q[r * k2 + c] = static_cast<int16_t>(std::clamp(std::nearbyint(static_cast<float>(xr[c]) * inv), -32767.f, 32767.f));
-      scale[r] = s;
-    }
-  });
-}
-
 // x [M, K] as 16-bit rows of k2 columns: bf16 as it is (padded when K is odd), or for INT8 int16
 // quantized per row (x = q * scale, |q| <= 32767), the scales into `scale`.
 at::Tensor x_rows(const at::Tensor& x2d, int64_t k2, bool int8, at::Tensor* scale) {
@@ -226,7 +212,7 @@ at::Tensor x_rows(const at::Tensor& x2d, int64_t k2, bool int8, at::Tensor* scal
   auto q = at::zeros({x2d.size(0), k2}, x2d.options().dtype(at::kShort));
   const at::Tensor xc = x2d.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, xc.scalar_type(), "gemv_quantize_rows", [&] {
-    quantize_rows(xc.data_ptr<scalar_t>(), x2d.size(0), x2d.size(1), k2, q.data_ptr<int16_t>(), scale->data_ptr<float>());
+    tokenmill::quantize_int16_rows(xc.data_ptr<scalar_t>(), x2d.size(0), x2d.size(1), k2, q.data_ptr<int16_t>(), scale->data_ptr<float>());
   });
   return q;
 }

@@ -35,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "int16_rows.h"
 #include "isa.h"
 #include "kernels/bf16.h"
 #include "kernels/gemv.h"
@@ -71,28 +72,13 @@ Geometry geometry(int64_t n, int64_t k, bool interleave, int64_t groups) {
 }
 
 // The operand rows of one product for the 16-bit kernels, [P, k2] (zero padded when K is odd): bf16
-// as given, or INT8's int16 rows q = round(x / scale), scale = max |x| / 32767 (cpu_gemv.cpp's
-// quantize_rows); and the AVX2 bf16 path's float32 copy (its broadcasts).
+// as given, or INT8's int16 rows q = round(x / scale), scale = max |x| / 32767 (int16_rows.h's
+// quantize_int16_rows); and the AVX2 bf16 path's float32 copy (its broadcasts).
 struct Operand {
   at::Tensor rows;   // [P, k2] bf16 or int16
   at::Tensor scale;  // [P] float32 (INT8)
   at::Tensor xf;     // [P, k2] float32 (the AVX2 bf16 path)
 };
-
-template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int64_t k2, int16_t* q, float* scale) {
-  at::parallel_for(0, m, 8, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * k;
-      float amax = 0.f;
-      for (int64_t c = 0; c < k; ++c) amax = std::max(amax, std::fabs(static_cast<float>(xr[c])));
-      const float s = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / s;
-      for (int64_t c = 0; c < k; ++c)
-        q[r * k2 + c] = static_cast<int16_t>(std::clamp(std::nearbyint(static_cast<float>(xr[c]) * inv), -32767.f, 32767.f));
-      scale[r] = s;
-    }
-  });
-}
 
 Operand operand(const at::Tensor& x2d, Kind kind, int64_t k2) {
   Operand o;
@@ -100,7 +86,7 @@ Operand operand(const at::Tensor& x2d, Kind kind, int64_t k2) {
     o.scale = at::empty({x2d.size(0)}, x2d.options().dtype(at::kFloat));
     o.rows = at::zeros({x2d.size(0), k2}, x2d.options().dtype(at::kShort));
     AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x2d.scalar_type(), "moe_quantize_rows", [&] {
-      quantize_rows(x2d.data_ptr<scalar_t>(), x2d.size(0), x2d.size(1), k2, o.rows.data_ptr<int16_t>(),
+      tokenmill::quantize_int16_rows(x2d.data_ptr<scalar_t>(), x2d.size(0), x2d.size(1), k2, o.rows.data_ptr<int16_t>(),
                     o.scale.data_ptr<float>());
     });
     return o;
